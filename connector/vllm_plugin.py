@@ -1,0 +1,248 @@
+"""The vLLM KV-connector class: the only module of ours that imports vLLM.
+
+vLLM instantiates it twice: role SCHEDULER in the EngineCore process (``SchedulerSide``) and
+role WORKER in every worker (``HiddenStateGatherer`` + ``SpoolWriter``); the two halves share
+nothing but the pickled per-step metadata. Load it with::
+
+    --kv-transfer-config '{"kv_connector": "HiddenStatesStreamConnector",
+                           "kv_connector_module_path": "connector.vllm_plugin",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/hsstream",
+                                                         "notice_endpoint": "ipc:///run/hsstream/notice.sock"}}'
+
+``shared_storage_path`` and ``num_writer_threads`` mean what they mean for vLLM's
+``ExampleHiddenStatesConnector``; ``include_output_tokens`` per request too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from connector.layers import storage_permutation, validate_layer_ids
+from connector.scheduler_side import SchedulerSide
+from connector.settings import Settings
+from connector.spool_writer import ShapeInfo, SpoolWriter
+from connector.worker_side import HiddenStateGatherer, PendingSave
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hsstream.connector")
+
+
+class ConnectorConfigError(ValueError):
+    pass
+
+
+@dataclass
+class StreamConnectorMetadata(KVConnectorMetadata):
+    pending: list[PendingSave] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    spool_dir: str
+    notice_endpoint: str
+    num_writer_threads: int
+    user_layer_ids: list[int]
+    num_hidden_layers: int
+    hidden_size: int
+    dtype: str
+    model: str
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorOptions:
+        """Read and check everything once, at start-up, with errors a user can act on."""
+        kvt = vllm_config.kv_transfer_config
+        extra = dict(getattr(kvt, "kv_connector_extra_config", None) or {})
+        env = Settings()
+        spec = vllm_config.speculative_config
+        if spec is None or getattr(spec, "method", None) != "extract_hidden_states":
+            raise ConnectorConfigError(
+                "HiddenStatesStreamConnector needs vLLM's speculative method 'extract_hidden_states' "
+                '(--speculative-config \'{"method": "extract_hidden_states", "num_speculative_tokens": 1, ...}\')'
+            )
+        hf = spec.draft_model_config.hf_config
+        spec_ids = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or [])
+        n_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        user_ids = validate_layer_ids(extra.get("layer_ids") or spec_ids, n_layers)
+        if sorted(user_ids) != sorted(validate_layer_ids(spec_ids, n_layers)):
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.layer_ids {user_ids} and the speculative config's "
+                f"eagle_aux_hidden_state_layer_ids {spec_ids} name different layers"
+            )
+        spool = str(extra.get("shared_storage_path") or env.spool_dir)
+        endpoint = str(extra.get("notice_endpoint") or env.notice_ep())
+        if not endpoint:
+            raise ConnectorConfigError("no notice endpoint: set kv_connector_extra_config.notice_endpoint")
+        dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        model = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
+        return cls(
+            spool_dir=spool,
+            notice_endpoint=endpoint,
+            num_writer_threads=int(extra.get("num_writer_threads", env.num_writer_threads)),
+            user_layer_ids=user_ids,
+            num_hidden_layers=n_layers,
+            hidden_size=vllm_config.model_config.get_hidden_size(),
+            dtype=dtype,
+            model=model,
+        )
+
+
+def check_spool(spool: str) -> None:
+    if not os.path.isdir(spool):
+        raise ConnectorConfigError(f"spool directory {spool!r} does not exist (create it, e.g. on /dev/shm)")
+    if not os.access(spool, os.W_OK | os.X_OK):
+        raise ConnectorConfigError(f"spool directory {spool!r} is not writable by this process")
+
+
+class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.opts = ConnectorOptions.from_vllm(vllm_config)
+        check_spool(self.opts.spool_dir)
+        self._group_id = _hidden_state_group(kv_cache_config)
+        self._block_size = _group_block_size(vllm_config, kv_cache_config, self._group_id)
+        self._scheduler = SchedulerSide(self.opts.spool_dir) if role == KVConnectorRole.SCHEDULER else None
+        self._gatherer: HiddenStateGatherer | None = None
+        self._writer: SpoolWriter | None = None
+        self._is_writer_rank = True
+        self._finished: set[str] = set()
+        log.info(
+            "hsstream connector (%s): spool %s, notices -> %s, layers %s",
+            role.name, self.opts.spool_dir, self.opts.notice_endpoint, self.opts.user_layer_ids,
+        )
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        return False  # the draft's cache must stay apart from the verifier's
+
+    def get_finished_count(self) -> int:
+        return 1  # only TP rank 0 writes; the others never report
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        self._is_writer_rank = get_tensor_model_parallel_rank() == 0
+        names = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        if len(names) != 1:
+            raise ConnectorConfigError(f"expected one hidden-state cache layer, found {len(names)}: {names}")
+        if not self._is_writer_rank:
+            return
+        o = self.opts
+        self._writer = SpoolWriter(
+            o.spool_dir,
+            o.notice_endpoint,
+            ShapeInfo(o.user_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
+            num_threads=o.num_writer_threads,
+        )
+        self._gatherer = HiddenStateGatherer(
+            kv_caches[names[0]],
+            self._block_size,
+            len(o.user_layer_ids),
+            storage_permutation(o.user_layer_ids),
+            self._writer,
+        )
+
+    def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
+        pass  # store-only
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, *args: Any, **kwargs: Any) -> None:
+        pass  # the dummy draft already wrote the states into its cache during the forward
+
+    def wait_for_save(self) -> None:
+        pass  # nothing to wait for: copies finish asynchronously, reported by get_finished
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._gatherer is None or self._writer is None:
+            return None, None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, StreamConnectorMetadata):
+                for p in meta.pending:
+                    if p.error is not None:
+                        self._writer.submit_error(p.request_id, p.request_tag(), p.error)
+                        continue
+                    try:
+                        self._gatherer.submit(p)
+                    except Exception as e:  # noqa: BLE001 - never take the engine down for one request
+                        log.exception("gather failed for %s", p.request_id)
+                        self._gatherer.mark_done(p.request_id)
+                        self._writer.submit_error(p.request_id, p.request_tag(), f"gather failed: {e!r}")
+        self._finished.update(finished_req_ids)
+        done = self._gatherer.poll(self._finished)
+        # ids we never copied (error notices, plain-finished) are not ours to report
+        self._finished = {r for r in self._finished if self._gatherer.known(r)}
+        return done or None, None
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return StreamConnectorMetadata(pending=self._scheduler.take_pending())
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        ids = block_ids[self._group_id] if 0 <= self._group_id < len(block_ids) else []
+        return self.request_finished(request, ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBNHC"  # a token's layers stored together: one contiguous row per token
+
+
+def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
+    """The KV-cache group of the dummy draft, found by its spec type (same on both sides)."""
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(ids) == 1:
+        return ids[0]
+    if not ids and len(groups) == 1:
+        return 0
+    raise ConnectorConfigError(
+        f"cannot find the hidden-state cache among {len(groups)} KV-cache groups (MLA verifiers are unsupported)"
+    )
+
+
+def _group_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, gid: int) -> int:
+    # cache_config.block_size is bumped for hybrid models; the group's own spec is right.
+    if kv_cache_config is None:
+        return vllm_config.cache_config.block_size
+    return kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size

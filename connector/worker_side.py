@@ -1,0 +1,114 @@
+"""The code that runs inside vLLM's worker, on the engine's step.
+
+Its one rule: the forward never waits. On CUDA the rows are gathered on a side stream that
+waits (on the device, not the host) for the step's work, copied into pinned host memory
+without blocking, and a writer thread waits for the copy's event. On the CPU backend the
+gather is a plain copy (the forward has already finished when the connector runs). Blocks
+stay allocated (vLLM's delayed free) until the copy has landed; ``poll`` reports them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from connector import protocol as P
+from connector.cache_layout import block_chunks, gather_rows, token_major_view
+from connector.spool_writer import SpoolWriter, WriteJob
+
+log = logging.getLogger("hsstream.connector")
+
+
+@dataclass
+class PendingSave:
+    """Scheduler → worker, in the step's connector metadata (pickled: keep it plain)."""
+
+    request_id: str
+    file: str
+    token_ids: list[int]
+    block_ids: list[int]
+    tag: dict | None = None  # RequestTag as JSON-able dict
+    error: str | None = None  # set: send an error notice, there is nothing to copy
+
+    def request_tag(self) -> P.RequestTag | None:
+        return P.RequestTag.model_validate(self.tag) if self.tag else None
+
+
+@dataclass
+class _InFlight:
+    event: torch.cuda.Event | None
+    keep: list = field(default_factory=list)
+
+
+class HiddenStateGatherer:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        num_layers: int,
+        perm: list[int] | None,
+        writer: SpoolWriter,
+        chunk_tokens: int = 8192,
+    ) -> None:
+        self.view = token_major_view(kv_cache, block_size, num_layers)
+        self.block_size = block_size
+        self.writer = writer
+        self.chunk_tokens = chunk_tokens
+        self.device = kv_cache.device
+        self.cuda = kv_cache.is_cuda
+        self.perm = torch.tensor(perm, dtype=torch.long, device=self.device) if perm else None
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._inflight: dict[str, _InFlight] = {}
+
+    def submit(self, p: PendingSave) -> None:
+        tag = p.request_tag()
+        n = len(p.token_ids)
+        k, h = self.view.shape[2], self.view.shape[3]
+        if self.cuda:
+            host, event = self._copy_async(p.block_ids, n)
+            self._inflight[p.request_id] = _InFlight(event)
+            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, ready=event.synchronize)
+        else:
+            blocks = torch.tensor(p.block_ids, dtype=torch.long)
+            host = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
+            self._inflight[p.request_id] = _InFlight(None)
+            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host)
+        self.writer.submit(job)
+
+    def _copy_async(self, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        k, h = self.view.shape[2], self.view.shape[3]
+        host = torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=True)
+        stream = self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for first, chunk, ntok in block_chunks(block_ids, n, self.block_size, self.chunk_tokens):
+                # Pinned source + non_blocking: a pageable H2D copy would make the host wait
+                # for the side stream, i.e. for the forward.
+                ids = torch.tensor(chunk, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+                rows = gather_rows(self.view, ids, ntok, self.perm)
+                host[first : first + ntok].copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return host, event
+
+    def poll(self, candidates: set[str]) -> set[str]:
+        """Those of ``candidates`` whose copy has landed (their blocks may now be freed)."""
+        done = set()
+        for rid in candidates:
+            f = self._inflight.get(rid)
+            if f is None:
+                continue
+            if f.event is not None and not f.event.query():
+                continue
+            del self._inflight[rid]
+            done.add(rid)
+        return done
+
+    def mark_done(self, request_id: str) -> None:
+        self._inflight[request_id] = _InFlight(None)
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self._inflight

@@ -1,0 +1,3 @@
+from hsstream.cli import main
+
+main()

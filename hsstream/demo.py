@@ -1,0 +1,169 @@
+"""``make demo``: the whole loop on this machine, with the embedded tiny verifier.
+
+Builds the tiny model, starts vLLM (with our connector) and the sidecar as real processes,
+submits prompts over REST, consumes them with ``HiddenStateStream`` and prints what flowed.
+It exits non-zero if anything is lost or left behind in the spool.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from hsstream import launch
+
+console = Console(stderr=True)
+
+_WORDS = (
+    "the model reads a prompt and writes hidden states into shared memory while a trainer "
+    "learns to draft tokens faster streaming tensors over sockets without touching disk"
+).split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def demo_prompts(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 4 == 3:
+            out.append({"id": f"chat-{i}", "messages": [
+                {"role": "user", "content": " ".join(rng.choices(_WORDS, k=rng.randint(5, 20)))},
+                {"role": "assistant", "content": " ".join(rng.choices(_WORDS, k=rng.randint(5, 30)))},
+            ]})  # fmt: skip
+        else:
+            out.append({"id": f"prompt-{i}", "prompt": " ".join(rng.choices(_WORDS, k=rng.randint(8, 60)))})
+    return out
+
+
+class Stack:
+    """vLLM + sidecar as child processes, stopped together, spool removed."""
+
+    def __init__(self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False) -> None:
+        self.model = model
+        self.layer_ids = layer_ids
+        self.workdir = workdir
+        self.spool = Path(tempfile.mkdtemp(prefix="hsstream-", dir="/dev/shm"))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
+        self.vllm_port, self.api_port = free_port(), free_port()
+        self.env = {
+            "HSSTREAM_SPOOL_DIR": str(self.spool),
+            "HSSTREAM_RUN_DIR": str(self.run_dir),
+            "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",
+            "HSSTREAM_MODEL": model,
+            "HSSTREAM_LAYER_IDS": ",".join(map(str, layer_ids)),
+            "HSSTREAM_PORT": str(self.api_port),
+        }
+        self.prefix_caching = prefix_caching
+        self.children: list[launch.Child] = []
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def delivery_endpoint(self) -> str:
+        return f"ipc://{self.run_dir}/delivery.sock"
+
+    def start(self, on_tick=None) -> None:  # noqa: ANN001
+        opts = launch.VllmOptions(
+            model=self.model,
+            layer_ids=self.layer_ids,
+            spool_dir=str(self.spool),
+            notice_endpoint=f"ipc://{self.run_dir}/notice.sock",
+            port=self.vllm_port,
+            max_model_len=1024,
+            gpu_memory_utilization=0.2 if launch.is_cpu_build() else None,
+            enforce_eager=True,
+            prefix_caching=self.prefix_caching,
+            served_model_name="verifier",
+        )
+        env = launch.child_env(self.env)
+        sidecar = launch.spawn(
+            "sidecar", [sys.executable, "-m", "hsstream", "serve"], env, self.workdir / "sidecar.log", launch.repo_root()
+        )
+        self.children.append(sidecar)
+        vllm = launch.spawn("vllm", launch.vllm_args(opts), env, self.workdir / "vllm.log", launch.repo_root())
+        self.children.append(vllm)
+        launch.wait_http(f"{self.api}/healthz", sidecar, 120)
+        launch.wait_http(f"http://127.0.0.1:{self.vllm_port}/health", vllm, 600, on_tick)
+        launch.wait_http(f"{self.api}/readyz", sidecar, 60)
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            c.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def spool_files(self) -> list[str]:
+        return sorted(os.listdir(self.spool)) if self.spool.exists() else []
+
+    def remove_spool(self) -> None:
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def run_demo(num_prompts: int = 32, workdir: str | None = None) -> int:
+    from hsstream.tiny_model import build_tiny_verifier
+    from trainer_client import HiddenStateStream
+
+    t_all = time.perf_counter()
+    with console.status("building the tiny verifier (cached after the first run)"):
+        model = str(build_tiny_verifier())
+    n = launch.num_hidden_layers(model)
+    assert n is not None
+    layer_ids = launch.default_layer_ids(n)
+    wd = Path(workdir or tempfile.mkdtemp(prefix="hsstream-demo-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    stack = Stack(model, layer_ids, wd)
+    bind = launch.cpu_env().get("VLLM_CPU_OMP_THREADS_BIND", "n/a") if launch.is_cpu_build() else "cuda"
+    console.print(f"model {model} ({n} layers), layers {layer_ids}, spool {stack.spool}, logs {wd}")
+    try:
+        with console.status("starting vLLM + sidecar") as st:
+            stack.start(on_tick=lambda s: st.update(f"starting vLLM (CPU build, threads bound {bind}): {s:.0f} s"))
+        console.print(f"stack ready after {time.perf_counter() - t_all:.0f} s")
+        r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": demo_prompts(num_prompts)}, timeout=60)
+        r.raise_for_status()
+        job = r.json()["job_id"]
+        t0 = time.perf_counter()
+        tokens = nbytes = samples = 0
+        with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=300) as stream:
+            for smp in stream:
+                samples += 1
+                tokens += int(smp.token_ids.shape[0])
+                nbytes += smp.hidden_states.numel() * smp.hidden_states.element_size()
+                console.print(
+                    f"  {samples:3d}/{num_prompts} {smp.label:>10s} {tuple(smp.hidden_states.shape)} "
+                    f"{smp.hidden_states.dtype} loss-mask {int(smp.loss_mask.sum()) if smp.loss_mask is not None else '-'}",
+                    highlight=False,
+                )
+        dt = time.perf_counter() - t0
+        status = httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+        time.sleep(0.2)
+        left = stack.spool_files()
+        print(
+            f"\nsamples {samples}  tokens {tokens}  tokens/s {tokens / dt:,.0f}  bytes {nbytes:,}  "
+            f"stream wall {dt:.1f} s  total wall {time.perf_counter() - t_all:.1f} s  "
+            f"CPU thread binding {bind}\njob {job}: {status['counts']}  spool files left: {len(left)}"
+        )
+        ok = samples == num_prompts and status["counts"]["consumed"] == num_prompts and not left
+        if not ok:
+            console.print("[red]demo FAILED: samples missing or files left in the spool[/red]")
+        return 0 if ok else 1
+    except Exception as e:  # noqa: BLE001
+        console.print(f"[red]demo failed: {e}[/red]")
+        return 1
+    finally:
+        stack.stop()
+        stack.remove_spool()

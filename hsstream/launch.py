@@ -1,0 +1,207 @@
+"""Starting the stack's processes: the one place that builds vLLM's command line.
+
+``hsstream vllm`` (what compose runs), ``hsstream up``, the demo, the tests and the
+benchmarks all get the vLLM arguments from :func:`vllm_args`, so the connector's module path,
+the extraction config and the layer-id checks cannot drift apart between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from connector.layers import validate_layer_ids
+
+CONNECTOR_CLASS = "HiddenStatesStreamConnector"
+CONNECTOR_MODULE = "connector.vllm_plugin"
+
+
+def num_hidden_layers(model_dir: str) -> int | None:
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        return None
+    c = json.loads(cfg.read_text())
+    c = c.get("text_config", c)
+    return int(c["num_hidden_layers"])
+
+
+def default_layer_ids(n: int) -> list[int]:
+    """Eagle-3's usual choice: low, middle and high aux layers plus layer N for the targets."""
+    return [2, n // 2, n - 3, n]
+
+
+@dataclass
+class VllmOptions:
+    model: str
+    layer_ids: list[int]
+    spool_dir: str
+    notice_endpoint: str
+    port: int = 8000
+    host: str = "127.0.0.1"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+    prefix_caching: bool = False
+    num_writer_threads: int = 4
+    served_model_name: str | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+def extraction_configs(o: VllmOptions) -> tuple[dict, dict]:
+    """(speculative_config, kv_transfer_config) for vLLM's extract_hidden_states method."""
+    n = num_hidden_layers(o.model)
+    ids = validate_layer_ids(o.layer_ids, n)
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+    }
+    kvt = {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "shared_storage_path": o.spool_dir,
+            "notice_endpoint": o.notice_endpoint,
+            "num_writer_threads": o.num_writer_threads,
+            "layer_ids": ids,
+        },
+    }
+    return spec, kvt
+
+
+def vllm_args(o: VllmOptions) -> list[str]:
+    spec, kvt = extraction_configs(o)
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", o.model,
+        "--host", o.host,
+        "--port", str(o.port),
+        "--speculative-config", json.dumps(spec),
+        "--kv-transfer-config", json.dumps(kvt),
+        # Prefix caching is off unless asked for: see docs/prefix-caching.md.
+        "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if o.max_model_len:
+        args += ["--max-model-len", str(o.max_model_len)]
+    if o.gpu_memory_utilization:
+        args += ["--gpu-memory-utilization", str(o.gpu_memory_utilization)]
+    if o.enforce_eager:
+        args.append("--enforce-eager")
+    if o.served_model_name:
+        args += ["--served-model-name", o.served_model_name]
+    return args + list(o.extra)
+
+
+def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for vLLM's CPU build: bind OpenMP threads explicitly.
+
+    vLLM's default binding reserves a core without a speculative config and not with one, so
+    unbound runs are not comparable; we always bind every core we may use.
+    """
+    env = dict(base if base is not None else os.environ)
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def is_cpu_build() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    """A child process in its own process group, so stopping it stops its workers too."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path | None = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        else:  # the leader is gone, its workers may not be
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.proc.returncode
+
+    def tail(self, n: int = 40) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+
+def spawn(name: str, args: list[str], env: dict[str, str], log_path: Path | None = None, cwd: str | None = None) -> Child:
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        args, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd
+    )
+    return Child(name, proc, log_path)
+
+
+def wait_http(url: str, child: Child | None, timeout: float, on_tick=None) -> None:  # noqa: ANN001
+    """Wait until ``url`` answers 200, failing fast (with its log) if the child dies."""
+    t0 = time.monotonic()
+    while True:
+        if child is not None and not child.alive():
+            raise ProcessDied(f"{child.name} exited with code {child.proc.returncode} while starting:\n{child.tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f} s" + (f":\n{child.tail()}" if child else ""))
+        if on_tick:
+            on_tick(time.monotonic() - t0)
+        time.sleep(0.5)
+
+
+def repo_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Children must import our packages (vLLM loads the connector by module path)."""
+    env = cpu_env() if is_cpu_build() else dict(os.environ)
+    root = repo_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env

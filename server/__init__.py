@@ -1,0 +1,1 @@
+"""The sidecar (control plane): REST jobs, the ledger, notices from connectors, delivery to trainers."""

@@ -1,0 +1,76 @@
+"""REST request and response bodies (the sidecar's public API, as OpenAPI shows it)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str
+
+
+class ShareGPTTurn(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    from_: str = Field(alias="from")
+    value: str
+
+
+class SampleIn(BaseModel):
+    """Exactly one of ``prompt``, ``messages``, ``conversations``, ``token_ids``."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    conversations: list[ShareGPTTurn] | None = None
+    token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> SampleIn:
+        given = [k for k in ("prompt", "messages", "conversations", "token_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"a sample needs exactly one of prompt, messages, conversations, token_ids (got {given or 'none'})"
+            )
+        return self
+
+
+class JobOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    loss_mask: Literal["assistant", "all"] = "assistant"
+    max_tokens_per_sample: int | None = Field(default=None, ge=1)
+    overlong: Literal["truncate", "reject"] = "reject"
+    on_invalid: Literal["reject", "skip"] = "reject"
+
+
+class JobIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    samples: list[SampleIn] = Field(min_length=1)
+    options: JobOptions = Field(default_factory=JobOptions)
+
+
+class JobCreated(BaseModel):
+    job_id: str
+    num_samples: int
+    num_failed_at_submission: int = 0
+
+
+class SampleError(BaseModel):
+    index: int
+    label: str | None
+    errors: list[str]
+
+
+class JobStatus(BaseModel):
+    job_id: str
+    done: bool
+    counts: dict[str, int]
+    num_samples: int
+    tokens_consumed: int
+    elapsed_s: float
+    tokens_per_s: float
+    errors: list[SampleError]

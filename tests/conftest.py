@@ -1,0 +1,51 @@
+"""Shared fixtures. Integration tests start real processes; nothing here fakes vLLM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    """The deterministic tiny Qwen3 verifier, built offline (cached across runs)."""
+    from hsstream.tiny_model import build_tiny_verifier
+
+    return str(build_tiny_verifier())
+
+
+def _shm_files() -> set[str]:
+    out = set()
+    for root, _dirs, files in os.walk("/dev/shm"):
+        out.update(os.path.join(root, f) for f in files if ".safetensors" in f)
+    return out
+
+
+def _shm_dirs() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("hsstream")} if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_spool_files_leak():
+    """Every test leaves no hidden-state file behind in /dev/shm."""
+    before = _shm_files()
+    yield
+    leaked = sorted(_shm_files() - before)
+    assert not leaked, f"test leaked hidden-state files into /dev/shm: {leaked[:5]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_spool_dirs_leak():
+    """Spool directories made by fixtures are removed by the end of the session."""
+    before = _shm_dirs()
+    yield
+    leaked = sorted(_shm_dirs() - before)
+    assert not leaked, f"spool directories left in /dev/shm: {leaked}"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if Path(str(item.fspath)).parent.name == "integration":
+            item.add_marker(pytest.mark.integration)

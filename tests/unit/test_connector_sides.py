@@ -1,0 +1,275 @@
+"""The connector's two halves without vLLM: SchedulerSide decides, HiddenStateGatherer copies."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from connector import protocol as P  # noqa: E402
+from connector.cache_layout import CacheLayoutError  # noqa: E402
+from connector.layers import storage_permutation  # noqa: E402
+from connector.scheduler_side import SchedulerSide  # noqa: E402
+from connector.spool_writer import ShapeInfo, SpoolWriter  # noqa: E402
+from connector.worker_side import HiddenStateGatherer, PendingSave  # noqa: E402
+
+TAG = P.RequestTag(key=P.SampleKey(job="jobA", epoch=0, index=9), attempt=1)
+SPOOL = "/dev/shm/hsstream-test"
+
+
+def _request(rid="cmpl-7", prompt=(11, 12, 13, 14, 15), output=(), computed=None, params="tag"):
+    prompt = list(prompt) if prompt is not None else None
+    if params == "tag":
+        params = P.kv_params_for(TAG)
+    all_ids = (prompt or []) + list(output)
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        prompt_token_ids=prompt,
+        all_token_ids=all_ids,
+        num_computed_tokens=len(all_ids) if computed is None else computed,
+    )
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+def test_finished_request_is_saved():
+    side = SchedulerSide(SPOOL)
+    ok, params = side.request_finished(_request(output=(90,), computed=5), [4, 1, 7])
+    assert ok is True
+    assert params == {
+        P.KV_PARAMS_PATH_KEY: f"{SPOOL}/cmpl-7.safetensors",
+        "hsstream_file": "cmpl-7.safetensors",
+    }
+    (p,) = side.take_pending()
+    assert p == PendingSave("cmpl-7", "cmpl-7.safetensors", [11, 12, 13, 14, 15], [4, 1, 7], TAG.model_dump(mode="json"))
+    assert p.error is None
+    assert p.request_tag() == TAG
+    assert side.take_pending() == []  # handed over once
+    assert pickle.loads(pickle.dumps(p)) == p  # it travels in pickled step metadata
+
+
+def test_include_output_tokens_drops_the_last_token():
+    side = SchedulerSide(SPOOL)
+    params = {**P.kv_params_for(TAG), "include_output_tokens": True}
+    req = _request(prompt=(1, 2, 3), output=(10, 11, 12), computed=5, params=params)
+    ok, out = side.request_finished(req, [0, 2])
+    assert ok is True and out is not None
+    (p,) = side.take_pending()
+    assert p.token_ids == [1, 2, 3, 10, 11]  # 12 was sampled but never fed back
+    assert p.error is None and p.request_tag() == TAG
+
+
+def test_include_output_tokens_needs_the_outputs_computed():
+    side = SchedulerSide(SPOOL)
+    params = {**P.kv_params_for(TAG), "include_output_tokens": True}
+    ok, out = side.request_finished(_request(prompt=(1, 2, 3), output=(10, 11, 12), computed=4, params=params), [0])
+    assert (ok, out) == (False, None)
+    (p,) = side.take_pending()
+    assert "4 of 5" in p.error
+
+
+def test_aborted_before_scheduling():
+    side = SchedulerSide(SPOOL)
+    ok, params = side.request_finished(_request(computed=0), [])
+    assert (ok, params) == (False, None)
+    (p,) = side.take_pending()
+    assert p.error is not None and "aborted" in p.error
+    assert p.token_ids == [] and p.block_ids == []
+    assert p.request_tag() == TAG  # the sidecar learns which sample failed
+    assert p.file == "cmpl-7.safetensors"
+
+
+def test_aborted_mid_prefill():
+    side = SchedulerSide(SPOOL)
+    ok, params = side.request_finished(_request(computed=2), [3])
+    assert (ok, params) == (False, None)
+    (p,) = side.take_pending()
+    assert p.error is not None and "2 of 5" in p.error and "mid-prefill" in p.error
+    assert p.request_tag() == TAG and p.block_ids == []
+
+
+def test_no_prompt_token_ids():
+    side = SchedulerSide(SPOOL)
+    ok, params = side.request_finished(_request(prompt=None, computed=4), [1])
+    assert (ok, params) == (False, None)
+    (p,) = side.take_pending()
+    assert "prompt" in p.error
+
+
+@pytest.mark.parametrize("params", [None, {}, {"other": 1}])
+def test_plain_request_without_tag_is_still_saved(params):
+    side = SchedulerSide(SPOOL)
+    ok, out = side.request_finished(_request(params=params), [5, 6])
+    assert ok is True and out["hsstream_file"] == "cmpl-7.safetensors"
+    (p,) = side.take_pending()
+    assert p.tag is None and p.request_tag() is None and p.error is None
+
+
+def test_malformed_tag_does_not_raise():
+    side = SchedulerSide(SPOOL)
+    ok, _ = side.request_finished(_request(params={P.KV_PARAMS_KEY: {"key": "nonsense"}}), [5, 6])
+    assert ok is True
+    (p,) = side.take_pending()
+    assert p.tag is None
+
+
+def test_weird_request_id_gets_a_safe_file(tmp_path):
+    side = SchedulerSide(str(tmp_path))
+    ok, params = side.request_finished(_request(rid="../../etc/x y"), [1, 2])
+    assert ok
+    name = params["hsstream_file"]
+    assert P.resolve_in_spool(tmp_path, name, must_exist=False).parent == tmp_path.resolve()
+    assert params[P.KV_PARAMS_PATH_KEY] == f"{tmp_path}/{name}"
+
+
+def test_pending_accumulates_in_order():
+    side = SchedulerSide(SPOOL)
+    side.request_finished(_request(rid="a"), [1, 2])
+    side.request_finished(_request(rid="b"), [])
+    side.request_finished(_request(rid="c"), [3, 4])
+    assert [(p.request_id, p.error is None) for p in side.take_pending()] == [("a", True), ("b", False), ("c", True)]
+
+
+# ---------------------------------------------------------------------------------- worker
+
+BS, H = 4, 8
+USER_LAYERS = [5, 2, 10]
+SHAPE = ShapeInfo(layer_ids=USER_LAYERS, num_hidden_layers=12, hidden_size=H, dtype="bfloat16", model="tiny")
+
+
+def _cache(layout: str, num_blocks: int = 16, k: int = 3, bs: int = BS):
+    """(cache as vLLM would hand it, physical token-major tensor) in bf16 with random rows."""
+    g = torch.Generator().manual_seed(0)
+    phys = torch.randn((num_blocks, bs, k, H), generator=g).to(torch.bfloat16)
+    return (phys if layout == "old" else phys.permute(0, 2, 1, 3)), phys
+
+
+def _expected(phys, block_ids, n, perm):
+    rows = torch.stack([phys[block_ids[t // BS], t % BS] for t in range(n)])
+    return rows[:, perm] if perm is not None else rows
+
+
+@pytest.fixture
+def spool(tmp_path):
+    d = tmp_path / "spool"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def writer(spool):
+    w = SpoolWriter(spool, None, SHAPE, num_threads=2)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("layout", ["old", "new"])
+@pytest.mark.parametrize("chunk_tokens", [8192, 5])
+def test_gatherer_writes_the_requests_rows(layout, chunk_tokens, spool, writer):
+    kv, phys = _cache(layout)
+    perm = storage_permutation(USER_LAYERS)
+    g = HiddenStateGatherer(kv, BS, len(USER_LAYERS), perm, writer, chunk_tokens=chunk_tokens)
+
+    side = SchedulerSide(str(spool))
+    prompt = list(range(100, 111))  # 11 tokens: 3 blocks of 4, the last one partly used
+    blocks = [9, 2, 14, 5]  # non-contiguous, one spare
+    ok, params = side.request_finished(_request(rid="cmpl-42", prompt=prompt), blocks)
+    assert ok
+    (p,) = side.take_pending()
+
+    g.submit(p)
+    assert g.known("cmpl-42")
+    assert g.poll({"cmpl-42", "someone-else"}) == {"cmpl-42"}
+    assert not g.known("cmpl-42")
+    assert g.poll({"cmpl-42"}) == set()  # reported once
+    assert writer.flush(5)
+
+    path = P.resolve_in_spool(spool, params["hsstream_file"])
+    assert str(path) == os.path.realpath(params[P.KV_PARAMS_PATH_KEY])
+    t = load_file(path)
+    assert t[P.TOKEN_IDS_KEY].tolist() == prompt
+    assert t[P.HIDDEN_STATES_KEY].dtype == torch.bfloat16
+    assert torch.equal(t[P.HIDDEN_STATES_KEY], _expected(phys, blocks, len(prompt), perm))
+    with safe_open(str(path), "pt") as f:
+        n = P.Notice.decode(f.metadata()[P.HEADER_NOTICE_KEY])
+    assert n.status is P.NoticeStatus.ok and n.key == TAG.key and n.layer_ids == USER_LAYERS
+    assert os.listdir(spool) == [path.name]
+
+
+def test_gatherer_without_permutation(spool, writer):
+    kv, phys = _cache("new")
+    g = HiddenStateGatherer(kv, BS, 3, None, writer)
+    p = PendingSave("r1", "r1.safetensors", [1, 2, 3, 4, 5], [7, 3], None)
+    g.submit(p)
+    assert g.poll({"r1"}) == {"r1"}
+    assert writer.flush(5)
+    assert torch.equal(load_file(spool / "r1.safetensors")[P.HIDDEN_STATES_KEY], _expected(phys, [7, 3], 5, None))
+
+
+def test_gatherer_ambiguous_layout_k_equals_block_size(spool, writer):
+    # K == block_size == 4: only the strides tell the layouts apart.
+    for layout in ("old", "new"):
+        kv, phys = _cache(layout, k=4)
+        g = HiddenStateGatherer(kv, BS, 4, [3, 0, 2, 1], writer)
+        rid = f"amb-{layout}"
+        g.submit(PendingSave(rid, f"{rid}.safetensors", list(range(7)), [6, 1], None))
+        assert writer.flush(5)
+        got = load_file(spool / f"{rid}.safetensors")[P.HIDDEN_STATES_KEY]
+        assert torch.equal(got, _expected(phys, [6, 1], 7, [3, 0, 2, 1])), layout
+
+
+def test_gatherer_too_few_blocks_raises_and_writes_nothing(spool, writer):
+    kv, _ = _cache("old")
+    g = HiddenStateGatherer(kv, BS, 3, None, writer)
+    with pytest.raises(CacheLayoutError):
+        g.submit(PendingSave("short", "short.safetensors", list(range(9)), [1, 2], None))
+    assert not g.known("short")
+    assert writer.flush(5)
+    assert os.listdir(spool) == []
+    g.mark_done("short")  # what the plug-in does after a failed gather
+    assert g.poll({"short"}) == {"short"}
+
+
+def test_gatherer_rejects_wrong_cache_shape(writer):
+    with pytest.raises(CacheLayoutError):
+        HiddenStateGatherer(torch.zeros((4, 5, 3, H)), BS, 3, None, writer)
+
+
+def test_gatherer_copies_so_the_cache_may_be_reused(spool, writer):
+    kv, phys = _cache("old")
+    want = _expected(phys, [0, 1], 6, None).clone()
+    g = HiddenStateGatherer(kv, BS, 3, None, writer)
+    g.submit(PendingSave("r", "r.safetensors", list(range(6)), [0, 1], None))
+    assert g.poll({"r"}) == {"r"}
+    phys.zero_()  # vLLM frees the blocks once poll() reported them
+    assert writer.flush(5)
+    assert torch.equal(load_file(spool / "r.safetensors")[P.HIDDEN_STATES_KEY], want)
+
+
+# ------------------------------------------------------------------------------- plug-in
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HSSTREAM_TEST_VLLM_PLUGIN"),
+    reason="importing connector.vllm_plugin (vLLM) takes ~7 s; set HSSTREAM_TEST_VLLM_PLUGIN=1 to run",
+)
+def test_non_writer_rank_reports_and_writes_nothing(spool):
+    plugin = pytest.importorskip("connector.vllm_plugin")
+    c = object.__new__(plugin.HiddenStatesStreamConnector)
+    c._gatherer = None  # what register_kv_caches leaves on TP rank != 0
+    c._writer = None
+    c._finished = set()
+    assert c.get_finished({"r1", "r2"}) == (None, None)
+    assert c.get_finished(set()) == (None, None)
+    assert c._finished == set()
+    assert os.listdir(spool) == []

@@ -1,0 +1,234 @@
+"""SpoolWriter: files appear atomically, then a notice says so; every failure is a notice."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+zmq = pytest.importorskip("zmq")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from connector import protocol as P  # noqa: E402
+from connector import spool_writer as SW  # noqa: E402
+from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob  # noqa: E402
+
+T, K, H = 13, 3, 8
+SHAPE = ShapeInfo(layer_ids=[5, 2, 10], num_hidden_layers=12, hidden_size=H, dtype="bfloat16", model="tiny-verifier")
+TAG = P.RequestTag(key=P.SampleKey(job="job1", epoch=1, index=4), attempt=2)
+
+
+@pytest.fixture
+def spool(tmp_path):
+    d = tmp_path / "spool"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def pull(tmp_path):
+    """The sidecar's end: a PULL socket bound on an ipc:// endpoint."""
+    endpoint = f"ipc://{tmp_path}/n.sock"
+    assert len(endpoint) < 100, "ipc path too long for a unix socket"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    yield endpoint, sock
+    sock.close()
+    ctx.term()
+
+
+@pytest.fixture
+def writer(spool, pull):
+    w = SpoolWriter(spool, pull[0], SHAPE, num_threads=2)
+    yield w
+    w.close()
+
+
+def _recv(sock, timeout_ms: int = 5000) -> P.Notice:
+    assert sock.poll(timeout_ms), "no notice within the timeout"
+    return P.Notice.decode(sock.recv())
+
+
+def _visible(spool) -> list[str]:
+    return sorted(n for n in os.listdir(spool) if not n.startswith("."))
+
+
+def _job(rid: str = "cmpl-1", n: int = T, ntok: int | None = None, seed: int = 0, **kw) -> WriteJob:
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn((n, K, H), generator=g).to(torch.bfloat16)
+    ids = list(range(1000 + seed, 1000 + seed + (n if ntok is None else ntok)))
+    return WriteJob(rid, P.file_name_for_request(rid), TAG, ids, hs, **kw)
+
+
+def test_ok_notice_arrives_after_file_is_complete(writer, spool, pull):
+    job = _job()
+    hs, ids, name = job.hidden_states.clone(), list(job.token_ids), job.file
+    writer.submit(job)
+    n = _recv(pull[1])
+
+    # The file is in place when the notice is received, and no temp file is left over.
+    assert (spool / name).is_file()
+    assert os.listdir(spool) == [name]
+    assert P.resolve_in_spool(spool, name) == (spool / name).resolve()
+
+    assert n.status is P.NoticeStatus.ok and n.reason is None
+    assert (n.request_id, n.file, n.key, n.attempt) == ("cmpl-1", name, TAG.key, TAG.attempt)
+    assert n.num_tokens == T
+    assert n.nbytes == T * K * H * 2
+    assert (n.layer_ids, n.num_hidden_layers, n.hidden_size, n.dtype, n.model) == (
+        [5, 2, 10], 12, H, "bfloat16", "tiny-verifier",
+    )
+    assert n.checksum_algo == "blake3"
+
+    tensors = load_file(spool / name)
+    assert set(tensors) == {P.HIDDEN_STATES_KEY, P.TOKEN_IDS_KEY}
+    got_hs, got_ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
+    assert got_hs.dtype == torch.bfloat16 and tuple(got_hs.shape) == (T, K, H)
+    assert got_ids.dtype == torch.int64 and tuple(got_ids.shape) == (T,)
+    assert torch.equal(got_hs, hs)
+    assert got_ids.tolist() == ids
+
+    with safe_open(str(spool / name), "pt") as f:
+        meta = f.metadata()
+    assert P.Notice.decode(meta[P.HEADER_NOTICE_KEY]) == n
+    assert json.loads(meta[P.HEADER_NOTICE_KEY])["v"] == P.PROTOCOL_VERSION
+
+    assert n.checksum == P.checksum(got_hs.view(torch.uint8).numpy(), got_ids.numpy())
+    assert os.path.getsize(spool / name) > n.nbytes
+
+
+def test_file_is_written_under_hidden_name_then_renamed(writer, spool, pull, monkeypatch):
+    seen: list[list[str]] = []
+    real_save = SW.save_file
+
+    def spy(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)
+        seen.append(sorted(os.listdir(spool)))  # after the write, before the rename
+
+    monkeypatch.setattr(SW, "save_file", spy)
+    job = _job("cmpl-atomic")
+    writer.submit(job)
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.ok
+    assert len(seen) == 1 and len(seen[0]) == 1
+    (during,) = seen[0]
+    assert P.is_tmp_name(during) and during.startswith(".")
+    assert os.listdir(spool) == [job.file]
+
+
+def test_reader_never_sees_half_written_file(writer, spool, pull):
+    release = threading.Event()
+    entered = threading.Event()
+
+    def ready():
+        entered.set()
+        assert release.wait(10)
+
+    job = _job("cmpl-slow", ready=ready)
+    writer.submit(job)
+    assert entered.wait(5)
+    time.sleep(0.05)
+    assert _visible(spool) == []
+    assert not pull[1].poll(100), "notice sent before the copy had landed"
+    release.set()
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.ok
+    assert _visible(spool) == [job.file] == os.listdir(spool)
+
+
+def test_row_token_mismatch_is_an_error_notice(writer, spool, pull):
+    job = _job("cmpl-bad", n=T, ntok=T + 1)
+    writer.submit(job)
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.error
+    assert "13 hidden-state rows for 14 tokens" in (n.reason or "")
+    assert n.file is None and n.checksum is None
+    assert (n.request_id, n.key, n.attempt) == ("cmpl-bad", TAG.key, TAG.attempt)
+    assert os.listdir(spool) == []  # neither file nor temp file
+    assert writer.flush(5)
+
+
+def test_failing_copy_is_an_error_notice(writer, spool, pull):
+    def ready():
+        raise RuntimeError("device copy failed")
+
+    writer.submit(_job("cmpl-copy", ready=ready))
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.error
+    assert "device copy failed" in (n.reason or "")
+    assert os.listdir(spool) == []
+
+
+def test_failed_save_leaves_no_temp_file(writer, spool, pull, monkeypatch):
+    real_save = SW.save_file
+
+    def half_then_fail(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)  # the temp file exists ...
+        raise OSError(28, "No space left on device")  # ... then the disk fills up
+
+    monkeypatch.setattr(SW, "save_file", half_then_fail)
+    writer.submit(_job("cmpl-full"))
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.error and "No space left" in (n.reason or "")
+    assert os.listdir(spool) == []
+
+
+def test_submit_error(writer, spool, pull):
+    writer.submit_error("cmpl-abort", TAG, "request finished before it was scheduled (aborted)")
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.error
+    assert n.reason == "request finished before it was scheduled (aborted)"
+    assert (n.request_id, n.key, n.attempt, n.file) == ("cmpl-abort", TAG.key, TAG.attempt, None)
+    assert n.layer_ids == [5, 2, 10] and n.model == "tiny-verifier"
+    assert os.listdir(spool) == []
+
+
+def test_submit_error_without_tag(writer, pull):
+    writer.submit_error("plain", None, "gather failed")
+    n = _recv(pull[1])
+    assert n.status is P.NoticeStatus.error and n.key is None and n.attempt == 0
+
+
+def test_many_jobs_each_get_one_notice(writer, spool, pull):
+    jobs = [_job(f"cmpl-{i}", n=1 + i, seed=i) for i in range(8)]
+    want = {j.request_id: (j.file, j.hidden_states.clone(), list(j.token_ids)) for j in jobs}
+    for j in jobs:
+        writer.submit(j)
+    got = {}
+    for _ in jobs:
+        n = _recv(pull[1])
+        assert n.request_id not in got
+        got[n.request_id] = n
+    assert set(got) == set(want)
+    assert not pull[1].poll(50)
+    assert writer.flush(5)
+    assert sorted(os.listdir(spool)) == sorted(f for f, _, _ in want.values())
+    for rid, (name, hs, ids) in want.items():
+        n = got[rid]
+        assert n.status is P.NoticeStatus.ok and n.num_tokens == len(ids)
+        t = load_file(spool / name)
+        assert torch.equal(t[P.HIDDEN_STATES_KEY], hs)
+        assert t[P.TOKEN_IDS_KEY].tolist() == ids
+        assert n.checksum == P.checksum(hs.view(torch.uint8).numpy(), torch.tensor(ids).numpy())
+
+
+def test_writer_without_endpoint_writes_and_flushes(spool):
+    w = SpoolWriter(spool, None, SHAPE, num_threads=1)
+    try:
+        job = _job("cmpl-quiet")
+        hs = job.hidden_states.clone()
+        w.submit(job)
+        assert w.flush(5)
+        assert os.listdir(spool) == [job.file]
+        assert torch.equal(load_file(spool / job.file)[P.HIDDEN_STATES_KEY], hs)
+        w.submit_error("x", None, "no socket: dropped silently")
+    finally:
+        w.close()

@@ -1,0 +1,235 @@
+"""``HiddenStateStream``: what a training loop iterates over.
+
+The loop should not think about files, sockets or acknowledgements. The stream asks the
+sidecar for samples with credit (never more in flight than it can hold), validates each
+sample before yielding it (a bad one is reported failed and regenerated, never yielded),
+deletes the spool file as soon as the tensors are in memory (the spool is the producer's
+budget), and acknowledges at use or when the loop says so (``ack_through``), so samples used
+after the last checkpoint come back after a crash. Only the iterating thread touches the
+socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import zmq
+from safetensors import safe_open
+
+from connector import protocol as P
+from connector.settings import Settings
+
+log = logging.getLogger("hsstream.trainer")
+
+
+class StreamError(RuntimeError):
+    pass
+
+
+class InvalidSample(ValueError):
+    pass
+
+
+@dataclass
+class Sample:
+    key: P.SampleKey
+    token_ids: torch.Tensor  # [T] int64
+    hidden_states: torch.Tensor  # [T, K, H] in the file's layer order
+    layer_ids: list[int]
+    num_hidden_layers: int
+    loss_mask: torch.Tensor | None = None  # [T] bool
+    label: str | None = None
+    notice: P.Notice | None = field(default=None, repr=False)
+
+    @property
+    def aux_hidden_states(self) -> torch.Tensor:
+        """The layers below N ([T, K', H]): the draft's input features."""
+        idx = [i for i, lid in enumerate(self.layer_ids) if lid != self.num_hidden_layers]
+        return self.hidden_states[:, idx]
+
+    @property
+    def last_hidden_state(self) -> torch.Tensor | None:
+        """Layer N, the pre-norm final state ([T, H]) the targets come from; None if absent."""
+        if self.num_hidden_layers not in self.layer_ids:
+            return None
+        return self.hidden_states[:, self.layer_ids.index(self.num_hidden_layers)]
+
+
+def load_and_check(spool: Path, d: P.Deliver) -> Sample:
+    """Read a delivered sample from the spool and check it against its notice and the sidecar."""
+    n = d.notice
+    if n.file is None or n.key is None:
+        raise InvalidSample("delivery without a file or key")
+    path = P.resolve_in_spool(spool, n.file)
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        if keys != {P.HIDDEN_STATES_KEY, P.TOKEN_IDS_KEY}:
+            raise InvalidSample(f"unexpected tensors {sorted(keys)}")
+        hs = f.get_tensor(P.HIDDEN_STATES_KEY)
+        ids = f.get_tensor(P.TOKEN_IDS_KEY)
+    T = n.num_tokens
+    if ids.dim() != 1 or ids.shape[0] != T:
+        raise InvalidSample(f"token_ids shape {tuple(ids.shape)}, notice says {T} tokens")
+    if tuple(hs.shape) != (T, len(n.layer_ids), n.hidden_size):
+        raise InvalidSample(f"hidden_states shape {tuple(hs.shape)} != {(T, len(n.layer_ids), n.hidden_size)}")
+    if str(hs.dtype).removeprefix("torch.") != n.dtype:
+        raise InvalidSample(f"dtype {hs.dtype} != notice {n.dtype}")
+    if n.checksum_algo != P.CHECKSUM_ALGO:
+        raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
+    if P.checksum(hs.contiguous().view(torch.uint8).numpy(), ids.numpy()) != n.checksum:
+        raise InvalidSample("checksum mismatch")
+    if not torch.isfinite(hs).all():
+        raise InvalidSample("non-finite hidden states")
+    if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
+        raise InvalidSample("token ids differ from the ones submitted")
+    mask = torch.tensor(d.loss_mask, dtype=torch.bool) if d.loss_mask is not None else None
+    if mask is not None and mask.shape[0] != T:
+        raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {T} tokens")
+    return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n)
+
+
+class HiddenStateStream:
+    """Iterate samples from a sidecar. Use as a context manager so leases are returned.
+
+    ``ack="use"`` acknowledges a sample when the next one is requested (the loop is done
+    with it); ``ack="manual"`` waits for :meth:`ack_through` / :meth:`ack_all_used`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        jobs: list[str] | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
+        credit: int = 8,
+        ack: str = "use",
+        follow: bool = False,
+        timeout_s: float = 600.0,
+        heartbeat_s: float = 2.0,
+    ) -> None:
+        s = Settings()
+        self.endpoint = endpoint or s.delivery_ep()
+        self.spool = Path(spool_dir or s.spool_dir)
+        self.jobs = jobs
+        self.credit = max(1, credit)
+        if ack not in ("use", "manual"):
+            raise ValueError("ack must be 'use' or 'manual'")
+        self.ack_mode = ack
+        self.follow = follow
+        self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._acked: set[P.SampleKey] = set()
+        self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
+        self._last_send = 0.0
+        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0}
+
+    # -- socket -------------------------------------------------------------------------------
+    def _connect(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(self.endpoint)
+            self._sock = sock
+            self._send(P.Hello(jobs=self.jobs, follow=self.follow, same_host=True))
+            self._send(P.Credit(n=self.credit))
+        return self._sock
+
+    def _send(self, body) -> None:  # noqa: ANN001
+        assert self._sock is not None
+        self._sock.send_multipart(P.encode_msg(body))
+        self._last_send = time.monotonic()
+
+    # -- acknowledgement ------------------------------------------------------------------------
+    def ack_through(self, key: P.SampleKey) -> None:
+        """Acknowledge every yielded sample up to and including ``key`` (e.g. at a checkpoint)."""
+        if key not in self._used:
+            return
+        i = self._used.index(key)
+        self._ack(self._used[: i + 1])
+        del self._used[: i + 1]
+
+    def ack_all_used(self) -> None:
+        self._ack(self._used)
+        self._used = []
+
+    def _ack(self, keys: list[P.SampleKey]) -> None:
+        keys = [k for k in keys if k not in self._acked]
+        if keys and self._sock is not None:
+            self._send(P.Ack(keys=keys))
+            self._acked.update(keys)
+
+    # -- iteration ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Sample]:
+        sock = self._connect()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.ack_mode == "use" and self._used:
+                self.ack_all_used()
+            if time.monotonic() - self._last_send > self.heartbeat_s:
+                self._send(P.Heartbeat())
+            if not sock.poll(int(min(self.heartbeat_s, 0.5) * 1000)):
+                if time.monotonic() > deadline:
+                    raise StreamError(
+                        f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s "
+                        "(is it running, and is the job producing?)"
+                    )
+                continue
+            deadline = time.monotonic() + self.timeout_s
+            msg = P.decode_msg(sock.recv_multipart())
+            if isinstance(msg, P.End):
+                return
+            if not isinstance(msg, P.Deliver):
+                continue
+            self.stats["delivered"] += 1
+            sample = self._take(msg)
+            self._send(P.Credit(n=1))
+            if sample is None:
+                continue
+            self._used.append(sample.key)
+            self.stats["yielded"] += 1
+            yield sample
+
+    def _take(self, d: P.Deliver) -> Sample | None:
+        key = d.notice.key
+        if key is None:
+            return None
+        if key in self._acked:  # redelivered after we acked: never yield twice
+            self.stats["duplicates"] += 1
+            self._send(P.Ack(keys=[key]))
+            return None
+        try:
+            sample = load_and_check(self.spool, d)
+        except (InvalidSample, P.ProtocolError, OSError, ValueError) as e:
+            self.stats["invalid"] += 1
+            log.warning("sample %s rejected: %s", key, e)
+            self._send(P.Fail(key=key, reason=str(e)[:500]))
+            return None
+        # The tensors are in memory (safetensors copied them out): the file can go now.
+        try:
+            P.resolve_in_spool(self.spool, d.notice.file or "").unlink()
+        except (FileNotFoundError, P.UnsafePathError):
+            pass
+        self.stats["bytes"] += d.notice.nbytes
+        self._send(P.Received(keys=[key]))
+        return sample
+
+    def close(self) -> None:
+        if self._sock is not None:
+            if self.ack_mode == "use":
+                self.ack_all_used()
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> HiddenStateStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
