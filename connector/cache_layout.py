@@ -62,6 +62,8 @@ def block_chunks(block_ids: Sequence[int], num_tokens: int, block_size: int, max
     """
     per = max(1, max_tokens // block_size)
     need = -(-num_tokens // block_size)
+    if len(block_ids) < need:
+        raise CacheLayoutError(f"request has {len(block_ids)} blocks, {need} needed for {num_tokens} tokens")
     ids = list(block_ids[:need])
     for start in range(0, len(ids), per):
         chunk = ids[start : start + per]

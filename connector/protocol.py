@@ -135,7 +135,7 @@ def _decode_versioned(cls: type[_Model], data: bytes | str) -> Any:
     if not isinstance(obj, dict):
         raise ProtocolError("message is not a JSON object")
     v = obj.get("v")
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {v!r} (this build speaks {PROTOCOL_VERSION})")
     try:
         return cls.model_validate(obj)
@@ -244,9 +244,13 @@ def decode_msg(frames: list[bytes]) -> _Model:
 
 def file_name_for_request(request_id: str) -> str:
     """A spool file name derived from vLLM's request id (unique per engine), safe as a name."""
-    stem = re.sub(r"[^A-Za-z0-9_-]", "_", request_id)[:180] or "request"
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", request_id)[:160] or "request"
     if not stem[0].isalnum():
         stem = "r" + stem
+    if stem != request_id:  # keep distinct ids distinct after the substitution
+        import hashlib
+
+        stem += "-" + hashlib.blake2s(request_id.encode(), digest_size=6).hexdigest()
     return stem + FILE_SUFFIX
 
 
@@ -266,7 +270,7 @@ def resolve_in_spool(spool: str | os.PathLike[str], name: str, *, must_exist: bo
     delivery is input from another process, and must never make us touch anything else.
     Only flat, plain names are allowed; a symlink is refused even if it points inside.
     """
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
         raise UnsafePathError(f"refusing spool file name {name!r}: not a plain file name in the spool")
     root = Path(spool).resolve()
     path = root / name

@@ -33,7 +33,7 @@ from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
 from connector.settings import Settings
 from connector.spool_writer import ShapeInfo, SpoolWriter
-from connector.worker_side import HiddenStateGatherer, PendingSave
+from connector.worker_side import HiddenStateGatherer, PendingSave, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,10 +117,8 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         self._group_id = _hidden_state_group(kv_cache_config)
         self._block_size = _group_block_size(vllm_config, kv_cache_config, self._group_id)
         self._scheduler = SchedulerSide(self.opts.spool_dir) if role == KVConnectorRole.SCHEDULER else None
-        self._gatherer: HiddenStateGatherer | None = None
         self._writer: SpoolWriter | None = None
-        self._is_writer_rank = True
-        self._finished: set[str] = set()
+        self._worker = WorkerSide(None, None)  # until register_kv_caches; stays inert off rank 0
         log.info(
             "hsstream connector (%s): spool %s, notices -> %s, layers %s",
             role.name, self.opts.spool_dir, self.opts.notice_endpoint, self.opts.user_layer_ids,
@@ -139,11 +137,10 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
-        self._is_writer_rank = get_tensor_model_parallel_rank() == 0
         names = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(names) != 1:
             raise ConnectorConfigError(f"expected one hidden-state cache layer, found {len(names)}: {names}")
-        if not self._is_writer_rank:
+        if get_tensor_model_parallel_rank() != 0:
             return
         o = self.opts
         self._writer = SpoolWriter(
@@ -152,13 +149,14 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             ShapeInfo(o.user_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
             num_threads=o.num_writer_threads,
         )
-        self._gatherer = HiddenStateGatherer(
+        gatherer = HiddenStateGatherer(
             kv_caches[names[0]],
             self._block_size,
             len(o.user_layer_ids),
             storage_permutation(o.user_layer_ids),
             self._writer,
         )
+        self._worker = WorkerSide(gatherer, self._writer)
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
         pass  # store-only
@@ -173,26 +171,12 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         pass  # nothing to wait for: copies finish asynchronously, reported by get_finished
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._gatherer is None or self._writer is None:
-            return None, None
+        pending: list[PendingSave] = []
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, StreamConnectorMetadata):
-                for p in meta.pending:
-                    if p.error is not None:
-                        self._writer.submit_error(p.request_id, p.request_tag(), p.error)
-                        continue
-                    try:
-                        self._gatherer.submit(p)
-                    except Exception as e:  # noqa: BLE001 - never take the engine down for one request
-                        log.exception("gather failed for %s", p.request_id)
-                        self._gatherer.mark_done(p.request_id)
-                        self._writer.submit_error(p.request_id, p.request_tag(), f"gather failed: {e!r}")
-        self._finished.update(finished_req_ids)
-        done = self._gatherer.poll(self._finished)
-        # ids we never copied (error notices, plain-finished) are not ours to report
-        self._finished = {r for r in self._finished if self._gatherer.known(r)}
-        return done or None, None
+                pending = meta.pending
+        return self._worker.step(pending, finished_req_ids), None
 
     def shutdown(self) -> None:
         if self._writer is not None:

@@ -112,3 +112,35 @@ class HiddenStateGatherer:
 
     def known(self, request_id: str) -> bool:
         return request_id in self._inflight
+
+
+class WorkerSide:
+    """The connector's per-step work on a worker; vLLM-free so every path is unit-testable.
+
+    Only TP rank 0 gathers and writes (every rank holds the same hidden states); the others
+    do nothing and report nothing, which is why the plug-in's ``get_finished_count`` is 1.
+    """
+
+    def __init__(self, gatherer: HiddenStateGatherer | None, writer: SpoolWriter | None) -> None:
+        self.gatherer = gatherer if writer is not None else None
+        self.writer = writer
+        self._finished: set[str] = set()
+
+    def step(self, pending: list[PendingSave], finished_req_ids: set[str]) -> set[str] | None:
+        if self.gatherer is None or self.writer is None:
+            return None
+        for p in pending:
+            if p.error is not None:
+                self.writer.submit_error(p.request_id, p.request_tag(), p.error)
+                continue
+            try:
+                self.gatherer.submit(p)
+            except Exception as e:  # noqa: BLE001 - never take the engine down for one request
+                log.exception("gather failed for %s", p.request_id)
+                self.gatherer.mark_done(p.request_id)
+                self.writer.submit_error(p.request_id, p.request_tag(), f"gather failed: {e!r}")
+        self._finished.update(finished_req_ids)
+        done = self.gatherer.poll(self._finished)
+        # ids we never copied (error notices, requests freed at once) are not ours to report
+        self._finished = {r for r in self._finished if self.gatherer.known(r)}
+        return done or None

@@ -184,12 +184,6 @@ def test_chunked_gather_equals_full_gather(layout):
     assert torch.equal(out, _expected(phys, blocks, n, perm.tolist()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: block_chunks silently covers fewer tokens when given too few blocks; "
-    "worker_side._copy_async then writes uninitialised pinned memory for the tail "
-    "(gather_rows, used whole on the CPU path, raises CacheLayoutError instead)",
-)
 def test_block_chunks_too_few_blocks_is_an_error():
     with pytest.raises((CacheLayoutError, ValueError)):
         list(block_chunks([3, 1], 40, 16, 8192))

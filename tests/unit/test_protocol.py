@@ -251,11 +251,6 @@ def test_resolve_missing_file(spool):
     assert P.resolve_in_spool(spool, "gone.safetensors", must_exist=False) == spool.resolve() / "gone.safetensors"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: protocol._SAFE_NAME ends in '$', which also matches before a trailing newline, "
-    "so resolve_in_spool accepts 'x.safetensors\\n' (should use \\Z or fullmatch)",
-)
 def test_resolve_refuses_trailing_newline(spool):
     with pytest.raises(P.UnsafePathError):
         P.resolve_in_spool(spool, "x.safetensors\n", must_exist=False)

@@ -1,0 +1,60 @@
+"""The vLLM command line is built in one place and refuses bad layer ids before any engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from connector.layers import LayerIdError
+from hsstream import launch
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 12, "hidden_size": 8}))
+    return str(tmp_path)
+
+
+def opts(model_dir, ids):
+    return launch.VllmOptions(model=model_dir, layer_ids=ids, spool_dir="/dev/shm/x", notice_endpoint="ipc:///tmp/n")
+
+
+def test_args_name_our_connector_and_keep_user_order(model_dir):
+    args = launch.vllm_args(opts(model_dir, [5, 2, 10]))
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    kvt = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [5, 2, 10]
+    assert kvt["kv_connector_module_path"] == "connector.vllm_plugin"
+    assert kvt["kv_connector_extra_config"]["layer_ids"] == [5, 2, 10]
+    assert "--no-enable-prefix-caching" in args
+
+
+def test_duplicate_layer_ids_refused_naming_the_duplicate(model_dir):
+    with pytest.raises(LayerIdError, match=r"duplicate layer id\(s\) \[2\]"):
+        launch.vllm_args(opts(model_dir, [2, 2, 5]))
+
+
+def test_out_of_range_layer_ids_refused(model_dir):
+    with pytest.raises(LayerIdError, match=r"\[13\] outside 0..12"):
+        launch.vllm_args(opts(model_dir, [2, 13]))
+
+
+def test_cli_refuses_duplicates_before_starting_anything(model_dir):
+    p = subprocess.run(
+        [sys.executable, "-m", "hsstream", "vllm", "--model", model_dir, "--layer-ids", "2,2,5", "--dry-run"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 2 and "duplicate layer id(s) [2]" in p.stderr
+
+
+def test_cli_dry_run_prints_the_command(model_dir):
+    p = subprocess.run(
+        [sys.executable, "-m", "hsstream", "vllm", "--model", model_dir, "--dry-run"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "vllm.entrypoints.openai.api_server" in p.stdout and "[2, 6, 9, 12]" in p.stdout
