@@ -189,6 +189,10 @@ def parent(args: argparse.Namespace) -> int:
         subprocess.run(["dd", "if=/dev/zero", "of=/dev/shm/warm", "bs=1M", f"count={args.warm_shm_mib}"],
                        capture_output=True)  # fmt: skip
         os.unlink("/dev/shm/warm")
+    from hsstream import launch
+
+    # CPU build: bind OpenMP threads explicitly, else plain and extraction bind differently.
+    env = launch.cpu_env() if args.tiny else dict(os.environ)
     results = []
     for r in range(args.rounds):
         for mode in args.modes:
@@ -197,7 +201,7 @@ def parent(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, "--child", "--mode", mode, "--round", str(r), "--result", str(jl)]
             cmd += [a for a in sys.argv[1:] if a != "--child"]
             log("run", mode, "round", r)
-            p = subprocess.run(cmd, timeout=args.child_timeout)
+            p = subprocess.run(cmd, timeout=args.child_timeout, env=env)
             if p.returncode != 0 or not jl.exists():
                 results.append({"mode": mode, "round": r, "ok": False, "rc": p.returncode})
                 continue
@@ -239,6 +243,7 @@ def parent(args: argparse.Namespace) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
         "device": _device(),
+        "cpu_threads_bind": env.get("VLLM_CPU_OMP_THREADS_BIND"),
         "args": {k: v for k, v in vars(args).items() if k not in ("child", "mode", "round", "result")},
         "summary": rows,
         "runs": results,

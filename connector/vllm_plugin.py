@@ -205,7 +205,9 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "LBNHC"  # a token's layers stored together: one contiguous row per token
+        # A token's layers stored together (one contiguous row per token). "NHD" is the name
+        # every supported version knows; 0.30+ treats it as an alias of "LBNHC".
+        return "NHD"
 
 
 def _hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
