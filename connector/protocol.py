@@ -201,7 +201,12 @@ class Fail(_Model):
 
 
 class Heartbeat(_Model):
+    """Trainer → sidecar, every few seconds. It repeats the HELLO and the trainer's window so a
+    restarted sidecar (which knows no peers) can resume serving it without a new handshake."""
+
     v: int = PROTOCOL_VERSION
+    hello: Hello | None = None
+    window: int = 0
 
 
 class End(_Model):
@@ -303,6 +308,16 @@ def checksum(*buffers: Any) -> str:
 def expected_nbytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int) -> int:
     """Bytes of a sample's hidden states: what the spool budget reserves before submitting."""
     return num_tokens * num_layers * hidden_size * dtype_size
+
+
+#: Upper bound of a file's safetensors header (tensor table + our notice as metadata).
+HEADER_ALLOWANCE = 4096
+
+
+def expected_file_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int) -> int:
+    """Bytes a sample's file can take on the spool: what admission reserves before submitting,
+    so the files that do arrive never exceed the budget."""
+    return expected_nbytes(num_tokens, num_layers, hidden_size, dtype_size) + 8 * num_tokens + HEADER_ALLOWANCE
 
 
 def header_metadata(notice: Notice) -> dict[str, str]:

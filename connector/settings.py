@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     max_attempts: int = 3
     spool_budget_bytes: int = 2 * 2**30
+    max_ready_samples: int = 4096  # ready-but-unconsumed samples before submission pauses
+    ledger_path: Path | None = None  # default: {run_dir}/ledger.sqlite
+    vllm_down_deadline_s: float = 600.0
+    notice_timeout_s: float = 120.0
+    trainer_timeout_s: float = 30.0
+    max_body_bytes: int = 256 * 2**20
     api_token: str | None = None
 
     # Connector
@@ -54,6 +60,9 @@ class Settings(BaseSettings):
 
     def notice_ep(self) -> str:
         return self.notice_endpoint or f"ipc://{self.run_dir}/notice.sock"
+
+    def ledger_file(self) -> Path:
+        return self.ledger_path or self.run_dir / "ledger.sqlite"
 
     def delivery_ep(self) -> str:
         return self.delivery_endpoint or f"ipc://{self.run_dir}/delivery.sock"

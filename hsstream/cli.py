@@ -74,6 +74,27 @@ def demo(prompts: int = typer.Option(32, help="number of samples to stream"), wo
     raise typer.Exit(run_demo(prompts, workdir))
 
 
+@app.command()
+def submit(
+    file: str = typer.Argument(..., help="JSONL: one sample per line ({prompt|messages|conversations|token_ids, id})"),
+    options: str = typer.Option("{}", help='job options as JSON, e.g. \'{"epochs": 2, "loss_mask": "all"}\''),
+    follow: bool = typer.Option(False, "--follow", help="show progress until the job ends"),
+    url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
+) -> None:
+    """Submit a JSONL file as a job; prints the job id."""
+    from hsstream.rest_client import submit as _submit
+
+    raise typer.Exit(_submit(file, options, url, follow))
+
+
+@app.command()
+def status(job: str = typer.Argument(None), url: str = typer.Option(None)) -> None:
+    """Show one job's progress, or list all jobs."""
+    from hsstream.rest_client import status as _status
+
+    raise typer.Exit(_status(job, url))
+
+
 def main() -> None:
     app(prog_name="hsstream")
 

@@ -30,10 +30,11 @@ class Peer:
     credit: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     ended: bool = False
+    greeted: bool = False
 
 
 class DeliveryService:
-    def __init__(self, endpoint: str, spool: Path, ledger: Ledger, peer_timeout_s: float = 15.0) -> None:
+    def __init__(self, endpoint: str, spool: Path, ledger: Ledger, peer_timeout_s: float = 30.0) -> None:
         self.endpoint = endpoint
         self.spool = spool
         self.ledger = ledger
@@ -96,8 +97,12 @@ class DeliveryService:
         if peer is None:
             peer = self.peers[ident] = Peer()
         peer.last_seen = time.monotonic()
+        if isinstance(msg, P.Heartbeat) and msg.hello is not None and not peer.greeted:
+            # A trainer we do not know (we restarted, it did not): resume from its heartbeat.
+            peer.jobs, peer.follow, peer.credit, peer.greeted = msg.hello.jobs, msg.hello.follow, msg.window, True
+            log.info("trainer %s resumed from its heartbeat (window %d)", ident.hex(), msg.window)
         if isinstance(msg, P.Hello):
-            peer.jobs, peer.follow = msg.jobs, msg.follow
+            peer.jobs, peer.follow, peer.greeted = msg.jobs, msg.follow, True
         elif isinstance(msg, P.Credit):
             peer.credit += msg.n
         elif isinstance(msg, P.Received):
@@ -127,13 +132,16 @@ class DeliveryService:
                 self.ledger.release_owner(ident, self._file_exists)
                 del self.peers[ident]
                 continue
+            if not peer.greeted:
+                continue  # no HELLO yet: we do not know which jobs it wants
             try:
                 while peer.credit > 0:
-                    s = self.ledger.lease_next(ident, peer.jobs, self.peer_timeout_s)
+                    s = self.ledger.lease_next(ident, peer.jobs)
                     if s is None:
                         break
                     assert s.notice is not None
-                    d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask, label=s.label)
+                    d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask, label=s.label,
+                                  lease_s=self.peer_timeout_s)
                     sock.send_multipart([ident, *P.encode_msg(d)])
                     peer.credit -= 1
                     self.stats["delivered"] += 1

@@ -4,16 +4,27 @@ QUEUED → SUBMITTED → READY → LEASED → CONSUMED, or FAILED / CANCELLED. T
 notice thread and the delivery thread all move samples through here under one lock, so each
 transition is checked against the current state and attempt (a late notice for an old
 attempt cannot resurrect a sample; a second ack cannot count twice).
+
+Every transition is written through to SQLite (WAL) before the lock is released, so a
+sidecar killed at any moment restarts from a state it had really reached. On restart,
+SUBMITTED and LEASED samples cannot be trusted (the request or the trainer may be gone) and
+are recovered: see :meth:`Ledger.recover`.
 """
 
 from __future__ import annotations
 
+import json
+import random
+import sqlite3
 import threading
 import time
 import uuid
+from array import array
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from connector import protocol as P
 
@@ -43,7 +54,7 @@ class Sample:
     notice: P.Notice | None = None
     on_disk_bytes: int = 0  # file present in the spool (READY/LEASED until received)
     lease_owner: bytes | None = None
-    lease_deadline: float = 0.0
+    submitted_at: float = 0.0
     errors: list[str] = field(default_factory=list)
 
 
@@ -54,6 +65,8 @@ class Job:
     created: float = field(default_factory=time.time)
     finished: float | None = None
     tokens_consumed: int = 0
+    bytes_consumed: int = 0
+    by_key: dict[tuple[int, int], Sample] = field(default_factory=dict, repr=False)
 
     def counts(self) -> dict[str, int]:
         c = Counter(s.state.value for s in self.samples)
@@ -64,42 +77,194 @@ class Job:
         return all(s.state in TERMINAL for s in self.samples)
 
 
-class TransitionError(RuntimeError):
-    pass
+@dataclass
+class NewSample:
+    token_ids: list[int]
+    loss_mask: list[int] | None
+    label: str | None
+    expected_bytes: int
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  job_id TEXT PRIMARY KEY, created REAL, finished REAL, tokens_consumed INTEGER DEFAULT 0,
+  bytes_consumed INTEGER DEFAULT 0, meta TEXT);
+CREATE TABLE IF NOT EXISTS samples (
+  job_id TEXT, epoch INTEGER, idx INTEGER, ord INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT,
+  expected_bytes INTEGER, state TEXT, attempt INTEGER, notice TEXT, on_disk_bytes INTEGER, errors TEXT,
+  PRIMARY KEY (job_id, epoch, idx));
+"""
+
+
+def _pack(ids: list[int] | None) -> bytes | None:
+    return None if ids is None else array("i", ids).tobytes()
+
+
+def _unpack(b: bytes | None) -> list[int] | None:
+    if b is None:
+        return None
+    a = array("i")
+    a.frombytes(b)
+    return a.tolist()
 
 
 class Ledger:
-    def __init__(self, max_attempts: int = 3) -> None:
+    def __init__(self, path: str | Path | None = None, max_attempts: int = 3) -> None:
         self.max_attempts = max_attempts
         self.jobs: dict[str, Job] = {}
         self._lock = threading.RLock()
         self._queue: deque[Sample] = deque()
         self._ready: deque[Sample] = deque()
         self.reserved_bytes = 0  # expected bytes of SUBMITTED + real bytes of files on disk
+        self.path = str(path) if path else ":memory:"
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self.listeners: list[Callable[[Sample, State], None]] = []
+
+    def is_open(self) -> bool:
+        try:
+            self._db.execute("SELECT 1")
+            return True
+        except sqlite3.Error:
+            return False
+
+    # ------------------------------------------------------------------ persistence
+    def _save(self, s: Sample, old: State | None = None) -> None:
+        self._db.execute(
+            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=? "
+            "WHERE job_id=? AND epoch=? AND idx=?",
+            (s.state.value, s.attempt, s.notice.model_dump_json() if s.notice else None, s.on_disk_bytes,
+             json.dumps(s.errors), s.key.job, s.key.epoch, s.key.index),
+        )  # fmt: skip
+        if old is not None and old != s.state:
+            for fn in self.listeners:
+                fn(s, old)
+
+    def _save_job(self, j: Job) -> None:
+        self._db.execute(
+            "UPDATE jobs SET finished=?, tokens_consumed=?, bytes_consumed=? WHERE job_id=?",
+            (j.finished, j.tokens_consumed, j.bytes_consumed, j.job_id),
+        )
+
+    def recover(self, file_exists: Callable[[str], bool]) -> dict[str, int]:
+        """Reload after a restart. SUBMITTED → QUEUED (the request may be lost; a late notice
+        for it is discarded as an old attempt); LEASED → READY if its file is still there,
+        else QUEUED (the trainer may have used it without acking: it is produced again)."""
+        stats = Counter()
+        with self._lock:
+            for jid, created, finished, tok, nb in self._db.execute(
+                "SELECT job_id, created, finished, tokens_consumed, bytes_consumed FROM jobs ORDER BY created"
+            ):
+                self.jobs[jid] = Job(jid, [], created, finished, tok, nb)
+            rows = self._db.execute(
+                "SELECT job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, "
+                "on_disk_bytes, errors FROM samples ORDER BY job_id, ord"
+            ).fetchall()
+            self._db.execute("BEGIN")
+            for jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs in rows:
+                s = Sample(P.SampleKey(job=jid, epoch=ep, index=idx), _unpack(ids) or [], _unpack(mask), label, eb,
+                           State(st), att, P.Notice.model_validate_json(notice) if notice else None, odb,
+                           errors=json.loads(errs or "[]"))  # fmt: skip
+                job = self.jobs[jid]
+                job.samples.append(s)
+                job.by_key[(ep, idx)] = s
+                if s.state == State.submitted:
+                    s.attempt += 1  # whatever comes back for the old attempt is discarded
+                    s.state = State.queued
+                    stats["resubmitted"] += 1
+                if s.state in (State.ready, State.leased):
+                    if s.notice and s.notice.file and file_exists(s.notice.file):
+                        s.state = State.ready
+                        self._ready.append(s)
+                        self.reserved_bytes += s.on_disk_bytes
+                        stats["ready"] += 1
+                    else:
+                        s.state, s.notice, s.on_disk_bytes = State.queued, None, 0
+                        s.attempt += 1
+                        stats["regenerate"] += 1
+                if s.state == State.queued:
+                    self._queue.append(s)
+                self._save(s)
+            self._db.execute("COMMIT")
+        return dict(stats)
+
+    def live_files(self) -> set[str]:
+        """Files the ledger still expects in the spool; anything else there is garbage."""
+        with self._lock:
+            return {
+                s.notice.file for j in self.jobs.values() for s in j.samples
+                if s.state in (State.ready, State.leased) and s.notice and s.notice.file
+            }  # fmt: skip
 
     # ------------------------------------------------------------------ jobs
-    def add_job(self, samples: list[tuple[list[int], list[int] | None, str | None, int]]) -> Job:
+    def add_job(self, samples: list[NewSample], *, epochs: int = 1, seed: int = 0, meta: dict | None = None) -> Job:
+        """Queue a job. Each epoch submits the data again in a seeded shuffle (hidden states are
+        regenerated, never stored), so epoch e of sample i has its own key (job, i, e)."""
         job_id = uuid.uuid4().hex[:16]
         with self._lock:
             job = Job(job_id, [])
-            for i, (ids, mask, label, nbytes) in enumerate(samples):
-                s = Sample(P.SampleKey(job=job_id, index=i), ids, mask, label, nbytes)
-                job.samples.append(s)
-                self._queue.append(s)
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
+                             (job_id, job.created, json.dumps(meta or {})))  # fmt: skip
+            order = 0
+            rows = []
+            for ep in range(epochs):
+                idxs = list(range(len(samples)))
+                if epochs > 1 or seed:
+                    random.Random(seed * 1_000_003 + ep).shuffle(idxs)
+                for i in idxs:
+                    n = samples[i]
+                    s = Sample(P.SampleKey(job=job_id, index=i, epoch=ep), n.token_ids, n.loss_mask, n.label,
+                               n.expected_bytes)  # fmt: skip
+                    job.samples.append(s)
+                    job.by_key[(ep, i)] = s
+                    rows.append((job_id, ep, i, order, _pack(n.token_ids), _pack(n.loss_mask), n.label,
+                                 n.expected_bytes, s.state.value, 0, None, 0, "[]"))  # fmt: skip
+                    order += 1
+            self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            self._db.execute("COMMIT")
+            self._queue.extend(job.samples)
             self.jobs[job_id] = job
             return job
 
     def get(self, key: P.SampleKey) -> Sample | None:
         job = self.jobs.get(key.job)
-        if job is None or key.index >= len(job.samples):
-            return None
-        s = job.samples[key.index]
-        return s if s.key == key else None
+        return None if job is None else job.by_key.get((key.epoch, key.index))
+
+    def cancel_job(self, job_id: str) -> list[str]:
+        """Cancel every unfinished sample; returns spool files to delete. Samples in flight in
+        vLLM are cancelled too: their late notices find them CANCELLED and are discarded."""
+        files = []
+        with self._lock:
+            job = self.jobs[job_id]
+            self._db.execute("BEGIN")
+            for s in job.samples:
+                if s.state in TERMINAL:
+                    continue
+                old = s.state
+                if s.state == State.submitted:
+                    self.reserved_bytes -= s.expected_bytes
+                self.reserved_bytes -= s.on_disk_bytes
+                if s.notice and s.notice.file and s.on_disk_bytes:
+                    files.append(s.notice.file)
+                s.on_disk_bytes = 0
+                s.lease_owner = None
+                s.state = State.cancelled
+                self._save(s, old)
+            job.finished = job.finished or time.time()
+            self._save_job(job)
+            self._db.execute("COMMIT")
+        return files
 
     # ------------------------------------------------------------------ submission
-    def next_to_submit(self, budget: int) -> Sample | None:
-        """The next queued sample, if its expected bytes fit the spool budget now."""
+    def next_to_submit(self, budget: int, max_ready: int | None = None) -> Sample | None:
+        """The next queued sample, if its expected bytes fit the spool budget now (and the
+        ready-but-unconsumed count is under its limit)."""
         with self._lock:
+            if max_ready is not None and self.ready_count() >= max_ready:
+                return None
             while self._queue:
                 s = self._queue[0]
                 if s.state != State.queued:
@@ -109,33 +274,68 @@ class Ledger:
                     return None
                 self._queue.popleft()
                 s.state = State.submitted
+                s.submitted_at = time.monotonic()
                 self.reserved_bytes += s.expected_bytes
+                self._save(s, State.queued)
                 return s
             return None
 
-    def submit_failed(self, s: P.SampleKey, attempt: int, reason: str) -> None:
-        """vLLM refused or errored: retry with a new attempt, or fail for good."""
+    def ready_count(self) -> int:
+        return sum(1 for s in self._ready if s.state == State.ready)
+
+    def requeue(self, key: P.SampleKey, attempt: int, reason: str, *, count_attempt: bool = True) -> None:
+        """vLLM refused, errored or timed out: retry with a new attempt, or fail for good.
+
+        ``count_attempt=False`` is for vLLM being unreachable: not the sample's fault, so it
+        waits without using up its attempts (the submitter bounds the wait by a deadline)."""
         with self._lock:
-            smp = self.get(s)
+            smp = self.get(key)
             if smp is None or smp.state != State.submitted or smp.attempt != attempt:
                 return
             self.reserved_bytes -= smp.expected_bytes
-            self._retry(smp, reason)
+            if count_attempt:
+                self._retry(smp, reason, State.submitted)
+            else:
+                smp.attempt += 1  # a late answer to the old request must not count
+                smp.state = State.queued
+                self._queue.appendleft(smp)
+                self._save(smp, State.submitted)
 
-    def _retry(self, smp: Sample, reason: str) -> None:
+    def fail(self, key: P.SampleKey, reason: str) -> None:
+        with self._lock:
+            s = self.get(key)
+            if s is None or s.state in TERMINAL:
+                return
+            old = s.state
+            if old == State.submitted:
+                self.reserved_bytes -= s.expected_bytes
+            s.errors.append(reason)
+            self._finish(s, State.failed, old)
+
+    def _retry(self, smp: Sample, reason: str, old: State) -> None:
         smp.errors.append(f"attempt {smp.attempt}: {reason}")
-        smp.attempt += 1
-        if smp.attempt >= self.max_attempts:
-            self._finish(smp, State.failed)
+        smp.attempt += 1  # the request generation: late answers to older ones are discarded
+        if len(smp.errors) >= self.max_attempts:  # failures, not generations, use up attempts
+            self._finish(smp, State.failed, old)
         else:
             smp.state = State.queued
             self._queue.append(smp)
+            self._save(smp, old)
 
-    def _finish(self, smp: Sample, state: State) -> None:
+    def _finish(self, smp: Sample, state: State, old: State) -> None:
         smp.state = state
+        self._save(smp, old)
         job = self.jobs[smp.key.job]
-        if job.done and job.finished is None:
+        if job.finished is None and job.done:
             job.finished = time.time()
+        self._save_job(job)
+
+    def stale_submissions(self, older_than_s: float) -> list[Sample]:
+        """SUBMITTED samples with no notice for too long (lost request, dead connector)."""
+        now = time.monotonic()
+        with self._lock:
+            return [s for j in self.jobs.values() for s in j.samples
+                    if s.state == State.submitted and now - s.submitted_at > older_than_s]  # fmt: skip
 
     # ------------------------------------------------------------------ notices
     def on_notice(self, n: P.Notice, file_bytes: int) -> str:
@@ -146,17 +346,18 @@ class Ledger:
                 return "delete"  # unknown, cancelled, or a late notice for an older attempt
             self.reserved_bytes -= smp.expected_bytes
             if n.status != P.NoticeStatus.ok:
-                self._retry(smp, n.reason or "connector error")
+                self._retry(smp, n.reason or "connector error", State.submitted)
                 return "delete"
             smp.notice = n
             smp.state = State.ready
             smp.on_disk_bytes = file_bytes
             self.reserved_bytes += file_bytes
             self._ready.append(smp)
+            self._save(smp, State.submitted)
             return "keep"
 
     # ------------------------------------------------------------------ delivery
-    def lease_next(self, owner: bytes, jobs: list[str] | None, lease_s: float) -> Sample | None:
+    def lease_next(self, owner: bytes, jobs: list[str] | None) -> Sample | None:
         with self._lock:
             for _ in range(len(self._ready)):
                 s = self._ready.popleft()
@@ -167,7 +368,7 @@ class Ledger:
                     continue
                 s.state = State.leased
                 s.lease_owner = owner
-                s.lease_deadline = time.monotonic() + lease_s
+                self._save(s, State.ready)
                 return s
             return None
 
@@ -175,22 +376,33 @@ class Ledger:
         """The trainer holds the bytes and the file is gone: its spool bytes are free again."""
         with self._lock:
             s = self.get(key)
-            if s is None or s.lease_owner != owner or s.on_disk_bytes == 0:
+            if s is None or s.on_disk_bytes == 0 or s.lease_owner not in (owner, None):
                 return 0
             freed, s.on_disk_bytes = s.on_disk_bytes, 0
             self.reserved_bytes -= freed
+            self._save(s)
             return freed
 
     def ack(self, owner: bytes, key: P.SampleKey) -> bool:
-        """First ack wins; a repeated or foreign ack changes nothing."""
+        """First ack wins; a repeated ack, or one for a sample another trainer holds, changes
+        nothing. An ack for a sample no one holds (the trainer used it before a sidecar
+        restart) is accepted: it was consumed, once."""
         with self._lock:
             s = self.get(key)
-            if s is None or s.state != State.leased or s.lease_owner != owner:
+            if s is None or s.state in TERMINAL:
                 return False
-            self.received(owner, key)
+            if s.lease_owner is not None and s.lease_owner != owner:
+                return False
+            old = s.state
+            if old == State.submitted:
+                self.reserved_bytes -= s.expected_bytes
+            self.reserved_bytes -= s.on_disk_bytes
+            s.on_disk_bytes = 0
             s.lease_owner = None
-            self.jobs[key.job].tokens_consumed += len(s.token_ids)
-            self._finish(s, State.consumed)
+            job = self.jobs[key.job]
+            job.tokens_consumed += len(s.token_ids)
+            job.bytes_consumed += s.notice.nbytes if s.notice else 0
+            self._finish(s, State.consumed, old)
             return True
 
     def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:
@@ -203,29 +415,39 @@ class Ledger:
             s.lease_owner = None
             f = s.notice.file if s.notice else None
             s.notice = None
-            self._retry(s, f"trainer: {reason}")
+            self._retry(s, f"trainer: {reason}", State.leased)
             return f
 
-    def release_owner(self, owner: bytes, file_exists) -> None:  # noqa: ANN001
+    def release_owner(self, owner: bytes, file_exists: Callable[[str], bool]) -> int:
         """A trainer went away: its leases go back to READY if the file is there, else QUEUED."""
+        n = 0
         with self._lock:
             for job in self.jobs.values():
                 for s in job.samples:
                     if s.state == State.leased and s.lease_owner == owner:
+                        n += 1
                         s.lease_owner = None
-                        if s.on_disk_bytes and s.notice and file_exists(s.notice.file):
+                        if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
                             s.state = State.ready
                             self._ready.appendleft(s)
                         else:
                             self.reserved_bytes -= s.on_disk_bytes
                             s.on_disk_bytes = 0
                             s.notice = None
+                            s.attempt += 1
                             s.state = State.queued
-                            self._queue.append(s)
+                            self._queue.appendleft(s)
+                        self._save(s, State.leased)
+        return n
 
-    def jobs_done(self, jobs: list[str] | None) -> bool:
+    def jobs_done(self, jobs: Iterable[str] | None) -> bool:
         with self._lock:
+            jobs = list(jobs) if jobs else None
             sel = [self.jobs[j] for j in jobs if j in self.jobs] if jobs else list(self.jobs.values())
             if jobs and len(sel) != len(jobs):
                 return False
             return bool(sel) and all(j.done for j in sel)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -45,6 +45,8 @@ class JobOptions(BaseModel):
     max_tokens_per_sample: int | None = Field(default=None, ge=1)
     overlong: Literal["truncate", "reject"] = "reject"
     on_invalid: Literal["reject", "skip"] = "reject"
+    epochs: int = Field(default=1, ge=1, le=1000)
+    seed: int = 0
 
 
 class JobIn(BaseModel):
@@ -71,6 +73,19 @@ class JobStatus(BaseModel):
     counts: dict[str, int]
     num_samples: int
     tokens_consumed: int
+    bytes_consumed: int
     elapsed_s: float
     tokens_per_s: float
     errors: list[SampleError]
+    errors_total: int
+    errors_offset: int
+
+
+class TokenCounts(BaseModel):
+    """Token frequencies of a job's data, so a trainer can pick its draft vocabulary before
+    step 1. ``counts`` covers loss-masked positions (what the draft learns to predict)."""
+
+    job_id: str
+    vocab_size: int | None
+    total_tokens: int
+    counts: dict[int, int]

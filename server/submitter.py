@@ -4,12 +4,17 @@ One prompt per call because vLLM returns ``kv_transfer_params`` only for the fir
 a multi-prompt request. Token ids, not text, and ``max_tokens=1``: we only want the prefill's
 hidden states. The spool budget is enforced here, before a request exists: a sample is only
 submitted once its expected bytes fit.
+
+vLLM going away is expected (restarts, upgrades): while it is unreachable, samples wait
+with exponential backoff and keep their attempts; only past ``down_deadline_s`` of
+continuous unavailability are they failed, with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
@@ -30,36 +35,52 @@ class Submitter:
         vllm_url: str,
         *,
         budget_bytes: int,
+        max_ready: int | None = None,
         concurrency: int = 16,
         timeout_s: float = 600.0,
+        down_deadline_s: float = 600.0,
+        notice_timeout_s: float = 120.0,
     ) -> None:
         self.ledger = ledger
         self.url = vllm_url.rstrip("/")
         self.budget = budget_bytes
+        self.max_ready = max_ready
         self.concurrency = concurrency
         self.timeout_s = timeout_s
+        self.down_deadline_s = down_deadline_s
+        self.notice_timeout_s = notice_timeout_s
         self.model_name: str | None = None
-        self.stats = {"requests": 0, "http_errors": 0}
+        self.down_since: float | None = None
+        self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0}
+        self.latency: list[float] = []  # observed by /metrics
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._inflight: dict[P.SampleKey, asyncio.Task] = {}
+        self.on_latency = None  # optional callback(seconds)
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=self.timeout_s)
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        tasks = [t for t in (self._task, *self._inflight.values()) if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._client:
             await self._client.aclose()
 
     def wake(self) -> None:
         self._wake.set()
+
+    async def cancel_job(self, job_id: str) -> int:
+        """Abort a job's requests in vLLM: closing the HTTP request makes vLLM abort it."""
+        tasks = [t for k, t in self._inflight.items() if k.job == job_id]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return len(tasks)
 
     async def vllm_model(self) -> str:
         """The served model name (asked once; vLLM rejects requests naming another)."""
@@ -75,10 +96,23 @@ class Submitter:
 
     async def _loop(self) -> None:
         sem = asyncio.Semaphore(self.concurrency)
-        inflight: set[asyncio.Task] = set()
+        last_sweep = time.monotonic()
         while True:
+            if time.monotonic() - last_sweep > 1.0:
+                last_sweep = time.monotonic()
+                self._sweep()
+            if self.down_since is not None:
+                # Probe instead of burning requests while vLLM is away.
+                try:
+                    self.model_name = None
+                    await self.vllm_model()
+                    log.info("vLLM is back after %.0f s", time.monotonic() - self.down_since)
+                    self.down_since = None
+                except VllmUnavailable:
+                    await asyncio.sleep(1.0)
+                    continue
             await sem.acquire()
-            s = self.ledger.next_to_submit(self.budget)
+            s = self.ledger.next_to_submit(self.budget, self.max_ready)
             if s is None:
                 sem.release()
                 self._wake.clear()
@@ -88,11 +122,24 @@ class Submitter:
                     pass
                 continue
             t = asyncio.create_task(self._submit(s, sem))
-            inflight.add(t)
-            t.add_done_callback(inflight.discard)
+            self._inflight[s.key] = t
+            t.add_done_callback(lambda _t, k=s.key: self._inflight.pop(k, None))
+
+    def _sweep(self) -> None:
+        """Samples whose request returned but whose notice never came are tried again, and
+        everything waiting is failed once vLLM has been gone past the deadline."""
+        for s in self.ledger.stale_submissions(self.notice_timeout_s):
+            if s.key not in self._inflight:
+                self.stats["notice_timeouts"] += 1
+                self.ledger.requeue(s.key, s.attempt, f"no notice from the connector within {self.notice_timeout_s:.0f} s")
+        if self.down_since is not None and time.monotonic() - self.down_since > self.down_deadline_s:
+            reason = f"vLLM at {self.url} unreachable for more than {self.down_deadline_s:.0f} s"
+            while (s := self.ledger.next_to_submit(2**62)) is not None:
+                self.ledger.fail(s.key, reason)
 
     async def _submit(self, s: Sample, sem: asyncio.Semaphore) -> None:
         attempt = s.attempt
+        t0 = time.monotonic()
         try:
             model = await self.vllm_model()
             body = {
@@ -107,11 +154,22 @@ class Submitter:
             r = await self._client.post(f"{self.url}/v1/completions", json=body)
             if r.status_code != 200:
                 self.stats["http_errors"] += 1
-                self.ledger.submit_failed(s.key, attempt, f"vLLM answered {r.status_code}: {r.text[:300]}")
-        except (httpx.HTTPError, VllmUnavailable) as e:
-            self.stats["http_errors"] += 1
+                self.ledger.requeue(s.key, attempt, f"vLLM answered {r.status_code}: {r.text[:300]}")
+            elif self.on_latency:
+                self.on_latency(time.monotonic() - t0)
+        except (httpx.TransportError, VllmUnavailable) as e:
+            # Not the sample's fault: wait for vLLM without spending an attempt.
+            self.stats["vllm_down_retries"] += 1
             self.model_name = None
-            self.ledger.submit_failed(s.key, attempt, f"vLLM request failed: {e!r}")
-            await asyncio.sleep(0.5)
+            if self.down_since is None:
+                self.down_since = time.monotonic()
+                log.warning("vLLM unreachable (%r): holding submissions until it is back", e)
+            self.ledger.requeue(s.key, attempt, f"vLLM unreachable: {e!r}", count_attempt=False)
+        except httpx.HTTPError as e:
+            self.stats["http_errors"] += 1
+            self.ledger.requeue(s.key, attempt, f"vLLM request failed: {e!r}")
+        except asyncio.CancelledError:
+            self.ledger.requeue(s.key, attempt, "request cancelled", count_attempt=False)
+            raise
         finally:
             sem.release()

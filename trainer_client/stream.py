@@ -129,6 +129,7 @@ class HiddenStateStream:
         self._acked: set[P.SampleKey] = set()
         self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
         self._last_send = 0.0
+        self._hello = P.Hello(jobs=jobs, follow=follow, same_host=True)
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0}
 
     # -- socket -------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ class HiddenStateStream:
             sock.setsockopt(zmq.LINGER, 2000)
             sock.connect(self.endpoint)
             self._sock = sock
-            self._send(P.Hello(jobs=self.jobs, follow=self.follow, same_host=True))
+            self._send(self._hello)
             self._send(P.Credit(n=self.credit))
         return self._sock
 
@@ -174,7 +175,7 @@ class HiddenStateStream:
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
             if time.monotonic() - self._last_send > self.heartbeat_s:
-                self._send(P.Heartbeat())
+                self._send(P.Heartbeat(hello=self._hello, window=self.credit))
             if not sock.poll(int(min(self.heartbeat_s, 0.5) * 1000)):
                 if time.monotonic() > deadline:
                     raise StreamError(

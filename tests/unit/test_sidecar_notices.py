@@ -7,7 +7,7 @@ import os
 import pytest
 
 from connector import protocol as P
-from server.ledger import Ledger, State
+from server.ledger import Ledger, NewSample, State
 from server.notices import NoticeReceiver
 
 
@@ -18,7 +18,7 @@ def setup(tmp_path):
     outside = tmp_path / "precious.safetensors"
     outside.write_bytes(b"not yours")
     ledger = Ledger(max_attempts=2)
-    job = ledger.add_job([([1, 2, 3], None, "a", 30)])
+    job = ledger.add_job([NewSample([1, 2, 3], None, "a", 30)])
     s = ledger.next_to_submit(budget=10**9)
     assert s is not None and s.state == State.submitted
     return spool, outside, ledger, job, NoticeReceiver("inproc://unused", spool, ledger)
@@ -59,7 +59,7 @@ def test_good_notice_makes_sample_ready_and_reserves_real_bytes(setup):
 def test_late_notice_for_old_attempt_is_deleted_not_delivered(setup):
     spool, _, ledger, job, rx = setup
     key = job.samples[0].key
-    ledger.submit_failed(key, 0, "vLLM said 500")  # attempt 0 failed, requeued as attempt 1
+    ledger.requeue(key, 0, "vLLM said 500")  # attempt 0 failed, requeued as attempt 1
     (spool / "old.safetensors").write_bytes(b"x")
     rx.handle(notice(key, "old.safetensors", attempt=0))
     assert not (spool / "old.safetensors").exists()
@@ -88,7 +88,7 @@ def test_ack_is_exactly_once(setup):
     spool, _, ledger, job, rx = setup
     (spool / "f.safetensors").write_bytes(b"x" * 10)
     rx.handle(notice(job.samples[0].key, "f.safetensors"))
-    s = ledger.lease_next(b"t1", None, 60)
+    s = ledger.lease_next(b"t1", None)
     assert s is job.samples[0]
     assert not ledger.ack(b"t2", s.key)  # another trainer's ack does nothing
     assert ledger.ack(b"t1", s.key)

@@ -1,0 +1,89 @@
+"""``hsstream submit`` / ``hsstream status``: the sidecar's REST API from the shell."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+
+
+def _client(url: str | None) -> httpx.Client:
+    from connector.settings import Settings
+
+    s = Settings()
+    base = url or f"http://{s.host}:{s.port}"
+    headers = {"authorization": f"Bearer {s.api_token}"} if s.api_token else {}
+    return httpx.Client(base_url=base, headers=headers, timeout=60)
+
+
+def _explain(r: httpx.Response) -> str:
+    try:
+        d = r.json().get("detail", r.text)
+    except ValueError:
+        d = r.text
+    return f"{r.status_code}: {d}"
+
+
+def submit(path: str, options: str, url: str | None, follow: bool) -> int:
+    p = Path(path)
+    if not p.is_file():
+        console.print(f"[red]no such file: {path}[/red]")
+        return 2
+    with _client(url) as c:
+        try:
+            r = c.post("/v1/jobs/upload", files={"file": (p.name, p.read_bytes())}, data={"options": options})
+        except httpx.HTTPError as e:
+            console.print(f"[red]sidecar not reachable at {c.base_url}: {e}[/red]")
+            return 3
+        if r.status_code != 200:
+            console.print(f"[red]job refused: {_explain(r)}[/red]")
+            return 1
+        job = r.json()
+        print(job["job_id"])
+        return follow_job(c, job["job_id"]) if follow else 0
+
+
+def follow_job(c: httpx.Client, job_id: str) -> int:
+    """A progress bar of consumed + failed samples until the job ends."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[detail]}"), console=console) as prog:  # fmt: skip
+        task = None
+        while True:
+            r = c.get(f"/v1/jobs/{job_id}")
+            if r.status_code != 200:
+                console.print(f"[red]{_explain(r)}[/red]")
+                return 1
+            st = r.json()
+            cnt = st["counts"]
+            done_n = cnt["consumed"] + cnt["failed"] + cnt["cancelled"]
+            detail = " ".join(f"{k} {v}" for k, v in cnt.items() if v) + f"  {st['tokens_per_s']:,.0f} tok/s"
+            if task is None:
+                task = prog.add_task(f"job {job_id}", total=st["num_samples"], detail=detail)
+            prog.update(task, completed=done_n, detail=detail)
+            if st["done"]:
+                break
+            time.sleep(1.0)
+    return 0 if cnt["failed"] == 0 else 1
+
+
+def status(job_id: str | None, url: str | None) -> int:
+    with _client(url) as c:
+        try:
+            r = c.get(f"/v1/jobs/{job_id}" if job_id else "/v1/jobs")
+        except httpx.HTTPError as e:
+            console.print(f"[red]sidecar not reachable at {c.base_url}: {e}[/red]")
+            return 3
+        if r.status_code != 200:
+            console.print(f"[red]{_explain(r)}[/red]")
+            return 1
+        import json
+
+        print(json.dumps(r.json(), indent=1))
+        return 0
+
+

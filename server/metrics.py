@@ -1,0 +1,45 @@
+"""Prometheus metrics (prometheus_client) for the sidecar, fed by ledger transitions."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from server.ledger import Ledger, Sample, State
+
+
+class SidecarMetrics:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        r = self.registry = CollectorRegistry()
+        self.transitions = Counter("hsstream_samples_total", "Samples entering a state", ["state"], registry=r)
+        self.tokens = Counter("hsstream_tokens_consumed_total", "Tokens acknowledged by trainers", registry=r)
+        self.request_latency = Histogram(
+            "hsstream_vllm_request_seconds", "vLLM /v1/completions latency", registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )  # fmt: skip
+        self.states = Gauge("hsstream_samples_in_state", "Samples per state now", ["state"], registry=r)
+        self.reserved = Gauge("hsstream_spool_reserved_bytes", "Spool bytes reserved (files + in flight)", registry=r)
+        self.tmpfs_used = Gauge("hsstream_spool_fs_used_bytes", "Used bytes of the spool's filesystem", registry=r)
+        ledger.listeners.append(self._on_transition)
+
+    def _on_transition(self, s: Sample, old: State) -> None:
+        self.transitions.labels(s.state.value).inc()
+        if s.state == State.consumed:
+            self.tokens.inc(len(s.token_ids))
+
+    def render(self, spool: Path) -> tuple[bytes, str]:
+        counts = {st.value: 0 for st in State}
+        for j in list(self.ledger.jobs.values()):
+            for k, v in j.counts().items():
+                counts[k] += v
+        for k, v in counts.items():
+            self.states.labels(k).set(v)
+        self.reserved.set(self.ledger.reserved_bytes)
+        try:
+            self.tmpfs_used.set(shutil.disk_usage(spool).used)
+        except OSError:
+            pass
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

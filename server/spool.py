@@ -1,0 +1,87 @@
+"""The sidecar's side of the spool: what may be deleted, and the reaper for what leaked.
+
+Only names that pass ``protocol.resolve_in_spool`` are ever touched. A file is garbage when
+no READY/LEASED sample names it and it is old enough that its notice cannot still be on the
+way; temp files are garbage once their writer had ample time. Killed processes (connector,
+trainer, sidecar) therefore never leave /dev/shm filling up for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from connector import protocol as P
+from server.ledger import Ledger
+
+log = logging.getLogger("hsstream.sidecar")
+
+
+class SpoolKeeper:
+    def __init__(self, spool: Path, ledger: Ledger, *, interval_s: float = 10.0, grace_s: float = 60.0) -> None:
+        self.spool = spool
+        self.ledger = ledger
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.removed_total = 0
+
+    def exists(self, name: str) -> bool:
+        try:
+            return P.resolve_in_spool(self.spool, name).exists()
+        except (P.UnsafePathError, FileNotFoundError):
+            return False
+
+    def remove(self, names: Iterable[str]) -> int:
+        n = 0
+        for name in names:
+            try:
+                P.resolve_in_spool(self.spool, name).unlink()
+                n += 1
+            except (FileNotFoundError, P.UnsafePathError):
+                pass
+        self.removed_total += n
+        return n
+
+    def file_bytes(self) -> int:
+        total = 0
+        for e in os.scandir(self.spool):
+            try:
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def sweep(self, min_age_s: float | None = None) -> int:
+        """Remove files no live sample owns; ``min_age_s=0`` at start-up, when nothing is in flight."""
+        age = self.grace_s if min_age_s is None else min_age_s
+        live = self.ledger.live_files()
+        now = time.time()
+        gone = 0
+        for e in os.scandir(self.spool):
+            name = e.name
+            if name in live or not (name.endswith(P.FILE_SUFFIX) or P.is_tmp_name(name)):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                if not e.is_file(follow_symlinks=False) or now - st.st_mtime < age:
+                    continue
+                os.unlink(os.path.join(self.spool, name))
+                gone += 1
+                log.info("reaped stray spool file %s", name)
+            except FileNotFoundError:
+                pass
+        self.removed_total += gone
+        return gone
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await asyncio.to_thread(self.sweep)
+            except Exception:  # noqa: BLE001 - the reaper must outlive a bad scan
+                log.exception("spool sweep failed")

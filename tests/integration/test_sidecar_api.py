@@ -1,0 +1,177 @@
+"""The sidecar's REST API and its error paths, on a real uvicorn process (no vLLM behind it:
+that is the "dead vLLM" case, and every other check here needs none)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hsstream import launch
+from hsstream.demo import free_port
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_model):
+    run = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
+    spool = Path(tempfile.mkdtemp(prefix="hsstream-api-", dir="/dev/shm"))
+    port = free_port()
+    env = launch.child_env({
+        "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run), "HSSTREAM_PORT": str(port),
+        "HSSTREAM_MODEL": tiny_model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
+        "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        "HSSTREAM_VLLM_DOWN_DEADLINE_S": "3", "HSSTREAM_API_TOKEN": TOKEN,
+        "HSSTREAM_MAX_BODY_BYTES": "200000", "HSSTREAM_SPOOL_BUDGET_BYTES": "2000000",
+    })  # fmt: skip
+    child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        launch.wait_http(f"{url}/healthz", child, 60)
+        with httpx.Client(base_url=url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+            yield c, env
+    finally:
+        child.stop()
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def post(c, samples, **options):
+    return c.post("/v1/jobs", json={"samples": samples, "options": options})
+
+
+def test_bearer_token_required_except_health(sidecar):
+    c, _ = sidecar
+    assert httpx.get(f"{c.base_url}/v1/jobs").status_code == 401
+    assert "bearer token" in httpx.get(f"{c.base_url}/v1/jobs").json()["detail"]
+    assert httpx.get(f"{c.base_url}/healthz").status_code == 200
+    assert c.get("/v1/jobs").status_code == 200
+
+
+def test_bad_json_is_422(sidecar):
+    c, _ = sidecar
+    r = c.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+
+
+def test_sample_with_two_kinds_names_the_field(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"prompt": "a"}, {"prompt": "b", "token_ids": [1]}])
+    assert r.status_code == 422
+    d = r.json()["detail"][0]
+    assert d["loc"][:3] == ["body", "samples", 1] and "exactly one of" in d["msg"]
+
+
+def test_empty_prompt_and_too_long_are_listed_by_index(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"prompt": "fine"}, {"prompt": ""}, {"token_ids": list(range(100)) * 30}], max_tokens_per_sample=512)
+    assert r.status_code == 422
+    bad = {b["index"]: b["reason"] for b in r.json()["detail"]["samples"]}
+    assert bad[1] == "empty prompt"
+    assert "3000 tokens, more than the limit of 512" in bad[2]
+    assert 0 not in bad
+
+
+def test_token_ids_outside_vocab_refused(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"token_ids": [1, 2, 99999]}])
+    assert r.status_code == 422 and "outside the vocabulary" in r.json()["detail"]["samples"][0]["reason"]
+
+
+def test_skip_mode_runs_the_rest(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"prompt": "ok one"}, {"prompt": ""}], on_invalid="skip")
+    assert r.status_code == 200 and r.json()["num_samples"] == 1 and r.json()["num_failed_at_submission"] == 1
+
+
+def test_truncate_mode(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"token_ids": list(range(50))}], max_tokens_per_sample=10, overlong="truncate")
+    assert r.status_code == 200
+    job = r.json()["job_id"]
+    counts = c.get(f"/v1/jobs/{job}/token_counts").json()
+    assert counts["total_tokens"] == 10 and counts["vocab_size"] == 512
+
+
+def test_sample_larger_than_the_whole_spool_is_refused(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"token_ids": [5] * 2000}])  # 2000 tokens x 4 KiB/token > 2 MB budget
+    assert r.status_code == 422 and "more than the whole spool budget" in r.json()["detail"]["samples"][0]["reason"]
+
+
+def test_oversize_body_is_413(sidecar):
+    c, _ = sidecar
+    r = post(c, [{"prompt": "x" * 300_000}])
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["detail"]
+
+
+def test_unknown_job_is_404(sidecar):
+    c, _ = sidecar
+    for r in (c.get("/v1/jobs/nope"), c.delete("/v1/jobs/nope"), c.get("/v1/jobs/nope/token_counts")):
+        assert r.status_code == 404 and "unknown job 'nope'" in r.json()["detail"]
+
+
+def test_dead_vllm_not_ready_jobs_wait_then_fail_with_reason(sidecar):
+    c, _ = sidecar
+    r = c.get("/readyz")
+    assert r.status_code == 503 and "not reachable" in r.json()["problems"][0]
+    job = post(c, [{"prompt": "waits for vLLM"}]).json()["job_id"]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        st = c.get(f"/v1/jobs/{job}").json()
+        if st["done"]:
+            break
+        time.sleep(0.5)
+    assert st["counts"]["failed"] == 1 and "unreachable for more than 3 s" in st["errors"][0]["errors"][-1]
+
+
+def test_chat_and_sharegpt_token_counts_follow_the_mask(sidecar):
+    c, _ = sidecar
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    conv = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]
+    a = post(c, [{"messages": msgs}]).json()["job_id"]
+    b = post(c, [{"conversations": conv}]).json()["job_id"]
+    ca, cb = (c.get(f"/v1/jobs/{j}/token_counts").json() for j in (a, b))
+    assert ca == {**cb, "job_id": a}  # ShareGPT is the same conversation
+    assert 0 < sum(ca["counts"].values()) < ca["total_tokens"]  # only assistant tokens counted
+
+
+def test_jsonl_upload_and_cli(sidecar, tmp_path):
+    c, env = sidecar
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"nope": 1}\n')
+    r = c.post("/v1/jobs/upload", files={"file": ("bad.jsonl", bad.read_bytes())})
+    assert r.status_code == 422 and r.json()["detail"]["lines"][0]["line"] == 2
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(json.dumps({"prompt": f"line {i}", "id": str(i)}) for i in range(3)) + "\n")
+    p = subprocess.run([sys.executable, "-m", "hsstream", "submit", str(good), "--url", str(c.base_url),
+                        "--options", '{"epochs": 2}'], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    job = p.stdout.strip()
+    st = c.get(f"/v1/jobs/{job}").json()
+    assert st["num_samples"] == 6  # 3 samples x 2 epochs
+    p = subprocess.run([sys.executable, "-m", "hsstream", "status", job, "--url", str(c.base_url)],
+                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0 and json.loads(p.stdout)["job_id"] == job
+
+
+def test_delete_cancels_queued_job(sidecar):
+    c, _ = sidecar
+    job = post(c, [{"prompt": "a"}, {"prompt": "b"}]).json()["job_id"]
+    r = c.delete(f"/v1/jobs/{job}")
+    assert r.status_code == 200 and r.json()["counts"]["cancelled"] + r.json()["counts"]["failed"] == 2
+    assert c.get(f"/v1/jobs/{job}").json()["done"]
+
+
+def test_metrics_exposed(sidecar):
+    c, _ = sidecar
+    m = c.get("/metrics").text
+    assert "hsstream_samples_total" in m and "hsstream_spool_reserved_bytes" in m and "hsstream_vllm_request_seconds" in m

@@ -1,0 +1,135 @@
+"""The ledger's state machine and its recovery after a crash (real SQLite files)."""
+
+from __future__ import annotations
+
+from connector import protocol as P
+from server.ledger import Ledger, NewSample, State
+
+
+def new(n=4, tokens=10, nbytes=100):
+    return [NewSample(list(range(i, i + tokens)), None, f"s{i}", nbytes) for i in range(n)]
+
+
+def ok_notice(s, file):
+    return P.Notice(status=P.NoticeStatus.ok, request_id="r", key=s.key, attempt=s.attempt, file=file,
+                    num_tokens=len(s.token_ids), nbytes=100)  # fmt: skip
+
+
+def test_budget_admission_counts_expected_then_real_bytes():
+    led = Ledger()
+    led.add_job(new(4, nbytes=100))
+    a = led.next_to_submit(budget=250)
+    b = led.next_to_submit(budget=250)
+    assert a and b and led.next_to_submit(budget=250) is None  # third would exceed 250
+    assert led.reserved_bytes == 200
+    assert led.on_notice(ok_notice(a, "a.safetensors"), 120) == "keep"
+    assert led.reserved_bytes == 220  # a's real file bytes replace its estimate
+    led.lease_next(b"t", None)
+    assert led.received(b"t", a.key) == 120 and led.reserved_bytes == 100
+    assert led.next_to_submit(budget=250) is not None
+
+
+def test_ready_limit_pauses_submission():
+    led = Ledger()
+    led.add_job(new(3))
+    a = led.next_to_submit(10**9, max_ready=1)
+    led.on_notice(ok_notice(a, "a.safetensors"), 100)
+    assert led.next_to_submit(10**9, max_ready=1) is None
+    led.lease_next(b"t", None)
+    assert led.next_to_submit(10**9, max_ready=1) is not None
+
+
+def test_epochs_get_their_own_keys_in_a_seeded_shuffle():
+    led = Ledger()
+    j = led.add_job(new(5), epochs=3, seed=7)
+    keys = [(s.key.epoch, s.key.index) for s in j.samples]
+    assert sorted(keys) == [(e, i) for e in range(3) for i in range(5)]
+    orders = [[i for e, i in keys if e == ep] for ep in range(3)]
+    assert len({tuple(o) for o in orders}) > 1  # reshuffled per epoch
+    j2 = Ledger().add_job(new(5), epochs=3, seed=7)
+    assert [(s.key.epoch, s.key.index) for s in j2.samples] == keys  # deterministic
+
+
+def test_recovery_after_crash(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    led = Ledger(db)
+    j = led.add_job(new(5))
+    s = [led.next_to_submit(10**9) for _ in range(5)]
+    led.on_notice(ok_notice(s[1], "one.safetensors"), 100)  # READY, file present
+    led.on_notice(ok_notice(s[2], "two.safetensors"), 100)
+    led.on_notice(ok_notice(s[3], "three.safetensors"), 100)
+    led.on_notice(ok_notice(s[4], "four.safetensors"), 100)
+    led.lease_next(b"t", None)  # s1 leased, file still there
+    led.lease_next(b"t", None)  # s2 leased, the trainer deleted the file
+    led.lease_next(b"t", None)  # s3 leased and acked
+    assert led.ack(b"t", s[3].key)
+    jid = j.job_id
+    # crash: no close; a new process opens the same file
+    led2 = Ledger(db)
+    present = {"one.safetensors", "four.safetensors"}
+    stats = led2.recover(lambda f: f in present)
+    j2 = led2.jobs[jid]
+    st = {x.key.index: x for x in j2.samples}
+    assert st[0].state == State.queued and st[0].attempt == 1  # was SUBMITTED
+    assert st[1].state == State.ready  # leased, file there
+    assert st[2].state == State.queued and st[2].attempt == 1  # leased, file gone: produce again
+    assert st[3].state == State.consumed  # acked before the crash stays acked
+    assert st[4].state == State.ready
+    assert stats == {"resubmitted": 1, "ready": 2, "regenerate": 1}
+    assert led2.live_files() == present
+    # a late notice for the pre-crash attempt of sample 0 is discarded
+    assert led2.on_notice(ok_notice(s[0], "late.safetensors"), 100) == "delete"
+    # the consumed sample's ack is not counted again
+    assert not led2.ack(b"other", st[3].key)
+    assert j2.tokens_consumed == 10
+
+
+def test_ack_after_restart_from_a_trainer_that_used_it_counts_once(tmp_path):
+    led = Ledger(tmp_path / "l.sqlite")
+    j = led.add_job(new(1))
+    s = led.next_to_submit(10**9)
+    led.on_notice(ok_notice(s, "f.safetensors"), 100)
+    led.lease_next(b"old-identity", None)
+    led2 = Ledger(tmp_path / "l.sqlite")
+    led2.recover(lambda f: True)
+    key = led2.jobs[j.job_id].samples[0].key
+    assert led2.ack(b"new-identity", key)  # nobody holds it: the trainer did use it
+    assert not led2.ack(b"new-identity", key)
+    assert led2.jobs[j.job_id].counts()["consumed"] == 1
+
+
+def test_cancel_returns_files_and_discards_late_notices():
+    led = Ledger()
+    j = led.add_job(new(3))
+    a, b = led.next_to_submit(10**9), led.next_to_submit(10**9)
+    led.on_notice(ok_notice(a, "a.safetensors"), 100)
+    assert led.cancel_job(j.job_id) == ["a.safetensors"]
+    assert j.counts()["cancelled"] == 3 and j.done and led.reserved_bytes == 0
+    assert led.on_notice(ok_notice(b, "b.safetensors"), 100) == "delete"
+
+
+def test_trainer_gone_returns_leases():
+    led = Ledger()
+    j = led.add_job(new(2))
+    a, b = led.next_to_submit(10**9), led.next_to_submit(10**9)
+    led.on_notice(ok_notice(a, "a.safetensors"), 100)
+    led.on_notice(ok_notice(b, "b.safetensors"), 100)
+    led.lease_next(b"t", None)
+    led.lease_next(b"t", None)
+    assert led.release_owner(b"t", lambda f: f == "a.safetensors") == 2
+    c = j.counts()
+    assert c["ready"] == 1 and c["queued"] == 1
+
+
+def test_vllm_down_does_not_spend_attempts():
+    led = Ledger(max_attempts=2)
+    j = led.add_job(new(1))
+    for _ in range(5):
+        s = led.next_to_submit(10**9)
+        led.requeue(s.key, s.attempt, "connection refused", count_attempt=False)
+    assert j.samples[0].state == State.queued and not j.samples[0].errors
+    s = led.next_to_submit(10**9)
+    led.requeue(s.key, s.attempt, "500")
+    s = led.next_to_submit(10**9)
+    led.requeue(s.key, s.attempt, "500")
+    assert j.samples[0].state == State.failed and len(j.samples[0].errors) == 2
