@@ -33,6 +33,7 @@ def vllm(
     enforce_eager: bool = typer.Option(False),
     prefix_caching: bool = typer.Option(False),
     dry_run: bool = typer.Option(False, help="print the command instead of running it"),
+    vllm_args: list[str] = typer.Argument(None, help="more vLLM arguments after `--`, e.g. -- --tensor-parallel-size 2"),
 ) -> None:
     """Exec `vllm serve` with the extraction method and our connector (what compose runs)."""
     from connector.layers import LayerIdError
@@ -52,7 +53,7 @@ def vllm(
     opts = launch.VllmOptions(
         model=mdl, layer_ids=ids, spool_dir=str(s.spool_dir), notice_endpoint=s.notice_ep(), port=port, host=host,
         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-        prefix_caching=prefix_caching, num_writer_threads=s.num_writer_threads,
+        prefix_caching=prefix_caching, num_writer_threads=s.num_writer_threads, extra=list(vllm_args or []),
     )  # fmt: skip
     try:
         args = launch.vllm_args(opts)
@@ -93,6 +94,49 @@ def status(job: str = typer.Argument(None), url: str = typer.Option(None)) -> No
     from hsstream.rest_client import status as _status
 
     raise typer.Exit(_status(job, url))
+
+
+@app.command()
+def up(
+    env_file: str = typer.Option(None, help="compose's .env (e.g. deploy/.env); the shell's environment wins"),
+    model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL or MODEL_DIR, else the tiny model)"),
+    layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS, else Eagle-3's)"),
+    with_trainer: bool = typer.Option(False, "--with-trainer", help="also run `hsstream train`"),
+    trainer_cmd: str = typer.Option(None, help="run this command as the trainer instead (shell syntax)"),
+    max_restarts: int = typer.Option(3, min=0, help="restarts of a vLLM that dies before `up` gives up"),
+    max_model_len: int = typer.Option(None, help="default MAX_MODEL_LEN, else the model's"),
+    gpu_memory_utilization: float = typer.Option(None, help="default GPU_MEMORY_UTILIZATION; 0.2 on the CPU build"),
+    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="default: eager on CPU"),
+    prefix_caching: bool = typer.Option(False, help="see docs/prefix-caching.md"),
+    ready_timeout: float = typer.Option(900.0, help="seconds vLLM may take to load the model"),
+    log_dir: str = typer.Option(None, help="also write each child's log to DIR/NAME.log"),
+    vllm_args: list[str] = typer.Argument(None, help="more vLLM arguments after `--`"),
+) -> None:
+    """Start vLLM, the sidecar and optionally a trainer; supervise them until Ctrl-C or SIGTERM."""
+    import shlex
+
+    from hsstream import up as _up
+
+    sup_say = lambda m: typer.echo(f"up      | {m}", err=True)  # noqa: E731
+    if with_trainer and trainer_cmd:
+        raise typer.BadParameter("give --with-trainer or --trainer-cmd, not both")
+    tcmd = shlex.split(trainer_cmd) if trainer_cmd else None
+    if with_trainer:
+        if "train" not in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
+            typer.echo("error: this install has no `hsstream train`; pass --trainer-cmd instead", err=True)
+            raise typer.Exit(2)
+        tcmd = [sys.executable, "-m", "hsstream", "train"]
+    try:
+        cfg = _up.build_config(
+            env_file=env_file, model=model, layer_ids=layer_ids, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, prefix_caching=prefix_caching,
+            vllm_extra=vllm_args, trainer_cmd=tcmd, max_restarts=max_restarts, ready_timeout_s=ready_timeout,
+            log_dir=log_dir, say=sup_say,
+        )  # fmt: skip
+    except _up.UpError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    raise typer.Exit(_up.Supervisor(cfg, say=sup_say).run())
 
 
 def main() -> None:

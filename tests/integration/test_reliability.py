@@ -1,0 +1,243 @@
+"""Nothing lost, nothing counted twice — with real processes dying.
+
+One engine (vLLM CPU build) and one sidecar for the module, with a small spool budget and a
+short trainer timeout so the crash cases resolve in seconds. Trainers are real processes
+(tests/integration/trainer_proc.py) that log every key they use and ack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hsstream import launch
+from tests.integration.conftest import submit
+from trainer_client import HiddenStateStream
+
+BUDGET = 200_000  # bytes: about four of this module's samples at a time
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    import tempfile
+
+    from hsstream.demo import Stack
+
+    st = Stack(tiny_model, [2, 6, 9, 12], Path(tempfile.mkdtemp(prefix="hsstream-rel-")))
+    st.env.update({"HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_TRAINER_TIMEOUT_S": "3",
+                   "HSSTREAM_LEDGER_PATH": str(st.workdir / "ledger.sqlite")})  # fmt: skip
+    try:
+        st.start()
+        yield st
+    finally:
+        st.stop()
+        st.remove_spool()
+
+
+def child(stack, name):
+    return next(c for c in stack.children if c.name == name)
+
+
+def restart(stack, name, wait_url):
+    """SIGKILL a child's whole process group, then start it again with the same command."""
+    c = child(stack, name)
+    os.killpg(c.proc.pid, signal.SIGKILL)
+    c.proc.wait(30)
+    new = launch.spawn(name, list(c.proc.args), launch.child_env(stack.env), c.log_path, launch.repo_root())
+    stack.children[stack.children.index(c)] = new
+    launch.wait_http(wait_url, new, 600)
+    return new
+
+
+def status(stack, job):
+    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+
+
+def wait_done(stack, job, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        st = status(stack, job)
+        if st["done"]:
+            return st
+        time.sleep(0.3)
+    raise AssertionError(f"job {job} not done after {timeout} s: {status(stack, job)}")
+
+
+def token_samples(n, length=40, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return [{"token_ids": [rng.randrange(0, 509) for _ in range(length)], "id": f"t{i}"} for i in range(n)]
+
+
+def start_trainer(stack, log, job, *extra):
+    args = [sys.executable, str(HERE / "trainer_proc.py"), "--endpoint", stack.delivery_endpoint,
+            "--spool", str(stack.spool), "--log", str(log), "--jobs", job, *extra]  # fmt: skip
+    return subprocess.Popen(args, env=launch.child_env(), cwd=launch.repo_root(), start_new_session=True)
+
+
+def read_log(log):
+    return [json.loads(ln) for ln in Path(log).read_text().splitlines()] if Path(log).exists() else []
+
+
+def check_invariant(stack, job, n, acked_lists):
+    st = wait_done(stack, job)
+    c = st["counts"]
+    assert c["consumed"] + c["failed"] + c["cancelled"] == n, c
+    assert c["failed"] == 0, st["errors"]
+    all_acked = [k for lst in acked_lists for k in lst]
+    assert len(all_acked) == len(set(all_acked)), "a sample was acknowledged twice"
+    assert len(set(all_acked)) == c["consumed"] == n
+    time.sleep(0.3)
+    assert stack.spool_files() == []
+
+
+def test_chat_job_token_ids_and_loss_mask(stack, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Grüß dich! 2+2?"},
+        {"role": "assistant", "content": "4 ✓"},
+        {"role": "user", "content": "and ½ + ½?"},
+        {"role": "assistant", "content": "1, naturellement 🙂"},
+    ]
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    S, E = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    ids, mask = [], []
+
+    def part(t, m):
+        ids.extend(t)
+        mask.extend([m] * len(t))
+
+    # Spelled out: only each assistant reply and its closing <|im_end|> are trained on.
+    part([S] + enc("system\nYou are terse.") + [E] + enc("\n"), 0)
+    part([S] + enc("user\nGrüß dich! 2+2?") + [E] + enc("\n"), 0)
+    part([S] + enc("assistant\n"), 0)
+    part(enc("4 ✓") + [E], 1)
+    part(enc("\n"), 0)
+    part([S] + enc("user\nand ½ + ½?") + [E] + enc("\n"), 0)
+    part([S] + enc("assistant\n"), 0)
+    part(enc("1, naturellement 🙂") + [E], 1)
+    part(enc("\n"), 0)
+    assert tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"] == ids
+    job = submit(stack, [{"messages": msgs, "id": "chat"}])
+    with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
+        got = list(s)
+    assert len(got) == 1
+    assert got[0].token_ids.tolist() == ids
+    assert got[0].loss_mask.int().tolist() == mask
+    assert got[0].label == "chat" and got[0].hidden_states.shape == (len(ids), 4, 128)
+
+
+def test_paused_trainer_spool_stays_under_budget_then_drains(stack):
+    n = 16
+    job = submit(stack, token_samples(n, 40, seed=1))
+    peak, stop = [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            total = 0
+            for e in os.scandir(stack.spool):
+                try:
+                    total += e.stat().st_size
+                except FileNotFoundError:
+                    pass
+            peak[0] = max(peak[0], total)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        time.sleep(6)  # no trainer: production must stop at the budget
+        st = status(stack, job)
+        assert st["counts"]["ready"] >= 1 and st["counts"]["queued"] > 0, st["counts"]
+        assert 0 < peak[0] <= BUDGET
+        with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
+            got = list(s)
+    finally:
+        stop.set()
+        t.join()
+    assert len(got) == n and peak[0] <= BUDGET, peak
+    assert status(stack, job)["counts"]["consumed"] == n
+    assert stack.spool_files() == []
+
+
+def test_trainer_killed_then_new_trainer(stack, tmp_path):
+    n = 12
+    job = submit(stack, token_samples(n, 30, seed=2))
+    log1, log2 = tmp_path / "t1.jsonl", tmp_path / "t2.jsonl"
+    t1 = start_trainer(stack, log1, job, "--hang-after", "5")
+    t0 = time.time()
+    while not any("hang" in x for x in read_log(log1)):
+        assert time.time() - t0 < 120 and t1.poll() is None, read_log(log1)
+        time.sleep(0.2)
+    os.killpg(t1.pid, signal.SIGKILL)
+    t1.wait(10)
+    t2 = start_trainer(stack, log2, job)
+    assert t2.wait(240) == 0
+    a1 = [x["acked"] for x in read_log(log1) if "acked" in x]
+    a2 = [x["acked"] for x in read_log(log2) if "acked" in x]
+    used1 = [x["used"] for x in read_log(log1) if "used" in x]
+    assert len(a1) == 4 and len(used1) == 5
+    assert used1[-1] in a2  # used but never acked by the dead trainer: produced again
+    check_invariant(stack, job, n, [a1, a2])
+
+
+def test_sidecar_killed_mid_job_and_restarted(stack, tmp_path):
+    n = 14
+    job = submit(stack, token_samples(n, 30, seed=3))
+    log = tmp_path / "t.jsonl"
+    tr = start_trainer(stack, log, job, "--sleep-per-sample", "0.3")
+    t0 = time.time()
+    while sum("acked" in x for x in read_log(log)) < 4:
+        assert time.time() - t0 < 120 and tr.poll() is None
+        time.sleep(0.1)
+    restart(stack, "sidecar", f"{stack.api}/healthz")  # the trainer keeps running through it
+    assert tr.wait(240) == 0, read_log(log)
+    acked = [x["acked"] for x in read_log(log) if "acked" in x]
+    check_invariant(stack, job, n, [acked])
+
+
+def test_vllm_killed_mid_job_and_restarted(stack, tmp_path):
+    n = 12
+    job = submit(stack, token_samples(n, 30, seed=4))
+    log = tmp_path / "t.jsonl"
+    tr = start_trainer(stack, log, job, "--sleep-per-sample", "0.5")
+    t0 = time.time()
+    while sum("acked" in x for x in read_log(log)) < 2:
+        assert time.time() - t0 < 120 and tr.poll() is None
+        time.sleep(0.1)
+    restart(stack, "vllm", f"http://127.0.0.1:{stack.vllm_port}/health")
+    assert tr.wait(300) == 0, read_log(log)
+    acked = [x["acked"] for x in read_log(log) if "acked" in x]
+    check_invariant(stack, job, n, [acked])
+
+
+def test_delete_running_job_leaves_no_file_and_no_request(stack):
+    job = submit(stack, token_samples(30, 60, seed=5))  # no trainer: files pile up to the budget
+    t0 = time.time()
+    while status(stack, job)["counts"]["ready"] < 1:
+        assert time.time() - t0 < 120
+        time.sleep(0.1)
+    r = httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30)
+    assert r.status_code == 200
+    c = r.json()["counts"]
+    assert c["cancelled"] + c["consumed"] + c["failed"] == 30 and c["cancelled"] > 0
+    time.sleep(2.0)  # late notices of aborted requests are discarded with their files
+    assert stack.spool_files() == []
+    m = httpx.get(f"http://127.0.0.1:{stack.vllm_port}/metrics", timeout=10).text
+    vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in m.splitlines()
+            if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))}  # fmt: skip
+    assert vals and all(v == 0 for v in vals.values()), vals

@@ -1,0 +1,148 @@
+"""The draft model (speculators' ``Eagle3DraftModel``) and checkpoints vLLM can serve.
+
+A checkpoint is a folder ``step-NNNNNNNN/`` holding ``draft/`` (``save_pretrained`` output:
+speculators' format with ``eagle_aux_hidden_state_layer_ids``, which vLLM loads as
+``speculative_config={"method": "eagle3", "model": ".../draft"}``) and ``trainer_state.pt``
+(optimizer, schedule, step, and which samples the weights include). It is written under a
+hidden temporary name and renamed into place, so a crash mid-write leaves no checkpoint that
+looks complete; resume picks the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hsstream.eagle3")
+
+CKPT_DIR = "checkpoints"
+DRAFT_DIR = "draft"
+STATE_FILE = "trainer_state.pt"
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+
+
+def verifier_text_config(verifier_dir: str) -> dict:
+    c = json.loads((Path(verifier_dir) / "config.json").read_text())
+    return c.get("text_config", c)
+
+
+def build_draft(
+    verifier_dir: str,
+    aux_layer_ids: list[int],
+    *,
+    draft_vocab_size: int,
+    t2d: torch.Tensor | None,
+    d2t: torch.Tensor | None,
+    ttt_steps: int = 3,
+    seed: int = 0,
+    train_lm_head: bool = False,
+):
+    """A fresh draft: one llama decoder layer, verifier embeddings / norm / lm_head rows frozen.
+
+    sdpa attention because flex attention has no backward on CPU; the first argument of
+    ``from_training_args`` is the *draft layer's* config, built from the verifier's.
+    """
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    layer_cfg = create_transformer_layer_config(
+        verifier_dir, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=4096, full_attention_indices=[0]
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Eagle3DraftModel.from_training_args(
+            layer_cfg,
+            t2d=t2d,
+            d2t=d2t,
+            verifier_name_or_path=verifier_dir,
+            target_layer_ids=list(aux_layer_ids),
+            draft_vocab_size=draft_vocab_size,
+            norm_before_residual=True,
+            ttt_steps=ttt_steps,
+            draft_attn_impl="sdpa",
+        )
+    model = model.float()
+    if train_lm_head:
+        model.lm_head.weight.requires_grad_(True)
+    for name in ("embed_tokens", "verifier_lm_head", "verifier_norm"):
+        for p in getattr(model, name).parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / CKPT_DIR
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first (a complete one has both the draft and the state)."""
+    root = checkpoint_root(out_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and (p / STATE_FILE).is_file() and (p / DRAFT_DIR / "config.json").is_file():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    ck = list_checkpoints(out_dir)
+    return ck[-1][1] if ck else None
+
+
+def latest_draft(out_dir: str | Path) -> Path | None:
+    """The folder to give vLLM as the draft ``model``."""
+    ck = latest_checkpoint(out_dir)
+    return ck / DRAFT_DIR if ck else None
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model, state: dict, keep: int = 2) -> Path:  # noqa: ANN001
+    root = checkpoint_root(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:08d}.tmp-", dir=root))
+    try:
+        model.save_pretrained(tmp / DRAFT_DIR)
+        torch.save(state, tmp / STATE_FILE)
+        for f in (tmp / STATE_FILE, *(tmp / DRAFT_DIR).iterdir()):
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # re-saving the same step (e.g. the final one): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for _, old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_weights(model, ckpt: Path) -> None:  # noqa: ANN001
+    """Trained weights from a checkpoint into a freshly built draft (verifier parts stay as built)."""
+    from safetensors.torch import load_file
+
+    sd = load_file(str(ckpt / DRAFT_DIR / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    allowed_missing = {"verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t"}
+    bad = [k for k in missing if k not in allowed_missing]
+    if bad or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the draft: missing {bad}, unexpected {unexpected}")
+
+
+def load_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / STATE_FILE, weights_only=True)

@@ -1,0 +1,146 @@
+"""Token counts and the draft vocabulary maps (d2t / t2d) built from them.
+
+The maps must exist before step 1 (they decide which rows of the verifier's lm_head the draft
+predicts over), yet the hidden states arrive only as training goes. So counts come from
+somewhere that is known up front: the sidecar (``GET /v1/jobs/{id}/token_counts``, once it
+exists), a file, or the samples the trainer submits itself, tokenised here with the
+verifier's tokenizer the same way the sidecar does. Each source is one small function so
+that switching source changes one call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+
+def count_tokens(token_ids: Iterable[list[int]], loss_masks: Iterable[list[int] | None] | None = None) -> dict[int, int]:
+    """Counts of the tokens that carry loss (all tokens where no mask is given).
+
+    Only loss-carrying tokens count, as in speculators: they are what the draft will be
+    asked to predict.
+    """
+    c: Counter[int] = Counter()
+    masks = loss_masks if loss_masks is not None else itertools.repeat(None)
+    for ids, mask in zip(token_ids, masks):
+        if mask is None:
+            c.update(ids)
+        else:
+            if len(mask) != len(ids):
+                raise ValueError(f"loss mask has {len(mask)} entries for {len(ids)} tokens")
+            c.update(t for t, m in zip(ids, mask) if m)
+    return dict(c)
+
+
+def token_counts_from_file(path: str | Path) -> dict[int, int]:
+    """Counts from JSON (``{"123": 45, ...}`` or ``{"counts": {...}}``) or a torch-saved dict."""
+    p = Path(path)
+    if p.suffix in (".pt", ".pth"):
+        raw = torch.load(p, weights_only=True)
+    else:
+        raw = json.loads(p.read_text())
+    if isinstance(raw, dict) and "counts" in raw and isinstance(raw["counts"], dict):
+        raw = raw["counts"]
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{p}: expected a non-empty mapping token id -> count")
+    try:
+        return {int(k): int(v) for k, v in raw.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{p}: token ids and counts must be integers ({e})") from e
+
+
+def save_token_counts(counts: dict[int, int], path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"counts": {str(k): v for k, v in sorted(counts.items())}}) + "\n")
+
+
+def token_counts_from_sidecar(api: str, job_ids: list[str], token: str | None = None) -> dict[int, int] | None:
+    """Counts from the sidecar's ``GET /v1/jobs/{id}/token_counts``; None while it has no such endpoint."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    total: Counter[int] = Counter()
+    for job in job_ids:
+        r = httpx.get(f"{api.rstrip('/')}/v1/jobs/{job}/token_counts", headers=headers, timeout=30)
+        if r.status_code in (404, 405):
+            return None
+        r.raise_for_status()
+        body = r.json()
+        counts = body.get("counts", body) if isinstance(body, dict) else None
+        if not isinstance(counts, dict):
+            raise ValueError(f"unexpected token_counts answer for job {job}: {str(body)[:200]}")
+        total.update({int(k): int(v) for k, v in counts.items()})
+    return dict(total)
+
+
+def tokenize_samples(verifier_dir: str, samples: list[dict], loss_mask: str = "assistant") -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) per REST sample, as the sidecar computes them (server/tokenization.py).
+
+    Duplicated rather than imported: the trainer installs without the server.
+    """
+    tok = None
+    out = []
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+    for s in samples:
+        if s.get("token_ids") is not None:
+            ids = list(s["token_ids"])
+            out.append((ids, [1] * len(ids)))
+            continue
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(verifier_dir)
+        if s.get("prompt") is not None:
+            ids = tok(s["prompt"], add_special_tokens=False)["input_ids"]
+            out.append((ids, [1] * len(ids)))
+            continue
+        msgs = s.get("messages")
+        if msgs is None:
+            msgs = [{"role": roles.get(t["from"], t["from"]), "content": t["value"]} for t in s.get("conversations") or []]
+        enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = list(enc["input_ids"])
+        mask = list(enc.get("assistant_masks") or [0] * len(ids)) if loss_mask == "assistant" else [1] * len(ids)
+        out.append((ids, [int(x) for x in mask]))
+    return out
+
+
+def token_counts_from_samples(verifier_dir: str, samples: list[dict], loss_mask: str = "assistant") -> dict[int, int]:
+    enc = tokenize_samples(verifier_dir, samples, loss_mask)
+    return count_tokens([i for i, _ in enc], [m for _, m in enc])
+
+
+def build_vocab_maps(
+    counts: dict[int, int] | None, draft_vocab_size: int, verifier_vocab_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d2t, t2d) for a draft vocabulary of the most frequent tokens; (None, None) for the full one.
+
+    d2t holds offsets (target id = draft index + d2t[index]), t2d a boolean mask over the
+    verifier's vocabulary: speculators' and vLLM's convention. Ties are broken by token id,
+    so the same counts always give the same maps.
+    """
+    if draft_vocab_size >= verifier_vocab_size:
+        return None, None
+    if not counts:
+        raise ValueError(
+            f"a draft vocabulary of {draft_vocab_size} < {verifier_vocab_size} tokens needs token counts "
+            "(--token-counts FILE, the samples submitted by the trainer, or the sidecar's token_counts endpoint)"
+        )
+    bad = [t for t in counts if not 0 <= t < verifier_vocab_size]
+    if bad:
+        raise ValueError(f"token counts name ids outside the verifier's vocabulary: {bad[:5]}")
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    d2t, t2d = build_vocab_mappings_from_distribution(dict(counts), draft_vocab_size, verifier_vocab_size)
+    return d2t, t2d
+
+
+def coverage(counts: dict[int, int], t2d: torch.Tensor | None) -> float:
+    """Share of the counted tokens that the draft vocabulary can predict."""
+    total = sum(counts.values())
+    if t2d is None or total == 0:
+        return 1.0
+    return sum(v for k, v in counts.items() if bool(t2d[k])) / total
