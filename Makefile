@@ -20,7 +20,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m hsstream demo
 
-test: $(STAMP)
+# tests/unit/test_deploy_compose.py validates deploy/compose.yaml with a real Compose: Debian's.
+compose-tool:
+	@command -v docker-compose >/dev/null || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
+	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }
+
+test: $(STAMP) compose-tool
 	$(PY) -m pytest tests
 
 test-unit: $(STAMP)

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,6 +177,13 @@ def run_one(args: argparse.Namespace) -> dict:
         res["files_wait_s"] = round(time.perf_counter() - t1, 3)
         res["tok_per_s_incl_files"] = round(ntok / (dt + res["files_wait_s"]), 1)
     log(f"{args.mode} round {args.round}: {res['prompt_tok_per_s']:,.0f} tok/s")
+    # Stop the engine's processes before this one exits: os._exit would orphan them.
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # noqa: BLE001
+        res["shutdown_error"] = repr(e)[:300]
+    if consumer:
+        consumer.stop.set()
     shutil.rmtree(spool, ignore_errors=True)
     return res
 
@@ -201,9 +209,18 @@ def parent(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, "--child", "--mode", mode, "--round", str(r), "--result", str(jl)]
             cmd += [a for a in sys.argv[1:] if a != "--child"]
             log("run", mode, "round", r)
-            p = subprocess.run(cmd, timeout=args.child_timeout, env=env)
-            if p.returncode != 0 or not jl.exists():
-                results.append({"mode": mode, "round": r, "ok": False, "rc": p.returncode})
+            p = subprocess.Popen(cmd, env=env, start_new_session=True)
+            try:
+                rc = p.wait(args.child_timeout)
+            except subprocess.TimeoutExpired:
+                rc = -9
+            finally:  # whatever the engine left behind goes with its process group
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if rc != 0 or not jl.exists():
+                results.append({"mode": mode, "round": r, "ok": False, "rc": rc})
                 continue
             results.append({**json.loads(jl.read_text()), "ok": True})
     rows = []

@@ -228,13 +228,26 @@ _BODY: dict[MsgType, type[_Model]] = {
 _TYPE_OF = {v: k for k, v in _BODY.items()}
 
 
-def encode_msg(body: _Model) -> list[bytes]:
-    return [_TYPE_OF[type(body)].value.encode(), body.model_dump_json().encode()]
+def encode_msg(body: _Model, payload: bytes | memoryview | None = None) -> list:
+    """Frames of a message. A DELIVER to a remote trainer carries the whole safetensors file as
+    a third frame (the trainer cannot read our /dev/shm); checksum and shapes come with it."""
+    frames: list = [_TYPE_OF[type(body)].value.encode(), body.model_dump_json().encode()]
+    if payload is not None:
+        if not isinstance(body, Deliver):
+            raise ProtocolError("only DELIVER carries a payload")
+        frames.append(payload)
+    return frames
+
+
+def payload_of(frames: list[bytes]) -> bytes | None:
+    return frames[2] if len(frames) == 3 else None
 
 
 def decode_msg(frames: list[bytes]) -> _Model:
-    if len(frames) != 2:
-        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    if len(frames) not in (2, 3):
+        raise ProtocolError(f"expected 2 or 3 frames, got {len(frames)}")
+    if len(frames) == 3 and frames[0] != MsgType.deliver.value.encode():
+        raise ProtocolError("only DELIVER carries a payload frame")
     try:
         mtype = MsgType(frames[0].decode())
     except (ValueError, UnicodeDecodeError) as e:

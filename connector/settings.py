@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 30.0
     max_body_bytes: int = 256 * 2**20
+    # Remote trainers (other hosts): TCP + CURVE. Keys in zmq.auth's certificate format
+    # (`hsstream keys DIR` makes them); the sidecar accepts any public key in curve_clients_dir.
+    remote_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5601
+    curve_server_secret_file: Path | None = None
+    curve_clients_dir: Path | None = None
     api_token: str | None = None
 
     # Connector

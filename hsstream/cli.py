@@ -101,8 +101,8 @@ def up(
     env_file: str = typer.Option(None, help="compose's .env (e.g. deploy/.env); the shell's environment wins"),
     model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL or MODEL_DIR, else the tiny model)"),
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS, else Eagle-3's)"),
-    with_trainer: bool = typer.Option(False, "--with-trainer", help="also run `hsstream train`"),
-    trainer_cmd: str = typer.Option(None, help="run this command as the trainer instead (shell syntax)"),
+    train: str = typer.Option(None, help="also run `hsstream train` with these arguments, e.g. \"--out runs/a --submit data.jsonl\""),
+    trainer_cmd: str = typer.Option(None, help="or run this command as the trainer (shell syntax)"),
     max_restarts: int = typer.Option(3, min=0, help="restarts of a vLLM that dies before `up` gives up"),
     max_model_len: int = typer.Option(None, help="default MAX_MODEL_LEN, else the model's"),
     gpu_memory_utilization: float = typer.Option(None, help="default GPU_MEMORY_UTILIZATION; 0.2 on the CPU build"),
@@ -117,15 +117,21 @@ def up(
 
     from hsstream import up as _up
 
-    sup_say = lambda m: typer.echo(f"up      | {m}", err=True)  # noqa: E731
-    if with_trainer and trainer_cmd:
-        raise typer.BadParameter("give --with-trainer or --trainer-cmd, not both")
+    def sup_say(msg: str) -> None:
+        typer.echo("\n".join(f"up      | {line}" for line in msg.splitlines()), err=True)
+
+    if train is not None and trainer_cmd:
+        raise typer.BadParameter("give --train or --trainer-cmd, not both")
     tcmd = shlex.split(trainer_cmd) if trainer_cmd else None
-    if with_trainer:
-        if "train" not in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
-            typer.echo("error: this install has no `hsstream train`; pass --trainer-cmd instead", err=True)
-            raise typer.Exit(2)
-        tcmd = [sys.executable, "-m", "hsstream", "train"]
+    if train is not None:  # checked now, not after vLLM has loaded for a minute
+        train_cmd = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+        try:
+            with train_cmd.make_context("hsstream train", shlex.split(train)):
+                pass
+        except typer.TyperException as e:  # typer's own click: a usage error, bad option or value
+            typer.echo(f"error: --train {train!r}: {getattr(e, 'format_message', e.__str__)()}", err=True)
+            raise typer.Exit(2) from e
+        tcmd = [sys.executable, "-m", "hsstream", "train", *shlex.split(train)]
     try:
         cfg = _up.build_config(
             env_file=env_file, model=model, layer_ids=layer_ids, max_model_len=max_model_len,
@@ -137,6 +143,81 @@ def up(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     raise typer.Exit(_up.Supervisor(cfg, say=sup_say).run())
+
+
+@app.command()
+def train(
+    model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL)"),
+    out: str = typer.Option(..., help="run dir: checkpoints/, metrics.jsonl, jobs.json; resumed if it exists"),
+    job: list[str] = typer.Option(None, help="job id to follow (repeatable)"),
+    submit: str = typer.Option(None, help="JSONL of samples to submit, one job per epoch"),
+    epochs: int = typer.Option(1, help="with --submit: how many times the sidecar streams each sample"),
+    loss_mask: str = typer.Option("assistant", help="with --submit: 'assistant' or 'all'"),
+    api: str = typer.Option(None, help="sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
+    endpoint: str = typer.Option(None, help="delivery endpoint (default HSSTREAM_DELIVERY_ENDPOINT)"),
+    spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
+    token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
+    draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
+    aux_layers: str = typer.Option(None, help="three aux layer ids, comma-separated (default: the stream's)"),
+    steps: int = typer.Option(None, help="stop after this many steps (default: when the jobs are complete)"),
+    samples_per_step: int = typer.Option(1),
+    lr: float = typer.Option(1e-3),
+    warmup: int = typer.Option(20),
+    schedule: str = typer.Option("cosine", help="cosine | linear | constant"),
+    schedule_steps: int = typer.Option(None, help="length of the LR decay (default --steps)"),
+    grad_clip: float = typer.Option(1.0),
+    ttt_steps: int = typer.Option(3),
+    checkpoint_every: int = typer.Option(100),
+    threads: int = typer.Option(1, help="torch CPU threads (1 is fastest beside vLLM on a small machine)"),
+    timeout: float = typer.Option(600.0, help="seconds without a sample before giving up"),
+    seed: int = typer.Option(0),
+    control: str = typer.Option("none", help="'swap-hidden': negative control, aux states from another sample"),
+    progress: bool = typer.Option(True),
+) -> None:
+    """Train an Eagle-3 draft online on the stream (speculators' format; checkpoints, resume)."""
+    import json
+    import logging
+
+    from connector.settings import Settings
+    from trainer_client.eagle3 import MissingLayersError, TrainConfig
+    from trainer_client.eagle3.run import run_train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    s = Settings()
+    mdl = model or s.model
+    if not mdl:
+        raise typer.BadParameter("no verifier: pass --model or set HSSTREAM_MODEL")
+    cfg = TrainConfig(
+        verifier=mdl, out_dir=out, draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=[int(x) for x in aux_layers.replace(",", " ").split()] if aux_layers else None,
+        ttt_steps=ttt_steps, lr=lr, warmup_steps=warmup, schedule=schedule, schedule_steps=schedule_steps,
+        max_steps=steps, grad_clip=grad_clip, samples_per_step=samples_per_step, checkpoint_every=checkpoint_every,
+        seed=seed, control=control, progress=progress, threads=threads, extra={"argv": sys.argv},
+    )  # fmt: skip
+    try:
+        result = run_train(
+            cfg, api=api or f"http://{s.host}:{s.port}", endpoint=endpoint or s.delivery_ep(),
+            spool_dir=spool or str(s.spool_dir), jobs=job or None, submit_file=submit, epochs=epochs,
+            job_options={"loss_mask": loss_mask}, token_counts_file=token_counts, api_token=s.api_token,
+            timeout_s=timeout,
+        )  # fmt: skip
+    except (MissingLayersError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(json.dumps(result.summary(), indent=2))
+
+
+@app.command()
+def keys(directory: str = typer.Argument(..., help="where to write the key pair"), name: str = typer.Option("trainer")) -> None:
+    """Make a CURVE key pair for remote delivery (NAME.key public, NAME.key_secret secret).
+
+    The sidecar's pair goes to HSSTREAM_CURVE_SERVER_SECRET_FILE; each trainer's public
+    NAME.key goes into the sidecar's HSSTREAM_CURVE_CLIENTS_DIR."""
+    import zmq.auth
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    pub, sec = zmq.auth.create_certificates(directory, name)
+    typer.echo(f"public: {pub}\nsecret: {sec}")
 
 
 def main() -> None:

@@ -127,7 +127,7 @@ SEED_HELD_OUT = 3003
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 500
+    steps: int = 300
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 3e-3
@@ -135,7 +135,7 @@ class PretrainConfig:
     weight_decay: float = 0.01
     seed: int = 0
     num_docs: int = 20000
-    threads: int = 2
+    threads: int = 1
 
 
 def _pack(tok, docs: list[str], seq_len: int):  # noqa: ANN001
@@ -190,7 +190,11 @@ def held_out_prompts(n: int, seed: int = SEED_HELD_OUT, max_chars: int = 120) ->
     return out
 
 
-def _train(base: Path, out: Path, cfg: PretrainConfig, log=print) -> dict:  # noqa: ANN001
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _train(base: Path, out: Path, cfg: PretrainConfig, log=_say) -> dict:  # noqa: ANN001
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -255,7 +259,7 @@ def content_hash(base: Path, cfg: PretrainConfig) -> str:
 
 
 def pretrained_verifier(
-    cache_dir: str | Path | None = None, cfg: PretrainConfig | None = None, *, force: bool = False, log=print  # noqa: ANN001
+    cache_dir: str | Path | None = None, cfg: PretrainConfig | None = None, *, force: bool = False, log=_say  # noqa: ANN001
 ) -> Path:
     """Build (or reuse) the pre-trained tiny verifier and return its folder.
 

@@ -179,9 +179,24 @@ def build_config(
         v = env.get(key)
         return v if v not in (None, "") else None
 
-    s = Settings(**{k[len("HSSTREAM_") :].lower(): v for k, v in filed.items() if k.startswith("HSSTREAM_")})
+    def number(key: str, kind: type[int] | type[float]) -> int | float | None:
+        v = get(key)
+        try:
+            return kind(v) if v is not None else None
+        except ValueError:
+            raise UpError(f"{key}={v!r} is not a{'n integer' if kind is int else ' number'}") from None
+
+    from pydantic import ValidationError
+
+    try:
+        s = Settings(**{k[len("HSSTREAM_") :].lower(): v for k, v in filed.items() if k.startswith("HSSTREAM_")})
+    except ValidationError as e:
+        raise UpError(f"invalid HSSTREAM_* setting: {e}") from None
 
     mdl = model or s.model or get("MODEL_DIR")
+    if mdl and (mdl == get("MODEL_DIR") or os.path.isabs(mdl) or mdl.startswith(".")) and not os.path.isdir(mdl):
+        # a path, not a hub name: say so now rather than after vLLM has started and failed
+        raise UpError(f"model folder {mdl} does not exist (--model, HSSTREAM_MODEL or MODEL_DIR)")
     if not mdl:
         from hsstream.tiny_model import build_tiny_verifier
 
@@ -198,7 +213,7 @@ def build_config(
     elif n is not None:
         ids = launch.default_layer_ids(n)
     else:
-        raise UpError(f"no layer ids (--layer-ids or HSSTREAM_LAYER_IDS) and no {mdl}/config.json to choose defaults from")
+        raise UpError(f"no layer ids (--layer-ids or HSSTREAM_LAYER_IDS) and no {mdl}/config.json to choose from")
     try:
         ids = validate_layer_ids(ids, n)
     except LayerIdError as e:
@@ -208,21 +223,22 @@ def build_config(
     vllm_host = vu.hostname or "127.0.0.1"
     vllm_port = vu.port or 8000
     if "HSSTREAM_VLLM_URL" not in env and get("VLLM_PORT"):
-        vllm_port = int(get("VLLM_PORT"))  # type: ignore[arg-type]
+        vllm_port = int(number("VLLM_PORT", int))  # type: ignore[arg-type]
     cpu = launch.is_cpu_build()
-    if gpu_memory_utilization is None and get("GPU_MEMORY_UTILIZATION"):
-        gpu_memory_utilization = float(get("GPU_MEMORY_UTILIZATION"))  # type: ignore[arg-type]
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = number("GPU_MEMORY_UTILIZATION", float)  # type: ignore[assignment]
     if gpu_memory_utilization is None and cpu:
         gpu_memory_utilization = 0.2  # on the CPU build this sizes the KV cache in host RAM
-    if max_model_len is None and get("MAX_MODEL_LEN"):
-        max_model_len = int(get("MAX_MODEL_LEN"))  # type: ignore[arg-type]
+    if max_model_len is None:
+        max_model_len = number("MAX_MODEL_LEN", int)  # type: ignore[assignment]  # 0: the model's own
     if enforce_eager is None:
         enforce_eager = cpu  # compiling takes minutes on a CPU and buys nothing for prefill-only work
 
     passthrough = []
-    for key, flag in (("TENSOR_PARALLEL_SIZE", "--tensor-parallel-size"), ("DATA_PARALLEL_SIZE", "--data-parallel-size")):
-        if get(key) and get(key) != "1":
-            passthrough += [flag, get(key)]  # type: ignore[list-item]
+    for key in ("TENSOR_PARALLEL_SIZE", "DATA_PARALLEL_SIZE"):
+        flag = "--" + key.lower().replace("_", "-")
+        if (size := number(key, int)) and size != 1:
+            passthrough += [flag, str(size)]
     cli = hsstream_vllm_cli(
         mdl, ids, vllm_host, vllm_port, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager, prefix_caching=prefix_caching, extra=passthrough + list(vllm_extra or []),
@@ -288,7 +304,9 @@ _PREEXEC = _pdeathsig()
 class Proc(launch.Child):
     """A child whose output is streamed (prefixed) and kept: the last lines explain a death."""
 
-    def __init__(self, name: str, proc: subprocess.Popen, log_path: Path | None, sink: Callable[[str, str], None] | None):
+    def __init__(
+        self, name: str, proc: subprocess.Popen, log_path: Path | None, sink: Callable[[str, str], None] | None
+    ) -> None:
         super().__init__(name, proc, log_path)
         self.lines: deque[str] = deque(maxlen=60)
         self.started = time.monotonic()
@@ -334,18 +352,22 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _reap_group(pgid: int, grace_s: float = 5.0) -> None:
-    """After the leader exits, give the rest of its group a moment, then SIGKILL what is left.
+def _reap_group(pgid: int, grace_s: float = 10.0) -> None:
+    """Stop what is left of a process group whose leader is gone: SIGTERM, a grace period, SIGKILL.
 
-    vLLM's engine core and workers get the same SIGTERM as the API server but may outlive it.
+    vLLM's engine, workers and multiprocessing resource tracker outlive a killed API server.
+    SIGTERM first, because the tracker unlinks the named semaphores and shared memory it
+    tracks only if it is not killed itself (it ignores SIGTERM and exits once the others did).
     """
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
     deadline = time.monotonic() + grace_s
     while True:
         try:
             os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
+        except (ProcessLookupError, PermissionError):
             return
         if time.monotonic() > deadline:
             try:
@@ -354,6 +376,33 @@ def _reap_group(pgid: int, grace_s: float = 5.0) -> None:
                 pass
             return
         time.sleep(0.1)
+
+
+def group_shm_files(pgid: int) -> set[str]:
+    """The /dev/shm files that a process group has mapped (vLLM's queues between its processes).
+
+    vLLM removes them when it exits normally; after a SIGKILL or an OOM kill they stay, a few
+    hundred MB of RAM each time. Recorded while the group lives, removed once it is gone.
+    """
+    out: set[str] = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:  # fields after comm: state ppid pgrp
+                continue
+            with open(f"/proc/{d}/maps") as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        path = line[i:].strip().removesuffix(" (deleted)")
+                        if os.path.dirname(path) == "/dev/shm":
+                            out.add(path)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -393,8 +442,8 @@ class Supervisor:
         self._signal: int | None = None
         self._lock_fd: int | None = None
         self._made_spool = False
+        self._vllm_shm: set[str] = set()
         self._stopped = False
-        self._ready = False
 
     # ---------------------------------------------------------------- output
     _COLORS = {"up": "1", "vllm": "36", "sidecar": "35", "trainer": "33"}
@@ -473,8 +522,12 @@ class Supervisor:
             (c.vllm_host, c.vllm_port, "vLLM", "VLLM_PORT or HSSTREAM_VLLM_URL"),
         ):
             if _port_in_use(host, port):
-                raise UpError(f"port {port} on {host} (for {what}) is already in use: is another stack running? (set {var})")
+                raise UpError(
+                    f"port {port} on {host} (for {what}) is already in use: is another stack running? (set {var})"
+                )
         c.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if c.log_dir:
+            c.log_dir.mkdir(parents=True, exist_ok=True)
         lock_path = c.run_dir / "up.lock"
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -503,12 +556,13 @@ class Supervisor:
         sidecar = self._spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"])
         vllm = self._spawn_vllm()
         launch.wait_http(f"{c.api_url}/healthz", sidecar, 120, self._ticker("the sidecar", None))
-        launch.wait_http(f"{c.vllm_url}/health", vllm, c.ready_timeout_s, self._ticker("vLLM to load the model", on_tick))
+        tick = self._ticker("vLLM to load the model", on_tick)
+        launch.wait_http(f"{c.vllm_url}/health", vllm, c.ready_timeout_s, tick)
+        self._vllm_shm |= group_shm_files(vllm.proc.pid)
         self.say(f"vllm ready after {time.monotonic() - t0:.0f} s")
         launch.wait_http(f"{c.api_url}/readyz", sidecar, 120, self._ticker("the sidecar to reach vLLM", None))
         if c.trainer_cmd:
             self._spawn("trainer", list(c.trainer_cmd), c.trainer_gpus)
-        self._ready = True
         self.say(
             f"stack ready after {time.monotonic() - t0:.0f} s: jobs to {c.api_url}/v1/jobs, "
             f"trainers connect to {c.env.get('HSSTREAM_DELIVERY_ENDPOINT') or f'ipc://{c.run_dir}/delivery.sock'}, "
@@ -521,22 +575,25 @@ class Supervisor:
         c = self.cfg
         while True:
             why = describe_exit(dead.proc.returncode)
-            dead.stop()  # the leader is gone; its engine and workers may not be
             if self.restarts >= c.max_restarts:
                 self.say(
                     f"vllm died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
-                    f"{self.restarts} used): stopping the stack. Its last lines:\n{dead.tail(20)}"
+                    f"{self.restarts} used): stopping the stack.{self._last_lines(dead)}"
                 )
                 return False
             self.restarts += 1
             self.say(f"vllm died ({why}): restarting it ({self.restarts}/{c.max_restarts})")
+            _reap_group(dead.proc.pid)  # the API server is gone; its engine and workers may not be
+            self._remove_vllm_shm()
             t0 = time.monotonic()
             new = self._spawn_vllm()
             try:
-                launch.wait_http(f"{c.vllm_url}/health", new, c.ready_timeout_s, self._ticker("vLLM to come back", None))
+                tick = self._ticker("vLLM to come back", None)
+                launch.wait_http(f"{c.vllm_url}/health", new, c.ready_timeout_s, tick)
             except launch.ProcessDied:
                 dead = new
                 continue
+            self._vllm_shm |= group_shm_files(new.proc.pid)
             self.say(f"vllm is back after {time.monotonic() - t0:.0f} s (restart {self.restarts}/{c.max_restarts})")
             return True
 
@@ -553,16 +610,18 @@ class Supervisor:
                 if ch.name == "vllm":
                     if not self._restart_vllm(ch):
                         return 1
-                elif ch.name == "trainer":
-                    if code == 0:
-                        self.say("trainer finished: stopping the stack")
-                        return 0
-                    self.say(f"trainer exited ({describe_exit(code)}): stopping the stack. Its last lines:\n{ch.tail(20)}")
-                    return 1
-                else:
-                    self.say(f"{ch.name} exited ({describe_exit(code)}): stopping the stack. Its last lines:\n{ch.tail(20)}")
+                elif ch.name == "trainer" and code == 0:
+                    self.say("trainer finished: stopping the stack")
+                    return 0
+                else:  # the sidecar, or a failed trainer: a crash there is a bug to see, not to paper over
+                    why = describe_exit(code)
+                    self.say(f"{ch.name} exited ({why}): stopping the stack.{self._last_lines(ch)}")
                     return 1
             time.sleep(0.25)
+
+    def _last_lines(self, ch: launch.Child) -> str:
+        """The log lines that explain a death, unless they were just streamed above anyway."""
+        return " See its log above." if self._echo else f" Its last lines:\n{ch.tail(20)}"
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._signal is not None:  # a second Ctrl-C: no more waiting
@@ -603,6 +662,19 @@ class Supervisor:
             if n.endswith(P.FILE_SUFFIX) or (n.startswith(P.TMP_PREFIX) and n.endswith(P.TMP_SUFFIX))
         ]  # fmt: skip
 
+    def _remove_vllm_shm(self) -> None:
+        """Remove the shared memory of vLLM processes that are all gone (see group_shm_files)."""
+        gone = []
+        for path in sorted(self._vllm_shm):
+            try:
+                os.unlink(path)
+                gone.append(path)
+            except FileNotFoundError:  # vLLM removed it itself
+                pass
+        self._vllm_shm.clear()
+        if gone:
+            self.say(f"removed {len(gone)} shared-memory file(s) a dead vLLM left: {' '.join(gone)}")
+
     def stop(self) -> None:
         """Stop every child (whole process groups) and remove the stack's spool files. Idempotent."""
         if self._stopped:
@@ -610,14 +682,13 @@ class Supervisor:
         self._stopped = True
         order = {n: i for i, n in enumerate(STOP_ORDER)}
         for ch in sorted(self.children, key=lambda c: order.get(c.name, -1)):
-            alive = ch.alive()
-            code = ch.stop()
-            if alive:
-                self.say(f"stopped {ch.name} ({describe_exit(code)})")
+            if ch.alive():
+                self.say(f"stopped {ch.name} ({describe_exit(ch.stop())})")
         for ch in self.children:
             _reap_group(ch.proc.pid)
             if isinstance(ch, Proc):
                 ch.join_reader()
+        self._remove_vllm_shm()
         removed = 0
         for n in self._spool_entries():
             try:
@@ -634,4 +705,5 @@ class Supervisor:
                 pass
             os.close(self._lock_fd)
             self._lock_fd = None
-        self.say(f"stopped; {removed} spool file(s) removed" + (f", spool {self.cfg.spool_dir} removed" if self._made_spool else ""))
+        gone = f", spool {self.cfg.spool_dir} removed" if self._made_spool else ""
+        self.say(f"stopped; {removed} spool file(s) removed{gone}")

@@ -21,7 +21,8 @@ import inspect
 import logging
 import os
 
-log = logging.getLogger("hsstream.vllm_cpu_fix")
+# A child of "vllm": vLLM configures that logger in each of its processes, so this shows in its log.
+log = logging.getLogger("vllm.hsstream_cpu_fix")
 
 #: Set to 0 to switch the patch off (to reproduce the bug).
 ENV_SWITCH = "HSSTREAM_VLLM_CPU_FIX"

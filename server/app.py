@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from connector import protocol as P
 from connector.settings import Settings
-from server.delivery import DeliveryService
+from server.delivery import CurveServer, DeliveryService
 from server.ledger import Ledger, NewSample
 from server.metrics import SidecarMetrics
 from server.notices import NoticeReceiver
@@ -45,6 +45,22 @@ def _model_shape(model_dir: str | None, layer_ids: list[int]) -> tuple[tuple[int
     return (max(1, len(layer_ids)), h, P.DTYPE_SIZES.get(dt, 2)), cfg.get("max_position_embeddings")
 
 
+def _curve(s: Settings) -> CurveServer | None:
+    if not s.remote_endpoint:
+        return None
+    if not (s.curve_server_secret_file and s.curve_clients_dir):
+        raise ValueError(
+            "HSSTREAM_REMOTE_ENDPOINT needs HSSTREAM_CURVE_SERVER_SECRET_FILE and HSSTREAM_CURVE_CLIENTS_DIR "
+            "(create them with `hsstream keys DIR`)"
+        )
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(str(s.curve_server_secret_file))
+    if secret is None:
+        raise ValueError(f"{s.curve_server_secret_file} holds no secret key")
+    return CurveServer(public, secret, str(s.curve_clients_dir))
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     s = settings or Settings()
     spool = s.spool_dir
@@ -55,11 +71,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     tokenizer = Tokenizer(s.model or None, max_model_len=max_len)
     keeper = SpoolKeeper(spool, ledger)
     notices = NoticeReceiver(s.notice_ep(), spool, ledger)
-    delivery = DeliveryService(s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s)
+    delivery = DeliveryService(
+        s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s,
+        remote_endpoint=s.remote_endpoint, curve=_curve(s),
+    )  # fmt: skip
     submitter = Submitter(
         ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,
         concurrency=s.max_concurrency, timeout_s=s.request_timeout_s, down_deadline_s=s.vllm_down_deadline_s,
-        notice_timeout_s=s.notice_timeout_s,
+        notice_timeout_s=s.notice_timeout_s, spool_dir=str(spool),
     )  # fmt: skip
     submitter.on_latency = metrics.request_latency.observe
 
@@ -135,7 +154,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             except SampleRejected as e:
                 bad.append({"index": i, "id": smp.id, "reason": str(e)})
                 continue
-            nbytes = P.expected_file_bytes(len(t.token_ids), *shape) if shape[1] else 0
+            n_pos = len(t.token_ids) + (opt.sampling.max_tokens if opt.mode == "regenerate" else 0)
+            nbytes = P.expected_file_bytes(n_pos, *shape) if shape[1] else 0
             if nbytes > s.spool_budget_bytes:
                 bad.append({"index": i, "id": smp.id, "reason": f"sample needs {nbytes:,} spool bytes, more than the "
                             f"whole spool budget of {s.spool_budget_bytes:,} (HSSTREAM_SPOOL_BUDGET_BYTES)"})  # fmt: skip
@@ -145,8 +165,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise HTTPException(422, {"message": f"{len(bad)} invalid sample(s); nothing was queued", "samples": bad})
         if not rows:
             raise HTTPException(422, {"message": "no valid sample in the job", "samples": bad})
-        created = ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, meta={"options": opt.model_dump(),
-                                                                               "rejected": bad})  # fmt: skip
+        sampling = opt.sampling.model_dump() if opt.mode == "regenerate" else None
+        created = ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
+                                 meta={"options": opt.model_dump(), "rejected": bad})  # fmt: skip
         submitter.wake()
         return JobCreated(job_id=created.job_id, num_samples=len(created.samples), num_failed_at_submission=len(bad))
 

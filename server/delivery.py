@@ -1,9 +1,14 @@
-"""The sidecar's delivery endpoint: a ROUTER owned by one thread, trainers are DEALERs.
+"""The sidecar's delivery endpoints: ROUTERs owned by one thread, trainers are DEALERs.
 
 Credit-based flow control (ZeroMQ Guide, ch. 7): a trainer says how many samples it can
 hold and never gets more. Every message from a trainer counts as a heartbeat; a trainer
 silent for longer than ``peer_timeout_s`` is presumed dead and its leases go back (READY if
 the file is still there, else QUEUED to be produced again), so nothing is lost.
+
+Two sockets, one thread: the local one (``ipc://``) for trainers on this host, which read
+the spool themselves; and optionally a TCP one with CURVE authentication for trainers on
+other hosts, which receive the file's bytes in the DELIVER and confirm with RECEIVED, after
+which the sidecar deletes the file.
 """
 
 from __future__ import annotations
@@ -23,8 +28,18 @@ from server.notices import prepare_ipc
 log = logging.getLogger("hsstream.sidecar")
 
 
+@dataclass(frozen=True)
+class CurveServer:
+    """Server key pair and the directory of authorised trainers' public keys (zmq.auth format)."""
+
+    public: bytes
+    secret: bytes
+    clients_dir: str
+
+
 @dataclass
 class Peer:
+    remote: bool
     jobs: list[str] | None = None
     follow: bool = False
     credit: int = 0
@@ -34,17 +49,32 @@ class Peer:
 
 
 class DeliveryService:
-    def __init__(self, endpoint: str, spool: Path, ledger: Ledger, peer_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        spool: Path,
+        ledger: Ledger,
+        peer_timeout_s: float = 30.0,
+        *,
+        remote_endpoint: str | None = None,
+        curve: CurveServer | None = None,
+    ) -> None:
+        if remote_endpoint and curve is None:
+            raise ValueError("a remote (TCP) delivery endpoint needs CURVE keys: tensors must not travel unauthenticated")
         self.endpoint = endpoint
+        self.remote_endpoint = remote_endpoint
+        self.curve = curve
         self.spool = spool
         self.ledger = ledger
         self.peer_timeout_s = peer_timeout_s
-        self.peers: dict[bytes, Peer] = {}
-        self.stats = {"delivered": 0, "acked": 0, "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0}
+        self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
+        self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
+                      "trainer_failed": 0, "peers_lost": 0}  # fmt: skip
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hsstream-delivery", daemon=True)
+        self._socks: dict[bytes, zmq.Socket] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -62,93 +92,136 @@ class DeliveryService:
         except (P.UnsafePathError, FileNotFoundError):
             return False
 
-    def _run(self) -> None:
+    def _delete(self, name: str | None) -> None:
         try:
-            prepare_ipc(self.endpoint)
-            sock = zmq.Context.instance().socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.bind(self.endpoint)
+            P.resolve_in_spool(self.spool, name or "").unlink()
+        except (FileNotFoundError, P.UnsafePathError):
+            pass
+
+    def _bind(self, ctx: zmq.Context) -> object:
+        prepare_ipc(self.endpoint)
+        local = ctx.socket(zmq.ROUTER)
+        local.setsockopt(zmq.LINGER, 0)
+        local.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        local.bind(self.endpoint)
+        self._socks[b"L"] = local
+        auth = None
+        if self.remote_endpoint and self.curve:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve(domain="*", location=self.curve.clients_dir)
+            remote = ctx.socket(zmq.ROUTER)
+            remote.setsockopt(zmq.LINGER, 0)
+            remote.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            remote.curve_server = True
+            remote.curve_publickey = self.curve.public
+            remote.curve_secretkey = self.curve.secret
+            remote.bind(self.remote_endpoint)
+            self._socks[b"R"] = remote
+        return auth
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        try:
+            auth = self._bind(ctx)
         except BaseException as e:  # noqa: BLE001
             self._error = e
             self._bound.set()
             return
         self._bound.set()
+        poller = zmq.Poller()
+        for s in self._socks.values():
+            poller.register(s, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(20):
+                for sock, _ in poller.poll(20):
+                    tag = next(t for t, s in self._socks.items() if s is sock)
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(frames[0], frames[1:])
-                self._dispatch(sock)
+                        self._on_message(tag + frames[0], frames[1:])
+                self._dispatch()
         finally:
-            sock.close()
+            for s in self._socks.values():
+                s.close()
+            if auth is not None:
+                auth.stop()
 
-    def _on_message(self, ident: bytes, frames: list[bytes]) -> None:
+    def _on_message(self, owner: bytes, frames: list[bytes]) -> None:
         try:
             msg = P.decode_msg(frames)
         except P.ProtocolError as e:
-            log.error("bad message from trainer %s: %s", ident.hex(), e)
+            log.error("bad message from trainer %s: %s", owner.hex(), e)
             return
-        peer = self.peers.get(ident)
+        peer = self.peers.get(owner)
         if peer is None:
-            peer = self.peers[ident] = Peer()
+            peer = self.peers[owner] = Peer(remote=owner[:1] == b"R")
         peer.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat) and msg.hello is not None and not peer.greeted:
             # A trainer we do not know (we restarted, it did not): resume from its heartbeat.
             peer.jobs, peer.follow, peer.credit, peer.greeted = msg.hello.jobs, msg.hello.follow, msg.window, True
-            log.info("trainer %s resumed from its heartbeat (window %d)", ident.hex(), msg.window)
+            log.info("trainer %s resumed from its heartbeat (window %d)", owner.hex(), msg.window)
         if isinstance(msg, P.Hello):
             peer.jobs, peer.follow, peer.greeted = msg.jobs, msg.follow, True
         elif isinstance(msg, P.Credit):
             peer.credit += msg.n
         elif isinstance(msg, P.Received):
             for k in msg.keys:
-                self.ledger.received(ident, k)
+                s = self.ledger.get(k)
+                file = s.notice.file if s and s.notice else None
+                if self.ledger.received(owner, k) and peer.remote:
+                    self._delete(file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             for k in msg.keys:
-                if self.ledger.ack(ident, k):
+                if self.ledger.ack(owner, k):
                     self.stats["acked"] += 1
                 else:
                     self.stats["duplicate_acks"] += 1
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
-            f = self.ledger.trainer_failed(ident, msg.key, msg.reason)
-            if f:
-                try:
-                    P.resolve_in_spool(self.spool, f).unlink()
-                except (FileNotFoundError, P.UnsafePathError):
-                    pass
+            self._delete(self.ledger.trainer_failed(owner, msg.key, msg.reason))
 
-    def _dispatch(self, sock: zmq.Socket) -> None:
+    def _send(self, owner: bytes, frames: list) -> None:
+        self._socks[owner[:1]].send_multipart([owner[1:], *frames], copy=False)
+
+    def _dispatch(self) -> None:
         now = time.monotonic()
-        for ident, peer in list(self.peers.items()):
+        for owner, peer in list(self.peers.items()):
             if now - peer.last_seen > self.peer_timeout_s:
-                log.warning("trainer %s silent for %.0f s: returning its leases", ident.hex(), now - peer.last_seen)
+                log.warning("trainer %s silent for %.0f s: returning its leases", owner.hex(), now - peer.last_seen)
                 self.stats["peers_lost"] += 1
-                self.ledger.release_owner(ident, self._file_exists)
-                del self.peers[ident]
+                self.ledger.release_owner(owner, self._file_exists)
+                del self.peers[owner]
                 continue
             if not peer.greeted:
                 continue  # no HELLO yet: we do not know which jobs it wants
             try:
                 while peer.credit > 0:
-                    s = self.ledger.lease_next(ident, peer.jobs)
+                    s = self.ledger.lease_next(owner, peer.jobs)
                     if s is None:
                         break
                     assert s.notice is not None
-                    d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask, label=s.label,
-                                  lease_s=self.peer_timeout_s)
-                    sock.send_multipart([ident, *P.encode_msg(d)])
+                    d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask,
+                                  label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
+                    payload = None
+                    if peer.remote:
+                        try:
+                            payload = P.resolve_in_spool(self.spool, s.notice.file or "").read_bytes()
+                        except (OSError, P.UnsafePathError):
+                            self.ledger.file_lost(s.key)  # produce it again
+                            continue
+                        self.stats["delivered_remote"] += 1
+                    self._send(owner, P.encode_msg(d, payload))
                     peer.credit -= 1
                     self.stats["delivered"] += 1
                 if not peer.follow and not peer.ended and self.ledger.jobs_done(peer.jobs):
-                    sock.send_multipart([ident, *P.encode_msg(P.End(jobs=peer.jobs))])
+                    self._send(owner, P.encode_msg(P.End(jobs=peer.jobs)))
                     peer.ended = True
             except zmq.ZMQError as e:  # peer vanished (ROUTER_MANDATORY): treat as lost
-                log.warning("trainer %s unreachable (%s): returning its leases", ident.hex(), e)
-                self.ledger.release_owner(ident, self._file_exists)
-                del self.peers[ident]
+                log.warning("trainer %s unreachable (%s): returning its leases", owner.hex(), e)
+                self.ledger.release_owner(owner, self._file_exists)
+                del self.peers[owner]

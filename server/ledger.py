@@ -56,6 +56,7 @@ class Sample:
     lease_owner: bytes | None = None
     submitted_at: float = 0.0
     errors: list[str] = field(default_factory=list)
+    generated: bool = False  # regenerate mode: vLLM's reply is known (token ids final)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Job:
     finished: float | None = None
     tokens_consumed: int = 0
     bytes_consumed: int = 0
+    sampling: dict | None = None  # regenerate mode: vLLM writes the reply with these
     by_key: dict[tuple[int, int], Sample] = field(default_factory=dict, repr=False)
 
     def counts(self) -> dict[str, int]:
@@ -154,10 +156,10 @@ class Ledger:
         else QUEUED (the trainer may have used it without acking: it is produced again)."""
         stats = Counter()
         with self._lock:
-            for jid, created, finished, tok, nb in self._db.execute(
-                "SELECT job_id, created, finished, tokens_consumed, bytes_consumed FROM jobs ORDER BY created"
+            for jid, created, finished, tok, nb, meta in self._db.execute(
+                "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs ORDER BY created"
             ):
-                self.jobs[jid] = Job(jid, [], created, finished, tok, nb)
+                self.jobs[jid] = Job(jid, [], created, finished, tok, nb, json.loads(meta or "{}").get("sampling"))
             rows = self._db.execute(
                 "SELECT job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, "
                 "on_disk_bytes, errors FROM samples ORDER BY job_id, ord"
@@ -199,15 +201,18 @@ class Ledger:
             }  # fmt: skip
 
     # ------------------------------------------------------------------ jobs
-    def add_job(self, samples: list[NewSample], *, epochs: int = 1, seed: int = 0, meta: dict | None = None) -> Job:
+    def add_job(
+        self, samples: list[NewSample], *, epochs: int = 1, seed: int = 0, meta: dict | None = None,
+        sampling: dict | None = None,
+    ) -> Job:
         """Queue a job. Each epoch submits the data again in a seeded shuffle (hidden states are
         regenerated, never stored), so epoch e of sample i has its own key (job, i, e)."""
         job_id = uuid.uuid4().hex[:16]
         with self._lock:
-            job = Job(job_id, [])
+            job = Job(job_id, [], sampling=sampling)
             self._db.execute("BEGIN")
             self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
-                             (job_id, job.created, json.dumps(meta or {})))  # fmt: skip
+                             (job_id, job.created, json.dumps({**(meta or {}), "sampling": sampling})))  # fmt: skip
             order = 0
             rows = []
             for ep in range(epochs):
@@ -244,7 +249,7 @@ class Ledger:
                 if s.state in TERMINAL:
                     continue
                 old = s.state
-                if s.state == State.submitted:
+                if s.state == State.submitted and s.notice is None:
                     self.reserved_bytes -= s.expected_bytes
                 self.reserved_bytes -= s.on_disk_bytes
                 if s.notice and s.notice.file and s.on_disk_bytes:
@@ -292,7 +297,7 @@ class Ledger:
             smp = self.get(key)
             if smp is None or smp.state != State.submitted or smp.attempt != attempt:
                 return
-            self.reserved_bytes -= smp.expected_bytes
+            self._unreserve_submitted(smp)
             if count_attempt:
                 self._retry(smp, reason, State.submitted)
             else:
@@ -301,6 +306,15 @@ class Ledger:
                 self._queue.appendleft(smp)
                 self._save(smp, State.submitted)
 
+    def _unreserve_submitted(self, smp: Sample) -> None:
+        """A SUBMITTED sample leaves that state: release what it holds (its estimate, or, if
+        its file already came in regenerate mode, the file, which the reaper removes)."""
+        if smp.notice is not None:
+            self.reserved_bytes -= smp.on_disk_bytes
+            smp.notice, smp.on_disk_bytes = None, 0
+        else:
+            self.reserved_bytes -= smp.expected_bytes
+
     def fail(self, key: P.SampleKey, reason: str) -> None:
         with self._lock:
             s = self.get(key)
@@ -308,7 +322,7 @@ class Ledger:
                 return
             old = s.state
             if old == State.submitted:
-                self.reserved_bytes -= s.expected_bytes
+                self._unreserve_submitted(s)
             s.errors.append(reason)
             self._finish(s, State.failed, old)
 
@@ -344,17 +358,41 @@ class Ledger:
             smp = self.get(n.key) if n.key else None
             if smp is None or smp.attempt != n.attempt or smp.state != State.submitted:
                 return "delete"  # unknown, cancelled, or a late notice for an older attempt
+            if smp.notice is not None:
+                return "keep" if smp.notice.file == n.file else "delete"  # a repeat: changes nothing
             self.reserved_bytes -= smp.expected_bytes
             if n.status != P.NoticeStatus.ok:
                 self._retry(smp, n.reason or "connector error", State.submitted)
                 return "delete"
             smp.notice = n
-            smp.state = State.ready
             smp.on_disk_bytes = file_bytes
             self.reserved_bytes += file_bytes
-            self._ready.append(smp)
-            self._save(smp, State.submitted)
+            if self.jobs[smp.key.job].sampling is not None and not smp.generated:
+                self._save(smp)  # regenerate mode: READY once vLLM's reply (the token ids) is known
+                return "keep"
+            self._make_ready(smp)
             return "keep"
+
+    def _make_ready(self, smp: Sample) -> None:
+        smp.state = State.ready
+        self._ready.append(smp)
+        self._save(smp, State.submitted)
+
+    def set_generated(self, key: P.SampleKey, attempt: int, output_ids: list[int]) -> None:
+        """Regenerate mode: vLLM's reply is in. The file holds prompt + reply − 1 positions
+        (the last generated token was never fed back); the loss mask covers the reply."""
+        with self._lock:
+            smp = self.get(key)
+            if smp is None or smp.state != State.submitted or smp.attempt != attempt or smp.generated:
+                return
+            keep = output_ids[:-1]
+            smp.token_ids = smp.token_ids + keep
+            smp.loss_mask = (smp.loss_mask or [0] * (len(smp.token_ids) - len(keep))) + [1] * len(keep)
+            smp.generated = True
+            self._db.execute("UPDATE samples SET token_ids=?, loss_mask=? WHERE job_id=? AND epoch=? AND idx=?",
+                             (_pack(smp.token_ids), _pack(smp.loss_mask), key.job, key.epoch, key.index))  # fmt: skip
+            if smp.notice is not None:
+                self._make_ready(smp)
 
     # ------------------------------------------------------------------ delivery
     def lease_next(self, owner: bytes, jobs: list[str] | None) -> Sample | None:
@@ -394,7 +432,7 @@ class Ledger:
             if s.lease_owner is not None and s.lease_owner != owner:
                 return False
             old = s.state
-            if old == State.submitted:
+            if old == State.submitted and s.notice is None:
                 self.reserved_bytes -= s.expected_bytes
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes = 0
@@ -439,6 +477,20 @@ class Ledger:
                             self._queue.appendleft(s)
                         self._save(s, State.leased)
         return n
+
+    def file_lost(self, key: P.SampleKey) -> None:
+        """A READY/LEASED sample's file vanished: produce it again (not the sample's fault)."""
+        with self._lock:
+            s = self.get(key)
+            if s is None or s.state not in (State.ready, State.leased):
+                return
+            old = s.state
+            self.reserved_bytes -= s.on_disk_bytes
+            s.on_disk_bytes, s.notice, s.lease_owner = 0, None, None
+            s.attempt += 1
+            s.state = State.queued
+            self._queue.appendleft(s)
+            self._save(s, old)
 
     def jobs_done(self, jobs: Iterable[str] | None) -> bool:
         with self._lock:

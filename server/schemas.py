@@ -39,6 +39,16 @@ class SampleIn(BaseModel):
         return self
 
 
+class SamplingOptions(BaseModel):
+    """How vLLM writes the new reply in ``regenerate`` mode (the data's own reply is dropped)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = Field(default=256, ge=2, le=32768)
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+
+
 class JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     loss_mask: Literal["assistant", "all"] = "assistant"
@@ -47,6 +57,8 @@ class JobOptions(BaseModel):
     on_invalid: Literal["reject", "skip"] = "reject"
     epochs: int = Field(default=1, ge=1, le=1000)
     seed: int = 0
+    mode: Literal["extract", "regenerate"] = "extract"
+    sampling: SamplingOptions = Field(default_factory=lambda: SamplingOptions())
 
 
 class JobIn(BaseModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 
 import httpx
@@ -40,6 +41,8 @@ class Submitter:
         timeout_s: float = 600.0,
         down_deadline_s: float = 600.0,
         notice_timeout_s: float = 120.0,
+        spool_dir: str | None = None,
+        fs_reserve_bytes: int = 64 * 2**20,
     ) -> None:
         self.ledger = ledger
         self.url = vllm_url.rstrip("/")
@@ -49,6 +52,8 @@ class Submitter:
         self.timeout_s = timeout_s
         self.down_deadline_s = down_deadline_s
         self.notice_timeout_s = notice_timeout_s
+        self.spool_dir = spool_dir
+        self.fs_reserve_bytes = fs_reserve_bytes
         self.model_name: str | None = None
         self.down_since: float | None = None
         self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0}
@@ -112,7 +117,7 @@ class Submitter:
                     await asyncio.sleep(1.0)
                     continue
             await sem.acquire()
-            s = self.ledger.next_to_submit(self.budget, self.max_ready)
+            s = self.ledger.next_to_submit(self.budget, self.max_ready) if self._fs_has_room() else None
             if s is None:
                 sem.release()
                 self._wake.clear()
@@ -124,6 +129,16 @@ class Submitter:
             t = asyncio.create_task(self._submit(s, sem))
             self._inflight[s.key] = t
             t.add_done_callback(lambda _t, k=s.key: self._inflight.pop(k, None))
+
+    def _fs_has_room(self) -> bool:
+        """The budget counts our files; the filesystem also holds files unlinked but still
+        mapped by a trainer, and anyone else's. Never submit into a nearly full tmpfs."""
+        if not self.spool_dir:
+            return True
+        try:
+            return shutil.disk_usage(self.spool_dir).free > self.fs_reserve_bytes
+        except OSError:
+            return False
 
     def _sweep(self) -> None:
         """Samples whose request returned but whose notice never came are tried again, and
@@ -149,13 +164,25 @@ class Submitter:
                 "temperature": 0.0,
                 "kv_transfer_params": P.kv_params_for(P.RequestTag(key=s.key, attempt=attempt)),
             }
+            sampling = self.ledger.jobs[s.key.job].sampling
+            if sampling is not None:
+                # regenerate: vLLM writes a reply; states cover prompt + reply - 1 positions
+                body.update({k: v for k, v in sampling.items() if v is not None}, return_token_ids=True)
+                body["kv_transfer_params"]["include_output_tokens"] = True
             assert self._client is not None
             self.stats["requests"] += 1
             r = await self._client.post(f"{self.url}/v1/completions", json=body)
             if r.status_code != 200:
                 self.stats["http_errors"] += 1
                 self.ledger.requeue(s.key, attempt, f"vLLM answered {r.status_code}: {r.text[:300]}")
-            elif self.on_latency:
+                return
+            if sampling is not None:
+                out = (r.json().get("choices") or [{}])[0].get("token_ids")
+                if not out:
+                    self.ledger.requeue(s.key, attempt, "vLLM returned no token ids for the reply")
+                    return
+                self.ledger.set_generated(s.key, attempt, list(out))
+            if self.on_latency:
                 self.on_latency(time.monotonic() - t0)
         except (httpx.TransportError, VllmUnavailable) as e:
             # Not the sample's fault: wait for vLLM without spending an attempt.

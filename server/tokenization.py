@@ -40,8 +40,9 @@ class Tokenizer:
         ids, mask = self._encode(s, opt)
         if not ids:
             raise SampleRejected("empty sample: no tokens")
-        # vLLM needs room for the one generated token beyond the prompt.
-        limits = [x for x in (opt.max_tokens_per_sample, self.max_model_len and self.max_model_len - 1) if x]
+        # vLLM needs room for what it generates beyond the prompt (1 token, or the new reply).
+        room = opt.sampling.max_tokens if opt.mode == "regenerate" else 1
+        limits = [x for x in (opt.max_tokens_per_sample, self.max_model_len and self.max_model_len - room) if x]
         limit = min(limits) if limits else None
         if limit is not None and len(ids) > limit:
             if opt.overlong == "reject":
@@ -60,13 +61,13 @@ class Tokenizer:
                 bad = [t for t in s.token_ids if not 0 <= t < self.vocab_size]
                 if bad:
                     raise SampleRejected(f"token ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
-            return list(s.token_ids), [1] * len(s.token_ids)
+            return list(s.token_ids), [0 if opt.mode == "regenerate" else 1] * len(s.token_ids)
         tok = self._need()
         if s.prompt is not None:
             if not s.prompt:
                 raise SampleRejected("empty prompt")
             ids = tok(s.prompt, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-            return ids, [1] * len(ids)
+            return ids, [0 if opt.mode == "regenerate" else 1] * len(ids)
         if s.messages is not None:
             msgs = [m.model_dump() for m in s.messages]
         else:
@@ -79,6 +80,15 @@ class Tokenizer:
                 msgs.append({"role": role, "content": t.value})
         if not msgs:
             raise SampleRejected("empty conversation")
+        if opt.mode == "regenerate":
+            # vLLM writes the reply: drop the data's last assistant turn, ask for a new one.
+            while msgs and msgs[-1]["role"] == "assistant":
+                msgs.pop()
+            if not msgs:
+                raise SampleRejected("nothing left to prompt with after removing the assistant reply")
+            ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)
+            ids = list(ids["input_ids"])
+            return ids, [0] * len(ids)
         out = tok.apply_chat_template(  # type: ignore[attr-defined]
             msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )

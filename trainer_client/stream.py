@@ -14,13 +14,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import zmq
+import zmq.auth
 from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
 
 from connector import protocol as P
 from connector.settings import Settings
@@ -61,18 +64,26 @@ class Sample:
         return self.hidden_states[:, self.layer_ids.index(self.num_hidden_layers)]
 
 
-def load_and_check(spool: Path, d: P.Deliver) -> Sample:
-    """Read a delivered sample from the spool and check it against its notice and the sidecar."""
+def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = None) -> Sample:
+    """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
+    and check it against its notice and what the sidecar submitted."""
     n = d.notice
     if n.file is None or n.key is None:
         raise InvalidSample("delivery without a file or key")
-    path = P.resolve_in_spool(spool, n.file)
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        if keys != {P.HIDDEN_STATES_KEY, P.TOKEN_IDS_KEY}:
-            raise InvalidSample(f"unexpected tensors {sorted(keys)}")
-        hs = f.get_tensor(P.HIDDEN_STATES_KEY)
-        ids = f.get_tensor(P.TOKEN_IDS_KEY)
+    if payload is not None:
+        try:
+            tensors = safetensors_load(payload)
+        except Exception as e:  # noqa: BLE001 - any parse failure is an invalid sample
+            raise InvalidSample(f"unreadable safetensors bytes: {e}") from e
+    else:
+        if spool is None:
+            raise InvalidSample("delivery without bytes, and no spool to read from")
+        path = P.resolve_in_spool(spool, n.file)
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if set(tensors) != {P.HIDDEN_STATES_KEY, P.TOKEN_IDS_KEY}:
+        raise InvalidSample(f"unexpected tensors {sorted(tensors)}")
+    hs, ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
     T = n.num_tokens
     if ids.dim() != 1 or ids.shape[0] != T:
         raise InvalidSample(f"token_ids shape {tuple(ids.shape)}, notice says {T} tokens")
@@ -112,7 +123,13 @@ class HiddenStateStream:
         follow: bool = False,
         timeout_s: float = 600.0,
         heartbeat_s: float = 2.0,
+        curve_server_key: str | bytes | None = None,
+        curve_client_cert: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
+        sidecar that sends the bytes, authenticated with CURVE: ``curve_server_key`` is the
+        sidecar's public key (or its ``.key`` file), ``curve_client_cert`` this trainer's
+        ``.key_secret`` file, whose public half must be in the sidecar's clients directory."""
         s = Settings()
         self.endpoint = endpoint or s.delivery_ep()
         self.spool = Path(spool_dir or s.spool_dir)
@@ -129,7 +146,12 @@ class HiddenStateStream:
         self._acked: set[P.SampleKey] = set()
         self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
         self._last_send = 0.0
-        self._hello = P.Hello(jobs=jobs, follow=follow, same_host=True)
+        self._outbox: deque[list[bytes]] = deque()
+        self.remote = self.endpoint.startswith("tcp://")
+        if self.remote and not (curve_server_key and curve_client_cert):
+            raise ValueError(f"{self.endpoint} is remote: pass curve_server_key and curve_client_cert")
+        self._curve = (curve_server_key, curve_client_cert)
+        self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote)
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0}
 
     # -- socket -------------------------------------------------------------------------------
@@ -137,6 +159,15 @@ class HiddenStateStream:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
+            if self.remote:
+                server_key, cert = self._curve
+                if isinstance(server_key, str) and os.path.exists(server_key):
+                    server_key = zmq.auth.load_certificate(server_key)[0]
+                pub, sec = zmq.auth.load_certificate(str(cert))
+                if sec is None:
+                    raise ValueError(f"{cert} holds no secret key (pass the .key_secret file)")
+                sock.curve_serverkey = server_key.encode() if isinstance(server_key, str) else server_key
+                sock.curve_publickey, sock.curve_secretkey = pub, sec
             sock.connect(self.endpoint)
             self._sock = sock
             self._send(self._hello)
@@ -144,9 +175,21 @@ class HiddenStateStream:
         return self._sock
 
     def _send(self, body) -> None:  # noqa: ANN001
+        """Queue a message and send what can go now. Never blocks: with no sidecar connected
+        (not up yet, restarting, or refusing our CURVE key) ZeroMQ would block the training
+        loop; instead acks and credit wait in order in the outbox until a peer is there."""
+        self._outbox.append(P.encode_msg(body))
+        self._flush()
+
+    def _flush(self) -> None:
         assert self._sock is not None
-        self._sock.send_multipart(P.encode_msg(body))
-        self._last_send = time.monotonic()
+        while self._outbox:
+            try:
+                self._sock.send_multipart(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
+            self._last_send = time.monotonic()
 
     # -- acknowledgement ------------------------------------------------------------------------
     def ack_through(self, key: P.SampleKey) -> None:
@@ -174,23 +217,24 @@ class HiddenStateStream:
         while True:
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
-            if time.monotonic() - self._last_send > self.heartbeat_s:
+            self._flush()
+            if time.monotonic() - self._last_send > self.heartbeat_s and not self._outbox:
                 self._send(P.Heartbeat(hello=self._hello, window=self.credit))
             if not sock.poll(int(min(self.heartbeat_s, 0.5) * 1000)):
                 if time.monotonic() > deadline:
-                    raise StreamError(
-                        f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s "
-                        "(is it running, and is the job producing?)"
-                    )
+                    why = (" (nothing could be sent: no connection; for tcp:// check the CURVE keys)"
+                           if self._outbox else " (is it running, and is the job producing?)")  # fmt: skip
+                    raise StreamError(f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s{why}")
                 continue
             deadline = time.monotonic() + self.timeout_s
-            msg = P.decode_msg(sock.recv_multipart())
+            frames = sock.recv_multipart()
+            msg = P.decode_msg(frames)
             if isinstance(msg, P.End):
                 return
             if not isinstance(msg, P.Deliver):
                 continue
             self.stats["delivered"] += 1
-            sample = self._take(msg)
+            sample = self._take(msg, P.payload_of(frames))
             self._send(P.Credit(n=1))
             if sample is None:
                 continue
@@ -198,7 +242,7 @@ class HiddenStateStream:
             self.stats["yielded"] += 1
             yield sample
 
-    def _take(self, d: P.Deliver) -> Sample | None:
+    def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
         key = d.notice.key
         if key is None:
             return None
@@ -206,18 +250,24 @@ class HiddenStateStream:
             self.stats["duplicates"] += 1
             self._send(P.Ack(keys=[key]))
             return None
+        if self.remote and payload is None:
+            self.stats["invalid"] += 1
+            self._send(P.Fail(key=key, reason="remote delivery without the file's bytes"))
+            return None
         try:
-            sample = load_and_check(self.spool, d)
+            sample = load_and_check(None if self.remote else self.spool, d, payload)
         except (InvalidSample, P.ProtocolError, OSError, ValueError) as e:
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
             self._send(P.Fail(key=key, reason=str(e)[:500]))
             return None
-        # The tensors are in memory (safetensors copied them out): the file can go now.
-        try:
-            P.resolve_in_spool(self.spool, d.notice.file or "").unlink()
-        except (FileNotFoundError, P.UnsafePathError):
-            pass
+        # The tensors are in memory (safetensors copied them out): the file can go now
+        # (a remote sidecar deletes its own file when it gets RECEIVED).
+        if not self.remote:
+            try:
+                P.resolve_in_spool(self.spool, d.notice.file or "").unlink()
+            except (FileNotFoundError, P.UnsafePathError):
+                pass
         self.stats["bytes"] += d.notice.nbytes
         self._send(P.Received(keys=[key]))
         return sample
@@ -226,7 +276,11 @@ class HiddenStateStream:
         if self._sock is not None:
             if self.ack_mode == "use":
                 self.ack_all_used()
-            self._sock.close()
+            t0 = time.monotonic()  # give queued acks a moment to go; unacked samples come back anyway
+            while self._outbox and time.monotonic() - t0 < 2.0:
+                self._flush()
+                time.sleep(0.01)
+            self._sock.close(linger=0 if self._outbox else 2000)
             self._sock = None
 
     def __enter__(self) -> HiddenStateStream:

@@ -21,7 +21,8 @@ import pytest
 
 from hsstream import launch
 from tests.integration.conftest import submit
-from trainer_client import HiddenStateStream
+from hsstream.demo import free_port
+from trainer_client import HiddenStateStream, StreamError
 
 BUDGET = 200_000  # bytes: about four of this module's samples at a time
 HERE = Path(__file__).resolve().parent
@@ -33,9 +34,21 @@ def stack(tiny_model):
 
     from hsstream.demo import Stack
 
+    import zmq.auth
+
     st = Stack(tiny_model, [2, 6, 9, 12], Path(tempfile.mkdtemp(prefix="hsstream-rel-")))
+    keys = st.workdir / "keys"
+    (keys / "clients").mkdir(parents=True)
+    zmq.auth.create_certificates(keys, "server")
+    zmq.auth.create_certificates(keys / "clients", "trainer")
+    zmq.auth.create_certificates(keys, "stranger")  # not authorised
+    st.remote_port = free_port()
+    st.keys = keys
     st.env.update({"HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_TRAINER_TIMEOUT_S": "3",
-                   "HSSTREAM_LEDGER_PATH": str(st.workdir / "ledger.sqlite")})  # fmt: skip
+                   "HSSTREAM_LEDGER_PATH": str(st.workdir / "ledger.sqlite"),
+                   "HSSTREAM_REMOTE_ENDPOINT": f"tcp://127.0.0.1:{st.remote_port}",
+                   "HSSTREAM_CURVE_SERVER_SECRET_FILE": str(keys / "server.key_secret"),
+                   "HSSTREAM_CURVE_CLIENTS_DIR": str(keys / "clients")})  # fmt: skip
     try:
         st.start()
         yield st
@@ -241,3 +254,55 @@ def test_delete_running_job_leaves_no_file_and_no_request(stack):
     vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in m.splitlines()
             if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))}  # fmt: skip
     assert vals and all(v == 0 for v in vals.values()), vals
+
+
+def test_remote_trainer_over_curve_gets_bytes_and_sidecar_deletes(stack):
+    n = 5
+    samples = token_samples(n, 30, seed=6)
+    job = submit(stack, samples)
+    k = stack.keys
+    # A trainer whose key the sidecar does not know gets nothing (CURVE refuses it) ...
+    with pytest.raises(StreamError, match="no sample"):
+        with HiddenStateStream(f"tcp://127.0.0.1:{stack.remote_port}", jobs=[job], timeout_s=4,
+                               curve_server_key=str(k / "server.key"),
+                               curve_client_cert=str(k / "stranger.key_secret")) as s:  # fmt: skip
+            list(s)
+    # ... and loses nothing: an authorised one gets every sample, as bytes.
+    with HiddenStateStream(f"tcp://127.0.0.1:{stack.remote_port}", jobs=[job], timeout_s=60,
+                           curve_server_key=str(k / "server.key"),
+                           curve_client_cert=str(k / "clients" / "trainer.key_secret")) as s:  # fmt: skip
+        got = list(s)
+        stats = dict(s.stats)
+    assert sorted(x.label for x in got) == sorted(x["id"] for x in samples) and stats["invalid"] == 0
+    by = {x.label: x for x in got}
+    for smp in samples:
+        assert by[smp["id"]].token_ids.tolist() == smp["token_ids"]
+        assert by[smp["id"]].hidden_states.shape == (30, 4, 128)
+    st = wait_done(stack, job)
+    assert st["counts"]["consumed"] == n
+    time.sleep(0.3)
+    assert stack.spool_files() == []  # deleted by the sidecar on RECEIVED
+    assert httpx.get(f"{stack.api}/v1/stats", timeout=10).json()["delivery"]["delivered_remote"] >= n
+
+
+def test_regenerate_mode_extracts_prompt_plus_new_reply(stack, tiny_model):
+    from transformers import AutoTokenizer
+
+    from tests.integration.test_e2e_hidden_states import assert_close_to_hf
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    msgs = [{"role": "user", "content": "count: 1 2 3"}, {"role": "assistant", "content": "old reply, dropped"}]
+    prompt = tok.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    job = submit(stack, [{"messages": msgs, "id": "regen"}], mode="regenerate",
+                 sampling={"max_tokens": 8, "temperature": 0.0})  # fmt: skip
+    with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
+        got = list(s)
+    assert len(got) == 1
+    g = got[0]
+    ids = g.token_ids.tolist()
+    reply = ids[len(prompt):]
+    assert ids[: len(prompt)] == list(prompt) and 1 <= len(reply) <= 7  # prompt + reply - 1 positions
+    assert g.loss_mask.int().tolist() == [0] * len(prompt) + [1] * len(reply)
+    assert g.hidden_states.shape[0] == len(ids)
+    assert_close_to_hf(tiny_model, g, [2, 6, 9, 12])  # the reply's states are the verifier's too
+    assert stack.spool_files() == []

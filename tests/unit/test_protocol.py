@@ -137,8 +137,16 @@ def test_decode_msg_rejects_unknown_type(mtype):
 def test_decode_msg_rejects_wrong_frame_count(n):
     frames = P.encode_msg(P.Credit(n=1))
     frames = (frames + [b"{}"] * 4)[:n]
-    with pytest.raises(P.ProtocolError, match="frames"):
+    with pytest.raises(P.ProtocolError, match="frames|payload"):
         P.decode_msg(frames)
+
+
+def test_only_deliver_carries_a_payload():
+    n = P.Notice(status=P.NoticeStatus.ok, request_id="r", key=P.SampleKey(job="j", index=0), file="r.safetensors")
+    frames = P.encode_msg(P.Deliver(notice=n), b"file bytes")
+    assert P.payload_of(frames) == b"file bytes" and isinstance(P.decode_msg(frames), P.Deliver)
+    with pytest.raises(P.ProtocolError):
+        P.encode_msg(P.Credit(n=1), b"x")
 
 
 def test_decode_msg_rejects_body_of_another_type():

@@ -1,0 +1,133 @@
+"""``hsstream train``: submit (or follow) jobs, train a draft on their stream, resume after a crash.
+
+The job ids a run follows are written to ``OUT/jobs.json`` before anything is streamed, so a
+restarted run follows the same jobs instead of submitting them again; what it has already
+trained is in its newest checkpoint and the sidecar re-delivers the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import httpx
+
+from trainer_client.eagle3 import vocab as V
+from trainer_client.eagle3.trainer import Eagle3OnlineTrainer, TrainConfig, TrainResult
+
+log = logging.getLogger("hsstream.eagle3")
+
+JOBS_FILE = "jobs.json"
+COUNTS_FILE = "token_counts.json"
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
+def read_samples(path: str | Path) -> list[dict]:
+    """REST samples, one JSON object per line (``prompt`` / ``messages`` / ``conversations`` / ``token_ids``)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not JSON: {e}") from e
+    if not out:
+        raise ValueError(f"{path}: no samples")
+    return out
+
+
+def submit_job(api: str, samples: list[dict], options: dict | None = None, token: str | None = None) -> str:
+    """One job; ``options.epochs`` makes the sidecar stream every sample once per epoch (new keys)."""
+    r = httpx.post(
+        f"{api.rstrip('/')}/v1/jobs", json={"samples": samples, "options": options or {}}, headers=_headers(token),
+        timeout=120,
+    )  # fmt: skip
+    if r.status_code != 200:
+        raise RuntimeError(f"the sidecar refused the job ({r.status_code}): {r.text[:500]}")
+    return r.json()["job_id"]
+
+
+def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa: ANN201
+    """True once no sample of ``jobs`` is waiting to be produced or delivered.
+
+    The sidecar ends a job only when every sample is acknowledged; a trainer deferring acks
+    to checkpoints asks this after each step and checkpoints as soon as it holds the tail.
+    """
+    client = httpx.Client(timeout=10, headers=_headers(token))
+
+    def probe(_pending: int) -> bool:
+        left = 0
+        for j in jobs:
+            r = client.get(f"{api.rstrip('/')}/v1/jobs/{j}")
+            if r.status_code != 200:
+                return False
+            c = r.json()["counts"]
+            left += c.get("queued", 0) + c.get("submitted", 0) + c.get("ready", 0)
+        return left == 0
+
+    return probe
+
+
+def run_train(
+    cfg: TrainConfig,
+    *,
+    api: str | None,
+    endpoint: str | None,
+    spool_dir: str | None,
+    jobs: list[str] | None = None,
+    submit_file: str | None = None,
+    epochs: int = 1,
+    job_options: dict | None = None,
+    token_counts_file: str | None = None,
+    api_token: str | None = None,
+    timeout_s: float = 600.0,
+    credit: int = 8,
+) -> TrainResult:
+    from trainer_client.stream import HiddenStateStream
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs_path = out / JOBS_FILE
+    samples: list[dict] | None = None
+    if jobs_path.exists():
+        recorded = json.loads(jobs_path.read_text())["jobs"]
+        if jobs and sorted(jobs) != sorted(recorded):
+            raise ValueError(f"{out} belongs to a run following jobs {recorded}, not {jobs}: use another --out")
+        jobs = recorded
+        log.info("continuing the run in %s on jobs %s", out, jobs)
+    elif submit_file:
+        if not api:
+            raise ValueError("--submit needs the sidecar's REST address (--api)")
+        samples = read_samples(submit_file)
+        jobs = [submit_job(api, samples, {**(job_options or {}), "epochs": epochs}, api_token)]
+        jobs_path.write_text(json.dumps({"jobs": jobs, "submitted_from": str(submit_file), "epochs": epochs}) + "\n")
+    elif jobs:
+        jobs_path.write_text(json.dumps({"jobs": jobs}) + "\n")
+    else:
+        raise ValueError("nothing to train on: pass --job ID (repeatable) or --submit FILE")
+
+    counts = None
+    counts_path = out / COUNTS_FILE
+    if counts_path.exists():
+        counts = V.token_counts_from_file(counts_path)
+    elif token_counts_file:
+        counts = V.token_counts_from_file(token_counts_file)
+    else:
+        if api:
+            counts = V.token_counts_from_sidecar(api, jobs, api_token)
+        if counts is None and samples is not None:
+            counts = V.token_counts_from_samples(cfg.verifier, samples, (job_options or {}).get("loss_mask", "assistant"))
+    if counts is not None:
+        V.save_token_counts(counts, counts_path)
+
+    cfg.extra = {**cfg.extra, "jobs": jobs}
+    probe = drained_probe(api, jobs, api_token) if api else None
+    trainer = Eagle3OnlineTrainer(cfg, counts, drained=probe)
+    with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s, credit=credit) as s:
+        result = trainer.train(s)
+    (out / "result.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    return result
