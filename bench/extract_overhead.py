@@ -74,6 +74,7 @@ class NoticeConsumer:
         self.sock.bind(endpoint)
         self.spool = spool
         self.count = self.errors = self.nbytes = 0
+        self.keep = False  # True: leave the files (for checks that read them afterwards)
         self.stop = threading.Event()
         self.t = threading.Thread(target=self.run, daemon=True)
         self.t.start()
@@ -90,7 +91,8 @@ class NoticeConsumer:
                 continue
             p = P.resolve_in_spool(self.spool, n.file)
             self.nbytes += p.stat().st_size
-            p.unlink()
+            if not self.keep:
+                p.unlink()
             self.count += 1
 
     def wait(self, n: int, timeout: float) -> float | None:
