@@ -5,7 +5,10 @@
    cached) so that it does not fall into single-token loops; its greedy repeat fraction is
    measured and must be < 0.3.
 2. The real stack (vLLM CPU build with our connector + sidecar) streams its hidden states for
-   training documents; ``hsstream train`` trains a draft online for a bounded number of steps.
+   training prompts plus the replies it writes to them (the sidecar's ``regenerate`` mode:
+   half greedy, half at temperature 1, as a served draft will face them; ``--data corpus``
+   streams the documents as they are); ``hsstream train`` trains a draft online for a
+   bounded number of steps.
 3. vLLM serves the verifier with the trained draft and with an untrained one (same
    architecture and vocabulary maps), ``num_speculative_tokens=3``, on held-out prompts, at
    temperature 0 and 1; acceptance rate = accepted / drafted tokens from vLLM's own
@@ -16,8 +19,8 @@
 Writes bench/results/acceptance_cpu.json (and $OUT/ if set) and exits non-zero if a target
 (trained ≥ 0.7 at T=0 and ≥ 0.3 at T=1, each ≥ 0.15 above untrained) is missed.
 
-    python bench/acceptance.py                      # ~10 min on 2 busy cores
-    python bench/acceptance.py --steps 300          # shorter training
+    python bench/acceptance.py                                  # ~10 min on 2 busy cores
+    python bench/acceptance.py --train-samples 400 --steps 400  # shorter training
 """
 
 from __future__ import annotations
@@ -99,6 +102,14 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_
     return out
 
 
+def submit(api: str, samples: list[dict], options: dict) -> str:
+    import httpx
+
+    r = httpx.post(f"{api}/v1/jobs", json={"samples": samples, "options": options}, timeout=120)
+    r.raise_for_status()
+    return r.json()["job_id"]
+
+
 def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
                 workdir: Path, name: str, fix: bool = True) -> dict:  # fmt: skip
     from hsstream import launch
@@ -129,9 +140,12 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train-samples", type=int, default=640, help="training documents streamed (one job)")
-    ap.add_argument("--steps", type=int, default=640, help="training steps (one sample each)")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--data", choices=("regenerate", "corpus"), default="regenerate",
+                    help="regenerate: the verifier writes 64-token replies to training prompts (half T=0, half T=1); "
+                         "corpus: training documents as they are")  # fmt: skip
+    ap.add_argument("--train-samples", type=int, default=1200, help="training samples streamed")
+    ap.add_argument("--steps", type=int, default=1200, help="training steps (one sample each)")
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--draft-vocab-size", type=int, default=256)
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -170,9 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     t_verifier = time.perf_counter() - t0
 
     # -- 2. stream + train -------------------------------------------------------------------
-    docs = PV.corpus_documents(a.train_samples, PV.SEED_DRAFT_TRAIN)
-    samples_file = wd / "train_samples.jsonl"
-    samples_file.write_text("".join(json.dumps({"id": f"doc-{i}", "prompt": d}) + "\n" for i, d in enumerate(docs)))
     run_dir = wd / "draft-run"
     stack = Stack(verifier, LAYERS, wd)
     t0 = time.perf_counter()
@@ -180,9 +191,24 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         t_stack = time.perf_counter() - t0
         log(f"stack up in {t_stack:.0f} s (vLLM CPU build + sidecar), spool {stack.spool}")
+        jobs, job_specs = [], []
+        if a.data == "regenerate":
+            # The verifier writes the replies (as a served draft will face them): half greedy, half sampled.
+            prompts_train = PV.held_out_prompts(a.train_samples, seed=PV.SEED_DRAFT_TRAIN, max_chars=200)
+            half = len(prompts_train) // 2
+            for temp, part in ((0.0, prompts_train[:half]), (1.0, prompts_train[half:])):
+                opts = {"mode": "regenerate", "loss_mask": "all",
+                        "sampling": {"max_tokens": a.max_tokens, "temperature": temp, "seed": 7}}  # fmt: skip
+                job_specs.append({"samples": len(part), "options": opts})
+                jobs.append(submit(stack.api, [{"prompt": p} for p in part], opts))
+        else:
+            docs = PV.corpus_documents(a.train_samples, PV.SEED_DRAFT_TRAIN)
+            opts = {"loss_mask": "all"}
+            job_specs.append({"samples": len(docs), "options": opts})
+            jobs.append(submit(stack.api, [{"prompt": d} for d in docs], opts))
         cmd = [
             sys.executable, "-m", "hsstream", "train", "--model", verifier, "--out", str(run_dir),
-            "--submit", str(samples_file), "--loss-mask", "all", "--api", stack.api,
+            *[x for j in jobs for x in ("--job", j)], "--api", stack.api,
             "--endpoint", stack.delivery_endpoint, "--spool", str(stack.spool),
             "--draft-vocab-size", str(a.draft_vocab_size), "--steps", str(a.steps), "--lr", str(a.lr),
             "--checkpoint-every", "200", "--no-progress",
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "stack_start_s": round(t_stack, 1),
             "draft_vocab_size": maps["draft_vocab_size"],
             "draft_vocab_coverage_of_training_tokens": cov,
-            "train_samples_submitted": a.train_samples,
+            "jobs": job_specs,
         },
         "serving": {"num_speculative_tokens": SPEC_TOKENS, "prompts": len(prompts), "max_tokens": a.max_tokens, **serving},
         "acceptance": {"trained": {"T0": tr0, "T1": tr1}, "untrained": {"T0": un0, "T1": un1}},

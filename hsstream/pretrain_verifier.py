@@ -181,7 +181,7 @@ def greedy_repeat_fraction(model_dir: str | Path, prompts: list[str] | None = No
 
 
 def held_out_prompts(n: int, seed: int = SEED_HELD_OUT, max_chars: int = 120) -> list[str]:
-    """Prompts cut from documents the verifier and the draft never trained on."""
+    """Prompts cut from documents the verifier and the draft never trained on (other seeds: other prompts)."""
     rng = random.Random(seed + 1)
     out = []
     for d in corpus_documents(n, seed):

@@ -14,7 +14,6 @@ which the sidecar deletes the file.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import zmq
 from connector import protocol as P
 from server.ledger import Ledger
 from server.notices import prepare_ipc
+from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
 
@@ -48,7 +48,9 @@ class Peer:
     greeted: bool = False
 
 
-class DeliveryService:
+class DeliveryService(SocketThread):
+    name = "hsstream-delivery"
+
     def __init__(
         self,
         endpoint: str,
@@ -59,6 +61,7 @@ class DeliveryService:
         remote_endpoint: str | None = None,
         curve: CurveServer | None = None,
     ) -> None:
+        super().__init__()
         if remote_endpoint and curve is None:
             raise ValueError("a remote (TCP) delivery endpoint needs CURVE keys: tensors must not travel unauthenticated")
         self.endpoint = endpoint
@@ -70,21 +73,7 @@ class DeliveryService:
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
                       "trainer_failed": 0, "peers_lost": 0}  # fmt: skip
-        self._stop = threading.Event()
-        self._bound = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="hsstream-delivery", daemon=True)
         self._socks: dict[bytes, zmq.Socket] = {}
-
-    def start(self) -> None:
-        self._thread.start()
-        self._bound.wait(10)
-        if self._error:
-            raise self._error
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
     def _file_exists(self, name: str | None) -> bool:
         try:
@@ -98,7 +87,8 @@ class DeliveryService:
         except (FileNotFoundError, P.UnsafePathError):
             pass
 
-    def _bind(self, ctx: zmq.Context) -> object:
+    def bind(self) -> object:
+        ctx = zmq.Context.instance()
         prepare_ipc(self.endpoint)
         local = ctx.socket(zmq.ROUTER)
         local.setsockopt(zmq.LINGER, 0)
@@ -122,20 +112,12 @@ class DeliveryService:
             self._socks[b"R"] = remote
         return auth
 
-    def _run(self) -> None:
-        ctx = zmq.Context.instance()
-        try:
-            auth = self._bind(ctx)
-        except BaseException as e:  # noqa: BLE001
-            self._error = e
-            self._bound.set()
-            return
-        self._bound.set()
+    def serve(self, auth: object) -> None:
         poller = zmq.Poller()
         for s in self._socks.values():
             poller.register(s, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self.stopping:
                 for sock, _ in poller.poll(20):
                     tag = next(t for t, s in self._socks.items() if s is sock)
                     while True:
@@ -149,7 +131,7 @@ class DeliveryService:
             for s in self._socks.values():
                 s.close()
             if auth is not None:
-                auth.stop()
+                auth.stop()  # type: ignore[attr-defined]
 
     def _on_message(self, owner: bytes, frames: list[bytes]) -> None:
         try:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 
 import zmq
 
 from connector import protocol as P
 from server.ledger import Ledger
+from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
 
@@ -27,40 +27,26 @@ def prepare_ipc(endpoint: str) -> None:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
-class NoticeReceiver:
+class NoticeReceiver(SocketThread):
+    name = "hsstream-notices"
+
     def __init__(self, endpoint: str, spool: Path, ledger: Ledger) -> None:
+        super().__init__()
         self.endpoint = endpoint
         self.spool = spool
         self.ledger = ledger
         self.stats = {"notices": 0, "refused": 0, "deleted": 0, "foreign": 0}
-        self._stop = threading.Event()
-        self._bound = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="hsstream-notices", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-        self._bound.wait(10)
-        if self._error:
-            raise self._error
+    def bind(self) -> zmq.Socket:
+        prepare_ipc(self.endpoint)
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self.endpoint)
+        return sock
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
+    def serve(self, sock: zmq.Socket) -> None:  # type: ignore[override]
         try:
-            prepare_ipc(self.endpoint)
-            sock = zmq.Context.instance().socket(zmq.PULL)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(self.endpoint)
-        except BaseException as e:  # noqa: BLE001
-            self._error = e
-            self._bound.set()
-            return
-        self._bound.set()
-        try:
-            while not self._stop.is_set():
+            while not self.stopping:
                 if sock.poll(200):
                     self.handle(sock.recv())
         finally:

@@ -49,6 +49,7 @@ class HiddenStateDataset(IterableDataset):
         follow: bool = False,
         timeout_s: float = 600.0,
         transform: Callable[[Sample], Any] | None = None,
+        **stream_options: Any,
     ) -> None:
         super().__init__()
         self.endpoint = endpoint
@@ -59,6 +60,7 @@ class HiddenStateDataset(IterableDataset):
         self.follow = follow
         self.timeout_s = timeout_s
         self.transform = transform
+        self.stream_options = stream_options  # e.g. remote transport: curve_server_key, curve_client_cert
         self.stream: HiddenStateStream | None = None
 
     def __getstate__(self) -> dict:
@@ -76,7 +78,7 @@ class HiddenStateDataset(IterableDataset):
             )
         stream = HiddenStateStream(
             self.endpoint, jobs=self.jobs, spool_dir=self.spool_dir, credit=self.credit, ack=self.ack,
-            follow=self.follow, timeout_s=self.timeout_s,
+            follow=self.follow, timeout_s=self.timeout_s, **self.stream_options,
         )  # fmt: skip
         self.stream = stream
         try:
