@@ -1,0 +1,33 @@
+"""The trainer side installs without vLLM or FastAPI: its imports must not reach them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+BLOCK = "import sys\nfor m in ('vllm', 'fastapi', 'uvicorn', 'transformers'):\n    sys.modules[m] = None\n"
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "connector.protocol, connector.settings, connector.layers",
+        "trainer_client",
+        "trainer_client.stream",
+    ],
+)
+def test_imports_without_vllm_or_fastapi(modules):
+    code = BLOCK + f"import {modules}\nprint('ok')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_only_the_plugin_module_imports_vllm():
+    """connector/'s other modules are importable with vLLM blocked; the plug-in is not."""
+    code = BLOCK + "import connector.worker_side, connector.scheduler_side, connector.spool_writer\n"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
+    code = BLOCK + "import connector.vllm_plugin\n"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "vllm" in p.stderr
