@@ -74,9 +74,11 @@ class Job:
         c = Counter(s.state.value for s in self.samples)
         return {st.value: c.get(st.value, 0) for st in State}
 
+    n_terminal: int = 0  # kept by the ledger: checked every few ms by delivery, must be O(1)
+
     @property
     def done(self) -> bool:
-        return all(s.state in TERMINAL for s in self.samples)
+        return self.n_terminal == len(self.samples)
 
 
 @dataclass
@@ -171,6 +173,7 @@ class Ledger:
                            errors=json.loads(errs or "[]"))  # fmt: skip
                 job = self.jobs[jid]
                 job.samples.append(s)
+                job.n_terminal += s.state in TERMINAL
                 job.by_key[(ep, idx)] = s
                 if s.state == State.submitted:
                     s.attempt += 1  # whatever comes back for the old attempt is discarded
@@ -257,6 +260,7 @@ class Ledger:
                 s.on_disk_bytes = 0
                 s.lease_owner = None
                 s.state = State.cancelled
+                job.n_terminal += 1
                 self._save(s, old)
             job.finished = job.finished or time.time()
             self._save_job(job)
@@ -340,6 +344,7 @@ class Ledger:
         smp.state = state
         self._save(smp, old)
         job = self.jobs[smp.key.job]
+        job.n_terminal += 1
         if job.finished is None and job.done:
             job.finished = time.time()
         self._save_job(job)
