@@ -5,10 +5,10 @@
    cached) so that it does not fall into single-token loops; its greedy repeat fraction is
    measured and must be < 0.3.
 2. The real stack (vLLM CPU build with our connector + sidecar) streams its hidden states for
-   training prompts plus the replies it writes to them (the sidecar's ``regenerate`` mode:
-   half greedy, half at temperature 1, as a served draft will face them; ``--data corpus``
-   streams the documents as they are); ``hsstream train`` trains a draft online for a
-   bounded number of steps.
+   training documents (drawn with another seed than the verifier's and the evaluation's;
+   ``--data regenerate`` instead has the verifier write replies to training prompts, the
+   sidecar's regenerate mode); ``hsstream train`` trains a draft online for a bounded number
+   of steps.
 3. vLLM serves the verifier with the trained draft and with an untrained one (same
    architecture and vocabulary maps), ``num_speculative_tokens=3``, on held-out prompts, at
    temperature 0 and 1; acceptance rate = accepted / drafted tokens from vLLM's own
@@ -140,11 +140,11 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", choices=("regenerate", "corpus"), default="regenerate",
-                    help="regenerate: the verifier writes 64-token replies to training prompts (half T=0, half T=1); "
-                         "corpus: training documents as they are")  # fmt: skip
-    ap.add_argument("--train-samples", type=int, default=1200, help="training samples streamed")
-    ap.add_argument("--steps", type=int, default=1200, help="training steps (one sample each)")
+    ap.add_argument("--data", choices=("corpus", "regenerate"), default="corpus",
+                    help="corpus: training documents as they are; regenerate: the verifier writes replies to "
+                         "training prompts (half T=0, half T=1), only the replies carry loss")  # fmt: skip
+    ap.add_argument("--train-samples", type=int, default=1600, help="training samples streamed")
+    ap.add_argument("--steps", type=int, default=1600, help="training steps (one sample each)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--draft-vocab-size", type=int, default=256)
     ap.add_argument("--eval-prompts", type=int, default=32)

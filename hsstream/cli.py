@@ -158,7 +158,7 @@ def train(
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
     token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
-    aux_layers: str = typer.Option(None, help="three aux layer ids, comma-separated (default: the stream's)"),
+    aux_layers: str = typer.Option(None, help="three aux layer ids, comma-separated (default 2, N//2, N-3)"),
     steps: int = typer.Option(None, help="stop after this many steps (default: when the jobs are complete)"),
     samples_per_step: int = typer.Option(1),
     lr: float = typer.Option(1e-3),

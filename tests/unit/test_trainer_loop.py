@@ -168,18 +168,23 @@ def test_resume_continues_and_skips_what_the_weights_already_hold(tiny_model, sa
     assert M.load_state(latest_checkpoint(out))["unacked_keys"] == sorted(str(s.key) for s in samples[8:12])
 
 
-def test_layers_checked_before_any_model_is_built(tiny_model, samples, tmp_path):
+def test_layers_checked_on_the_first_sample(tiny_model, samples, tmp_path):
     s = samples[0]
     no_n = Sample(s.key, s.token_ids, s.hidden_states[:, :3], [2, 6, 9], 12, None)
-    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "a"), counts_of(samples))
+    stream = ListStream([no_n])
     with pytest.raises(MissingLayersError, match="not layer N=12"):
-        tr.train(ListStream([no_n]))
-    assert tr.model is None and latest_checkpoint(tmp_path / "a") is None
-    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "b", aux_layer_ids=[3, 6, 9]), counts_of(samples))
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "a"), counts_of(samples)).train(stream)
+    assert latest_checkpoint(tmp_path / "a") is None and stream.acked == []
+    # the default aux layers are Eagle-3's usual [2, N//2, N-3]; a stream with others is named
+    other = Sample(s.key, s.token_ids, s.hidden_states, [3, 6, 9, 12], 12, None)
+    with pytest.raises(MissingLayersError, match=r"not aux layer\(s\) \[2\]"):
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "b"), counts_of(samples)).train(ListStream([other]))
     with pytest.raises(MissingLayersError, match=r"not aux layer\(s\) \[3\]"):
-        tr.train(ListStream([s]))
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "c", aux_layer_ids=[3, 6, 9]), counts_of(samples)).train(
+            ListStream([s])
+        )
 
 
 def test_empty_stream_is_an_error_not_a_silent_success(tiny_model, tmp_path):
     with pytest.raises(RuntimeError, match="before delivering any sample"):
-        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r"), {}).train(ListStream([]))
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", draft_vocab_size=None), None).train(ListStream([]))

@@ -29,7 +29,7 @@ import torch
 
 from connector import protocol as P
 from trainer_client.eagle3 import model as M
-from trainer_client.eagle3.features import Features, eagle3_layers, features, pack, swap_aux
+from trainer_client.eagle3.features import Features, MissingLayersError, eagle3_layers, features, pack, swap_aux
 from trainer_client.stream import Sample
 
 log = logging.getLogger("hsstream.eagle3")
@@ -44,7 +44,7 @@ METRICS_LOG = "metrics.jsonl"
 class TrainConfig:
     verifier: str
     out_dir: str
-    aux_layer_ids: list[int] | None = None  # None: the three the stream carries below N
+    aux_layer_ids: list[int] | None = None  # None: Eagle-3's usual [2, N//2, N-3]
     draft_vocab_size: int | None = None  # None: min(32000, verifier vocabulary)
     ttt_steps: int = 3
     ttt_step_loss_decay: float = 1.0
@@ -150,25 +150,32 @@ class Eagle3OnlineTrainer:
         self.resumed_from: Path | None = None
 
     # -- setup ------------------------------------------------------------------------------------
-    def _setup(self, first: Sample) -> None:
+    def prepare(self) -> None:
+        """Build (or restore) draft, optimizer and maps *before* the stream is touched.
+
+        Done first because it is slow (speculators' import, the verifier's embeddings and
+        lm_head): a stream that sat idle that long without heartbeats would be presumed dead
+        by the sidecar and lose its leases. The aux layers are therefore fixed here (given,
+        restored, or Eagle-3's usual [2, N//2, N-3]) and the first sample is checked against
+        them.
+        """
+        if self.model is not None:
+            return
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        n = self.num_hidden_layers
         ckpt = M.latest_checkpoint(self.out) if self.resume else None
-        run_path = self.out / RUN_FILE
         if ckpt is not None:
             state = M.load_state(ckpt)
             self.aux_layer_ids = list(state["aux_layer_ids"])
-            eagle3_layers(first, self.aux_layer_ids, self.num_hidden_layers)
             maps = torch.load(self.out / VOCAB_FILE, weights_only=True)
             self.draft_vocab_size = int(state["draft_vocab_size"])
             t2d, d2t = maps.get("t2d"), maps.get("d2t")
         else:
-            self.aux_layer_ids = eagle3_layers(first, cfg.aux_layer_ids, self.num_hidden_layers)
-            if first.hidden_states.shape[-1] != self.hidden_size:
-                raise ValueError(
-                    f"stream hidden size {first.hidden_states.shape[-1]} != verifier's {self.hidden_size}"
-                )
+            self.aux_layer_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids else [2, n // 2, n - 3]
+            if len(self.aux_layer_ids) != 3 or not all(0 <= i < n for i in self.aux_layer_ids):
+                raise MissingLayersError(f"Eagle-3 takes three aux layers below N={n}, got {self.aux_layer_ids}")
             from trainer_client.eagle3.vocab import build_vocab_maps, coverage
 
             d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
@@ -179,12 +186,12 @@ class Eagle3OnlineTrainer:
             run = {
                 "config": asdict(cfg),
                 "aux_layer_ids": self.aux_layer_ids,
-                "num_hidden_layers": self.num_hidden_layers,
+                "num_hidden_layers": n,
                 "draft_vocab_size": self.draft_vocab_size,
                 "vocab_coverage": cov,
                 "started": time.time(),
             }
-            run_path.write_text(json.dumps(run, indent=2, default=str) + "\n")
+            (self.out / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
             state = None
         self.model = M.build_draft(
             cfg.verifier, self.aux_layer_ids, draft_vocab_size=self.draft_vocab_size, t2d=t2d, d2t=d2t,
@@ -214,6 +221,14 @@ class Eagle3OnlineTrainer:
                 self._tb = SummaryWriter(str(self.out / "tensorboard"))
             except ImportError:
                 self._tb = None
+
+    def check(self, smp: Sample) -> None:
+        """The stream carries what this draft trains from: layer N, its aux layers, its hidden size."""
+        eagle3_layers(smp, self.aux_layer_ids, self.num_hidden_layers)
+        if smp.hidden_states.shape[-1] != self.hidden_size:
+            raise MissingLayersError(
+                f"sample {smp.key} has hidden size {smp.hidden_states.shape[-1]}, the verifier {self.hidden_size}"
+            )
 
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self, items: list[Features]) -> dict:
@@ -269,6 +284,7 @@ class Eagle3OnlineTrainer:
     def train(self, stream: Iterable[Sample]) -> TrainResult:
         """Train until the stream ends or ``max_steps``; checkpoints, acks, logs on the way."""
         cfg = self.cfg
+        self.prepare()
         it: Iterator[Sample] = iter(stream)
         t_start = time.perf_counter()
         wait_s = 0.0
@@ -296,8 +312,8 @@ class Eagle3OnlineTrainer:
                     except StopIteration:
                         exhausted = True
                         break
-                    if self.model is None:
-                        self._setup(smp)
+                    self.check(smp)
+                    if keys_log is None:
                         keys_log = open(self.out / KEYS_LOG, "a", buffering=1)  # noqa: SIM115
                         metrics_log = open(self.out / METRICS_LOG, "a", buffering=1)  # noqa: SIM115
                         if cfg.progress:
@@ -305,7 +321,6 @@ class Eagle3OnlineTrainer:
 
                             bar = tqdm(total=cfg.max_steps, initial=self.step, desc="eagle3", unit="step",
                                        dynamic_ncols=True)  # fmt: skip
-                    eagle3_layers(smp, self.aux_layer_ids, self.num_hidden_layers)
                     pending.append(smp.key)
                     key = str(smp.key)
                     if key in self.skip_keys:  # already in the weights; only its ack may have been lost
@@ -353,19 +368,17 @@ class Eagle3OnlineTrainer:
                 due = items and self.step % cfg.checkpoint_every == 0
                 at_end = exhausted or (cfg.max_steps is not None and self.step >= cfg.max_steps)
                 drained = bool(pending) and not at_end and self.drained is not None and self.drained(len(pending))
-                if self.model is not None and pending and (due or at_end or drained):
+                if pending and (due or at_end or drained):
                     last_ckpt = self._checkpoint(stream, pending, trained_pending)
                     self.skip_keys -= set(trained_pending)
                     pending, trained_pending = [], []
                 if exhausted:
                     break
-            if self.model is None:
-                done = M.latest_checkpoint(self.out) if self.resume else None
-                if done is None:
+            if keys_log is None:  # not a single sample came
+                if self.resumed_from is None:
                     raise RuntimeError("the stream ended before delivering any sample: nothing to train on")
                 # resumed after the jobs were complete: the newest checkpoint is the result
-                self.step = int(M.load_state(done)["step"])
-                return self._result(history, 0, 0, 0, time.perf_counter() - t_start, wait_s, done)
+                return self._result(history, 0, 0, 0, time.perf_counter() - t_start, wait_s, self.resumed_from)
             if last_ckpt is None or pending or int(last_ckpt.name.removeprefix("step-")) != self.step:
                 last_ckpt = self._checkpoint(stream, pending, trained_pending)
         finally:
