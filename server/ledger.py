@@ -120,6 +120,7 @@ class Ledger:
         self._queue: deque[Sample] = deque()
         self._ready: deque[Sample] = deque()
         self.reserved_bytes = 0  # expected bytes of SUBMITTED + real bytes of files on disk
+        self._throttled = False  # a limit was hit: wait for the low watermark
         self.path = str(path) if path else ":memory:"
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -268,11 +269,22 @@ class Ledger:
         return files
 
     # ------------------------------------------------------------------ submission
-    def next_to_submit(self, budget: int, max_ready: int | None = None) -> Sample | None:
+    def next_to_submit(self, budget: int, max_ready: int | None = None, low_water: float = 0.75) -> Sample | None:
         """The next queued sample, if its expected bytes fit the spool budget now (and the
-        ready-but-unconsumed count is under its limit)."""
+        ready-but-unconsumed count is under its limit).
+
+        High/low watermarks: once either limit stops submission, it resumes only when usage
+        has fallen to ``low_water`` of the limit, so vLLM gets batches rather than a trickle
+        of one request per consumed sample."""
         with self._lock:
+            if self._throttled:
+                if self.reserved_bytes > low_water * budget or (
+                    max_ready is not None and self.ready_count() > low_water * max_ready
+                ):
+                    return None
+                self._throttled = False
             if max_ready is not None and self.ready_count() >= max_ready:
+                self._throttled = True
                 return None
             while self._queue:
                 s = self._queue[0]
@@ -280,6 +292,7 @@ class Ledger:
                     self._queue.popleft()
                     continue
                 if self.reserved_bytes + s.expected_bytes > budget and self.reserved_bytes > 0:
+                    self._throttled = True
                     return None
                 self._queue.popleft()
                 s.state = State.submitted

@@ -25,6 +25,12 @@ def prepare_ipc(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         d = Path(endpoint[len("ipc://") :]).parent
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = d.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise PermissionError(
+                f"{d} (socket directory of {endpoint}) must belong to this user and not be writable by "
+                f"others: anyone who can write there can inject notices (mode {oct(st.st_mode & 0o777)})"
+            )
 
 
 class NoticeReceiver(SocketThread):

@@ -133,3 +133,28 @@ def test_vllm_down_does_not_spend_attempts():
     s = led.next_to_submit(10**9)
     led.requeue(s.key, s.attempt, "500")
     assert j.samples[0].state == State.failed and len(j.samples[0].errors) == 2
+
+
+def test_watermarks_resume_only_after_draining_to_low():
+    led = Ledger()
+    led.add_job(new(10, nbytes=100))
+    subs = [led.next_to_submit(budget=400, low_water=0.5) for _ in range(4)]
+    assert all(subs) and led.next_to_submit(budget=400, low_water=0.5) is None  # high watermark hit
+    led.requeue(subs[0].key, subs[0].attempt, "x", count_attempt=False)  # 300 reserved: room for one...
+    assert led.next_to_submit(budget=400, low_water=0.5) is None  # ...but not yet down to 200
+    led.requeue(subs[1].key, subs[1].attempt, "x", count_attempt=False)  # 200: resume
+    assert led.next_to_submit(budget=400, low_water=0.5) is not None
+    assert led.next_to_submit(budget=400, low_water=0.5) is not None  # a batch, not a trickle
+
+
+def test_ipc_directory_must_be_private(tmp_path):
+    import pytest
+
+    from server.notices import prepare_ipc
+
+    d = tmp_path / "run"
+    prepare_ipc(f"ipc://{d}/n.sock")
+    assert (d.stat().st_mode & 0o777) == 0o700
+    d.chmod(0o777)
+    with pytest.raises(PermissionError, match="not be writable by others"):
+        prepare_ipc(f"ipc://{d}/n.sock")
