@@ -150,7 +150,7 @@ def train(
     model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL)"),
     out: str = typer.Option(..., help="run dir: checkpoints/, metrics.jsonl, jobs.json; resumed if it exists"),
     job: list[str] = typer.Option(None, help="job id to follow (repeatable)"),
-    submit: str = typer.Option(None, help="JSONL of samples to submit, one job per epoch"),
+    submit: str = typer.Option(None, help="JSONL of REST samples to submit as one job"),
     epochs: int = typer.Option(1, help="with --submit: how many times the sidecar streams each sample"),
     loss_mask: str = typer.Option("assistant", help="with --submit: 'assistant' or 'all'"),
     api: str = typer.Option(None, help="sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),

@@ -12,9 +12,12 @@ leaves the loop early leaves the others waiting in a collective. :func:`stop_tog
 every rank run the same number of steps, handing ``None`` to ranks that ran dry until all
 have.
 
-Acknowledgement in workers is at use (when the worker yields the sample to the loader): the
-loop's deferred ``ack_through`` cannot reach a socket owned by another process. A trainer
-that needs deferred acks (checkpoint-consistent resume) iterates with ``num_workers=0``.
+Acknowledgement in workers is at use (when the worker moves on from a sample): the loop's
+deferred ``ack_through`` cannot reach a socket owned by another process. A trainer that
+needs deferred acks (checkpoint-consistent resume) iterates with ``num_workers=0``. Build
+loaders with :func:`make_loader` (``in_order=False``, see there), and keep the loop's pace
+within the sidecar's ``HSSTREAM_TRAINER_TIMEOUT_S``: a worker's stream sends heartbeats only
+while the worker is fetching.
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ class HiddenStateDataset(IterableDataset):
 def collate_samples(batch: list[Any]) -> list[Any]:
     """Keep samples as a list: they have different lengths, packing is the trainer's business."""
     return batch
+
+
+def make_loader(dataset: HiddenStateDataset, batch_size: int | None = None, num_workers: int = 0, **kw: Any):  # noqa: ANN201
+    """A DataLoader that cannot stall at the end of a job: batches are taken as workers finish them.
+
+    With the default in-order fetching the loader waits for worker 0's next batch while
+    worker 1, parked until asked, still holds leased samples (and the one it yielded last,
+    acknowledged when it moves on). Near the end of a job worker 0 then waits for samples
+    only worker 1 can release: nothing moves until the sidecar times worker 1 out and hands
+    its samples to worker 0, which yields them a second time. ``in_order=False`` keeps every
+    worker served, so the job completes and every worker's stream ends.
+    """
+    from torch.utils.data import DataLoader
+
+    kw.setdefault("collate_fn", collate_samples if batch_size is not None else None)
+    if num_workers > 0:
+        kw.setdefault("in_order", False)
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, **kw)
 
 
 def stop_together(iterable: Iterable[Any], group: Any = None, poll_s: float = 0.2) -> Iterator[Any | None]:

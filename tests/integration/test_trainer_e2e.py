@@ -1,16 +1,22 @@
 """The Eagle-3 trainer and the dataset wrapper on the real stack (vLLM CPU build + sidecar + ZeroMQ).
 
-One engine for the module, serving the briefly pre-trained tiny verifier (cached by content
-hash; a few minutes the first time) with layers [2, 6, 9, 12]:
+One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
 
 * negative control: the same training with each sample's aux hidden states taken from another
   sample ends with a step-0 top-1 at least 0.1 below the aligned run: fails if the hidden
-  states stop mattering;
+  states stop mattering (or stop lining up with the tokens). The tiny verifier here is the
+  random one on purpose: its next token cannot be guessed from the tokens alone, only from
+  its states, so the control isolates the hidden-state path in a short run (with the briefly
+  pre-trained verifier a one-layer draft reading tokens alone gets most tokens right too, and
+  the gap needs far longer training to open);
 * SIGKILL of ``hsstream train`` after a checkpoint, then resume: by sample ids, the resumed
   run neither trains again what the checkpoint holds nor skips what it does not;
 * the trainer's clear error when the stream lacks a layer it needs;
 * the IterableDataset with 0 and 2 DataLoader workers, and two gloo ranks: disjoint samples,
   all of the job, everyone stops.
+
+The pre-trained verifier and its repeat fraction: test_trainer_pretrain.py; the acceptance
+measurement in vLLM: bench/acceptance.py.
 """
 
 from __future__ import annotations
@@ -27,12 +33,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from hsstream.demo import Stack
 from tests.integration.conftest import submit
 from trainer_client import HiddenStateStream
-from trainer_client.dataset import HiddenStateDataset, collate_samples
+from trainer_client.dataset import HiddenStateDataset, make_loader
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
 from trainer_client.eagle3.run import drained_probe
 from trainer_client.eagle3.trainer import KEYS_LOG
@@ -43,16 +48,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def verifier() -> str:
-    from hsstream.pretrain_verifier import pretrained_verifier
-
-    return str(pretrained_verifier())
+def verifier(tiny_model) -> str:
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
 def stack(verifier):
     st = Stack(verifier, LAYERS, Path(tempfile.mkdtemp(prefix="hsstream-test-trainer-")))
-    st.env["HSSTREAM_TRAINER_TIMEOUT_S"] = "6"  # a killed trainer's leases come back quickly
+    st.env["HSSTREAM_TRAINER_TIMEOUT_S"] = "10"  # a killed trainer's leases come back quickly
     try:
         st.start()
         yield st
@@ -87,7 +90,8 @@ def cfg(verifier, out, **kw) -> TrainConfig:
 
 
 def test_negative_control_swapped_hidden_states_learn_less(stack, verifier, tmp_path):
-    wins = windows(verifier, 150, 96, seed=4242)
+    n = 160
+    wins = windows(verifier, n, 96, seed=4242)
     counts = count_tokens(wins)
     results = {}
     for control in ("none", "swap-hidden"):
@@ -97,13 +101,13 @@ def test_negative_control_swapped_hidden_states_learn_less(stack, verifier, tmp_
         with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, ack="manual",
                                timeout_s=300) as s:  # fmt: skip
             results[control] = tr.train(s)
-        assert job_counts(stack, job)["consumed"] == 150
+        assert job_counts(stack, job)["consumed"] == n
     aligned, swapped = results["none"], results["swap-hidden"]
     print(f"step-0 top-1 over the last {aligned.window} steps: aligned {aligned.top1[0]:.3f}, "
           f"swapped {swapped.top1[0]:.3f}")  # fmt: skip
-    assert aligned.samples == 150 and swapped.samples == 149  # the first swapped sample only donates
+    assert aligned.samples == n and swapped.samples == n - 1  # the first swapped sample only donates
     assert aligned.top1[0] >= swapped.top1[0] + 0.1
-    assert aligned.top1[0] > 0.5  # and the aligned draft really learned
+    assert aligned.top1[0] > 0.2  # and the aligned draft really learned
 
 
 def _keys_by_pid(out: Path) -> dict[int, list[tuple[int, str]]]:
@@ -189,7 +193,7 @@ def test_dataset_with_dataloader_workers_gets_the_job_once(stack, verifier, work
     job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 24, seed=11 + workers)])
     ds = HiddenStateDataset(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120,
                             transform=lambda s: (str(s.key), s.token_ids.shape[0], tuple(s.layer_ids)))  # fmt: skip
-    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=collate_samples)
+    loader = make_loader(ds, batch_size=4, num_workers=workers)
     got = [x for batch in loader for x in batch]
     assert sorted(k for k, _, _ in got) == sorted(f"{job}/0/{i}" for i in range(n))
     assert {(t, lids) for _, t, lids in got} == {(24, tuple(LAYERS))}

