@@ -160,13 +160,6 @@ def _expected(phys, block_ids, n, perm):
 
 
 @pytest.fixture
-def spool(tmp_path):
-    d = tmp_path / "spool"
-    d.mkdir()
-    return d
-
-
-@pytest.fixture
 def writer(spool):
     w = SpoolWriter(spool, None, SHAPE, num_threads=2)
     yield w

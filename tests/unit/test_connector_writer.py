@@ -25,13 +25,6 @@ TAG = P.RequestTag(key=P.SampleKey(job="job1", epoch=1, index=4), attempt=2)
 
 
 @pytest.fixture
-def spool(tmp_path):
-    d = tmp_path / "spool"
-    d.mkdir()
-    return d
-
-
-@pytest.fixture
 def pull(tmp_path):
     """The sidecar's end: a PULL socket bound on an ipc:// endpoint."""
     endpoint = f"ipc://{tmp_path}/n.sock"

@@ -198,13 +198,6 @@ def test_sample_key_parse_rejects(text):
 # ------------------------------------------------------------------------------ spool paths
 
 
-@pytest.fixture
-def spool(tmp_path):
-    d = tmp_path / "spool"
-    d.mkdir()
-    return d
-
-
 def test_resolve_accepts_plain_file(spool):
     (spool / "cmpl-1.safetensors").write_bytes(b"x")
     p = P.resolve_in_spool(spool, "cmpl-1.safetensors")
