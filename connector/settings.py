@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     ledger_path: Path | None = None  # default: {run_dir}/ledger.sqlite
     vllm_down_deadline_s: float = 600.0
     notice_timeout_s: float = 120.0
-    trainer_timeout_s: float = 30.0
+    trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
     max_body_bytes: int = 256 * 2**20
     # Remote trainers (other hosts): TCP + CURVE. Keys in zmq.auth's certificate format
     # (`hsstream keys DIR` makes them); the sidecar accepts any public key in curve_clients_dir.

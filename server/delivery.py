@@ -56,7 +56,7 @@ class DeliveryService(SocketThread):
         endpoint: str,
         spool: Path,
         ledger: Ledger,
-        peer_timeout_s: float = 30.0,
+        peer_timeout_s: float = 120.0,
         *,
         remote_endpoint: str | None = None,
         curve: CurveServer | None = None,

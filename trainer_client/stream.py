@@ -145,6 +145,7 @@ class HiddenStateStream:
         self._sock: zmq.Socket | None = None
         self._acked: set[P.SampleKey] = set()
         self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
+        self._used_set: set[P.SampleKey] = set()
         self._last_send = 0.0
         self._outbox: deque[list[bytes]] = deque()
         self.remote = self.endpoint.startswith("tcp://")
@@ -198,11 +199,13 @@ class HiddenStateStream:
             return
         i = self._used.index(key)
         self._ack(self._used[: i + 1])
+        self._used_set.difference_update(self._used[: i + 1])
         del self._used[: i + 1]
 
     def ack_all_used(self) -> None:
         self._ack(self._used)
         self._used = []
+        self._used_set.clear()
 
     def _ack(self, keys: list[P.SampleKey]) -> None:
         keys = [k for k in keys if k not in self._acked]
@@ -239,6 +242,7 @@ class HiddenStateStream:
             if sample is None:
                 continue
             self._used.append(sample.key)
+            self._used_set.add(sample.key)
             self.stats["yielded"] += 1
             yield sample
 
@@ -248,7 +252,14 @@ class HiddenStateStream:
             return None
         if key in self._acked:  # redelivered after we acked: never yield twice
             self.stats["duplicates"] += 1
+            self._drop_copy(d)
             self._send(P.Ack(keys=[key]))
+            return None
+        if key in self._used_set:
+            # Redelivered while we hold it unacked (our lease lapsed, e.g. a long checkpoint):
+            # the loop already has this sample; its later ack settles this copy too.
+            self.stats["duplicates"] += 1
+            self._drop_copy(d)
             return None
         if self.remote and payload is None:
             self.stats["invalid"] += 1
@@ -271,6 +282,23 @@ class HiddenStateStream:
         self.stats["bytes"] += d.notice.nbytes
         self._send(P.Received(keys=[key]))
         return sample
+
+    def _drop_copy(self, d: P.Deliver) -> None:
+        if not self.remote:
+            try:
+                P.resolve_in_spool(self.spool, d.notice.file or "").unlink()
+            except (FileNotFoundError, P.UnsafePathError):
+                pass
+        if d.notice.key is not None:
+            self._send(P.Received(keys=[d.notice.key]))
+
+    def keepalive(self) -> None:
+        """Tell the sidecar we are alive during long pauses between samples (a checkpoint, an
+        evaluation); call it from the thread that iterates. Leases lapse after the sidecar's
+        HSSTREAM_TRAINER_TIMEOUT_S of silence and the samples are produced again."""
+        if self._sock is not None:
+            self._flush()
+            self._send(P.Heartbeat(hello=self._hello, window=self.credit))
 
     def close(self) -> None:
         if self._sock is not None:

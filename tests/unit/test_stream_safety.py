@@ -50,3 +50,50 @@ def test_path_outside_spool_refused_nothing_touched(tmp_path, router, how):
     fails = [m for m in msgs if isinstance(m, P.Fail)]
     assert len(fails) == 1 and "refusing" in fails[0].reason
     s.close()
+
+
+def _real_sample(spool, name, key):
+    import torch
+    from safetensors.torch import save_file
+
+    hs = torch.ones((3, 1, 2), dtype=torch.bfloat16)
+    ids = torch.tensor([1, 2, 3])
+    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(spool / name))
+    n = P.Notice(status=P.NoticeStatus.ok, request_id=name, key=key, file=name, num_tokens=3, layer_ids=[1],
+                 hidden_size=2, dtype="bfloat16", checksum=P.checksum(hs.view(torch.uint8).numpy(), ids.numpy()))  # fmt: skip
+    return P.Deliver(notice=n, expected_token_ids=[1, 2, 3])
+
+
+def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
+    """Our lease lapsed while the loop held a sample unacked; the sidecar produced and
+    delivered it again. The loop must not see it twice."""
+    sock, ep = router
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    key = P.SampleKey(job="j", index=0)
+    s = HiddenStateStream(ep, spool_dir=spool, ack="manual", timeout_s=5)
+    it = iter(s)
+    first = _real_sample(spool, "a.safetensors", key)
+    ident = None
+
+    def send(msg):
+        sock.send_multipart([ident, *P.encode_msg(msg)])
+
+    import threading
+
+    def sidecar():
+        nonlocal ident
+        assert sock.poll(5000)
+        ident = sock.recv_multipart()[0]
+        send(first)
+        send(_real_sample(spool, "b.safetensors", key))  # the same key, produced again
+        send(P.End())
+
+    t = threading.Thread(target=sidecar)
+    t.start()
+    got = list(it)
+    t.join()
+    assert [g.key for g in got] == [key]
+    assert s.stats["duplicates"] == 1
+    assert not (spool / "a.safetensors").exists() and not (spool / "b.safetensors").exists()
+    s.close()
