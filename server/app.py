@@ -45,6 +45,21 @@ def _model_shape(model_dir: str | None, layer_ids: list[int]) -> tuple[tuple[int
     return (max(1, len(layer_ids)), h, P.DTYPE_SIZES.get(dt, 2)), cfg.get("max_position_embeddings")
 
 
+def check_spool_dir(spool) -> None:  # noqa: ANN001
+    """The reaper deletes unowned *.safetensors in the spool: it must be ours alone. A symlink
+    (e.g. planted in the world-writable /dev/shm) could point it at model weights."""
+    spool.mkdir(parents=True, exist_ok=True, mode=0o755)
+    st = os.lstat(spool)
+    import stat as st_mod
+
+    if not st_mod.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"spool {spool} is not a plain directory (a symlink?): refusing to manage it")
+    if st.st_uid != os.getuid() or st.st_mode & 0o002:
+        raise RuntimeError(
+            f"spool {spool} must belong to this user and not be world-writable (mode {oct(st.st_mode & 0o777)})"
+        )
+
+
 def _curve(s: Settings) -> CurveServer | None:
     if not s.remote_endpoint:
         return None
@@ -84,7 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        spool.mkdir(parents=True, exist_ok=True)
+        check_spool_dir(spool)
         rec = ledger.recover(keeper.exists)
         removed = keeper.sweep(min_age_s=0)
         if rec or removed:
@@ -137,6 +152,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             problems.append(f"spool {spool} not writable")
         if not ledger.is_open():
             problems.append(f"ledger {s.ledger_file()} not open")
+        for name, alive in (("notice", notices.alive), ("delivery", delivery.alive), ("submitter", submitter.alive)):
+            if not alive():
+                problems.append(f"{name} loop is not running (see the sidecar log)")
         if problems:
             return JSONResponse({"ready": False, "problems": problems}, status_code=503)
         return JSONResponse({"ready": True})

@@ -125,8 +125,15 @@ class DeliveryService(SocketThread):
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(tag + frames[0], frames[1:])
-                self._dispatch()
+                        try:
+                            self._on_message(tag + frames[0], frames[1:])
+                        except Exception:  # noqa: BLE001 - one bad message must not end the thread
+                            log.exception("trainer message handling failed")
+                try:
+                    self._dispatch()
+                except Exception:  # noqa: BLE001
+                    log.exception("delivery pass failed")
+                    time.sleep(0.1)
         finally:
             for s in self._socks.values():
                 s.close()

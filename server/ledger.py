@@ -22,6 +22,7 @@ import uuid
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -57,6 +58,7 @@ class Sample:
     submitted_at: float = 0.0
     errors: list[str] = field(default_factory=list)
     generated: bool = False  # regenerate mode: vLLM's reply is known (token ids final)
+    prompt_len: int = -1  # regenerate mode: token_ids beyond this are vLLM's reply
 
 
 @dataclass
@@ -96,7 +98,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS samples (
   job_id TEXT, epoch INTEGER, idx INTEGER, ord INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT,
   expected_bytes INTEGER, state TEXT, attempt INTEGER, notice TEXT, on_disk_bytes INTEGER, errors TEXT,
-  PRIMARY KEY (job_id, epoch, idx));
+  prompt_len INTEGER, PRIMARY KEY (job_id, epoch, idx));
 """
 
 
@@ -147,6 +149,29 @@ class Ledger:
             for fn in self.listeners:
                 fn(s, old)
 
+    @contextmanager
+    def _tx(self):  # noqa: ANN202
+        """One transaction; rolled back on error so the connection never stays inside one."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _reset_prompt(self, s: Sample) -> None:
+        """Regenerate mode: a sample going back to QUEUED gets a new reply, so its token ids
+        return to the prompt alone (else the old reply would become part of the prompt)."""
+        if not s.generated:
+            return
+        if 0 <= s.prompt_len < len(s.token_ids):
+            s.token_ids = s.token_ids[: s.prompt_len]
+            s.loss_mask = s.loss_mask[: s.prompt_len] if s.loss_mask is not None else None
+            self._db.execute("UPDATE samples SET token_ids=?, loss_mask=? WHERE job_id=? AND epoch=? AND idx=?",
+                             (_pack(s.token_ids), _pack(s.loss_mask), s.key.job, s.key.epoch, s.key.index))  # fmt: skip
+        s.generated = False
+
     def _save_job(self, j: Job) -> None:
         self._db.execute(
             "UPDATE jobs SET finished=?, tokens_consumed=?, bytes_consumed=? WHERE job_id=?",
@@ -165,35 +190,38 @@ class Ledger:
                 self.jobs[jid] = Job(jid, [], created, finished, tok, nb, json.loads(meta or "{}").get("sampling"))
             rows = self._db.execute(
                 "SELECT job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, "
-                "on_disk_bytes, errors FROM samples ORDER BY job_id, ord"
+                "on_disk_bytes, errors, prompt_len FROM samples ORDER BY job_id, ord"
             ).fetchall()
-            self._db.execute("BEGIN")
-            for jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs in rows:
-                s = Sample(P.SampleKey(job=jid, epoch=ep, index=idx), _unpack(ids) or [], _unpack(mask), label, eb,
-                           State(st), att, P.Notice.model_validate_json(notice) if notice else None, odb,
-                           errors=json.loads(errs or "[]"))  # fmt: skip
-                job = self.jobs[jid]
-                job.samples.append(s)
-                job.n_terminal += s.state in TERMINAL
-                job.by_key[(ep, idx)] = s
-                if s.state == State.submitted:
-                    s.attempt += 1  # whatever comes back for the old attempt is discarded
-                    s.state = State.queued
-                    stats["resubmitted"] += 1
-                if s.state in (State.ready, State.leased):
-                    if s.notice and s.notice.file and file_exists(s.notice.file):
-                        s.state = State.ready
-                        self._ready.append(s)
-                        self.reserved_bytes += s.on_disk_bytes
-                        stats["ready"] += 1
-                    else:
-                        s.state, s.notice, s.on_disk_bytes = State.queued, None, 0
-                        s.attempt += 1
-                        stats["regenerate"] += 1
-                if s.state == State.queued:
-                    self._queue.append(s)
-                self._save(s)
-            self._db.execute("COMMIT")
+            with self._tx():
+                for jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen in rows:
+                    s = Sample(P.SampleKey(job=jid, epoch=ep, index=idx), _unpack(ids) or [], _unpack(mask), label, eb,
+                               State(st), att, P.Notice.model_validate_json(notice) if notice else None, odb,
+                               errors=json.loads(errs or "[]"), prompt_len=plen if plen is not None else -1)  # fmt: skip
+                    s.generated = s.prompt_len >= 0 and len(s.token_ids) > s.prompt_len
+                    job = self.jobs[jid]
+                    job.samples.append(s)
+                    job.n_terminal += s.state in TERMINAL
+                    job.by_key[(ep, idx)] = s
+                    if s.state == State.submitted:
+                        s.attempt += 1  # whatever comes back for the old attempt is discarded
+                        s.state = State.queued
+                        s.notice, s.on_disk_bytes = None, 0  # an early (regenerate) file is stray now
+                        self._reset_prompt(s)
+                        stats["resubmitted"] += 1
+                    if s.state in (State.ready, State.leased):
+                        if s.notice and s.notice.file and file_exists(s.notice.file):
+                            s.state = State.ready
+                            self._ready.append(s)
+                            self.reserved_bytes += s.on_disk_bytes
+                            stats["ready"] += 1
+                        else:
+                            s.state, s.notice, s.on_disk_bytes = State.queued, None, 0
+                            s.attempt += 1
+                            self._reset_prompt(s)
+                            stats["regenerate"] += 1
+                    if s.state == State.queued:
+                        self._queue.append(s)
+                    self._save(s)
         return dict(stats)
 
     def live_files(self) -> set[str]:
@@ -201,7 +229,7 @@ class Ledger:
         with self._lock:
             return {
                 s.notice.file for j in self.jobs.values() for s in j.samples
-                if s.state in (State.ready, State.leased) and s.notice and s.notice.file
+                if s.state in (State.ready, State.leased, State.submitted) and s.notice and s.notice.file
             }  # fmt: skip
 
     # ------------------------------------------------------------------ jobs
@@ -214,26 +242,25 @@ class Ledger:
         job_id = uuid.uuid4().hex[:16]
         with self._lock:
             job = Job(job_id, [], sampling=sampling)
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
-                             (job_id, job.created, json.dumps({**(meta or {}), "sampling": sampling})))  # fmt: skip
-            order = 0
-            rows = []
-            for ep in range(epochs):
-                idxs = list(range(len(samples)))
-                if epochs > 1 or seed:
-                    random.Random(seed * 1_000_003 + ep).shuffle(idxs)
-                for i in idxs:
-                    n = samples[i]
-                    s = Sample(P.SampleKey(job=job_id, index=i, epoch=ep), n.token_ids, n.loss_mask, n.label,
-                               n.expected_bytes)  # fmt: skip
-                    job.samples.append(s)
-                    job.by_key[(ep, i)] = s
-                    rows.append((job_id, ep, i, order, _pack(n.token_ids), _pack(n.loss_mask), n.label,
-                                 n.expected_bytes, s.state.value, 0, None, 0, "[]"))  # fmt: skip
-                    order += 1
-            self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-            self._db.execute("COMMIT")
+            with self._tx():
+                self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
+                                 (job_id, job.created, json.dumps({**(meta or {}), "sampling": sampling})))  # fmt: skip
+                order = 0
+                rows = []
+                for ep in range(epochs):
+                    idxs = list(range(len(samples)))
+                    if epochs > 1 or seed:
+                        random.Random(seed * 1_000_003 + ep).shuffle(idxs)
+                    for i in idxs:
+                        n = samples[i]
+                        s = Sample(P.SampleKey(job=job_id, index=i, epoch=ep), n.token_ids, n.loss_mask, n.label,
+                                   n.expected_bytes, prompt_len=len(n.token_ids))  # fmt: skip
+                        job.samples.append(s)
+                        job.by_key[(ep, i)] = s
+                        rows.append((job_id, ep, i, order, _pack(n.token_ids), _pack(n.loss_mask), n.label,
+                                     n.expected_bytes, s.state.value, 0, None, 0, "[]", len(n.token_ids)))  # fmt: skip
+                        order += 1
+                self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             self._queue.extend(job.samples)
             self.jobs[job_id] = job
             return job
@@ -248,24 +275,23 @@ class Ledger:
         files = []
         with self._lock:
             job = self.jobs[job_id]
-            self._db.execute("BEGIN")
-            for s in job.samples:
-                if s.state in TERMINAL:
-                    continue
-                old = s.state
-                if s.state == State.submitted and s.notice is None:
-                    self.reserved_bytes -= s.expected_bytes
-                self.reserved_bytes -= s.on_disk_bytes
-                if s.notice and s.notice.file and s.on_disk_bytes:
-                    files.append(s.notice.file)
-                s.on_disk_bytes = 0
-                s.lease_owner = None
-                s.state = State.cancelled
-                job.n_terminal += 1
-                self._save(s, old)
-            job.finished = job.finished or time.time()
-            self._save_job(job)
-            self._db.execute("COMMIT")
+            with self._tx():
+                for s in job.samples:
+                    if s.state in TERMINAL:
+                        continue
+                    old = s.state
+                    if s.state == State.submitted and s.notice is None:
+                        self.reserved_bytes -= s.expected_bytes
+                    self.reserved_bytes -= s.on_disk_bytes
+                    if s.notice and s.notice.file and s.on_disk_bytes:
+                        files.append(s.notice.file)
+                    s.on_disk_bytes = 0
+                    s.lease_owner = None
+                    s.state = State.cancelled
+                    job.n_terminal += 1
+                    self._save(s, old)
+                job.finished = job.finished or time.time()
+                self._save_job(job)
         return files
 
     # ------------------------------------------------------------------ submission
@@ -319,6 +345,7 @@ class Ledger:
                 self._retry(smp, reason, State.submitted)
             else:
                 smp.attempt += 1  # a late answer to the old request must not count
+                self._reset_prompt(smp)
                 smp.state = State.queued
                 self._queue.appendleft(smp)
                 self._save(smp, State.submitted)
@@ -349,6 +376,7 @@ class Ledger:
         if len(smp.errors) >= self.max_attempts:  # failures, not generations, use up attempts
             self._finish(smp, State.failed, old)
         else:
+            self._reset_prompt(smp)
             smp.state = State.queued
             self._queue.append(smp)
             self._save(smp, old)
@@ -429,10 +457,18 @@ class Ledger:
             return None
 
     def received(self, owner: bytes, key: P.SampleKey) -> int:
-        """The trainer holds the bytes and the file is gone: its spool bytes are free again."""
+        """The trainer holds the bytes and the file is gone: its spool bytes are free again.
+
+        From a trainer that no longer holds the lease (it lapsed, or we restarted), the file
+        is gone all the same: the sample is produced again rather than offered to another
+        trainer with no file behind it (its ack, if it comes, still counts once)."""
         with self._lock:
             s = self.get(key)
-            if s is None or s.on_disk_bytes == 0 or s.lease_owner not in (owner, None):
+            if s is None or s.on_disk_bytes == 0:
+                return 0
+            if s.lease_owner != owner:
+                if s.lease_owner is None and s.state == State.ready:
+                    self.file_lost(key)
                 return 0
             freed, s.on_disk_bytes = s.on_disk_bytes, 0
             self.reserved_bytes -= freed
@@ -491,6 +527,7 @@ class Ledger:
                             s.on_disk_bytes = 0
                             s.notice = None
                             s.attempt += 1
+                            self._reset_prompt(s)
                             s.state = State.queued
                             self._queue.appendleft(s)
                         self._save(s, State.leased)
@@ -506,6 +543,7 @@ class Ledger:
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes, s.notice, s.lease_owner = 0, None, None
             s.attempt += 1
+            self._reset_prompt(s)
             s.state = State.queued
             self._queue.appendleft(s)
             self._save(s, old)

@@ -54,7 +54,11 @@ class NoticeReceiver(SocketThread):
         try:
             while not self.stopping:
                 if sock.poll(200):
-                    self.handle(sock.recv())
+                    raw = sock.recv()
+                    try:
+                        self.handle(raw)
+                    except Exception:  # noqa: BLE001 - one bad notice must not end the thread
+                        log.exception("notice handling failed")
         finally:
             sock.close()
 
@@ -80,7 +84,10 @@ class NoticeReceiver(SocketThread):
             # A request that did not come through us (drop-in use of the connector): not ours.
             self.stats["foreign"] += 1
             return
-        size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
+        try:
+            size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
+        except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
+            n, path, size = n.model_copy(update={"status": P.NoticeStatus.error, "reason": "file vanished"}), None, 0
         if self.ledger.on_notice(n, size) == "delete" and path is not None:
             self.stats["deleted"] += 1
             try:

@@ -44,6 +44,9 @@ class SocketThread:
     def serve(self, state: object) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()

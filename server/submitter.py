@@ -76,6 +76,9 @@ class Submitter:
         if self._client:
             await self._client.aclose()
 
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -100,6 +103,16 @@ class Submitter:
         return self.model_name
 
     async def _loop(self) -> None:
+        while True:
+            try:
+                await self._loop_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the submit loop must outlive one bad pass
+                log.exception("submit loop failed; restarting it")
+                await asyncio.sleep(1.0)
+
+    async def _loop_once(self) -> None:
         sem = asyncio.Semaphore(self.concurrency)
         last_sweep = time.monotonic()
         while True:
@@ -128,7 +141,8 @@ class Submitter:
                 continue
             t = asyncio.create_task(self._submit(s, sem))
             self._inflight[s.key] = t
-            t.add_done_callback(lambda _t, k=s.key: self._inflight.pop(k, None))
+            # Only forget our own entry: a newer attempt of the same sample may have replaced it.
+            t.add_done_callback(lambda _t, k=s.key: self._inflight.get(k) is _t and self._inflight.pop(k))
 
     def _fs_has_room(self) -> bool:
         """The budget counts our files; the filesystem also holds files unlinked but still

@@ -300,9 +300,13 @@ class HiddenStateStream:
             self._flush()
             self._send(P.Heartbeat(hello=self._hello, window=self.credit))
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Return leases and send pending acks. ``failed``: the loop stopped on an error, so the
+        sample in hand was not used — it is not acked and comes back."""
         if self._sock is not None:
             if self.ack_mode == "use":
+                if failed and self._used:
+                    self._used_set.discard(self._used.pop())
                 self.ack_all_used()
             t0 = time.monotonic()  # give queued acks a moment to go; unacked samples come back anyway
             while self._outbox and time.monotonic() - t0 < 2.0:
@@ -314,5 +318,5 @@ class HiddenStateStream:
     def __enter__(self) -> HiddenStateStream:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)

@@ -158,3 +158,37 @@ def test_ipc_directory_must_be_private(tmp_path):
     d.chmod(0o777)
     with pytest.raises(PermissionError, match="not be writable by others"):
         prepare_ipc(f"ipc://{d}/n.sock")
+
+
+def test_regenerate_retry_starts_again_from_the_prompt(tmp_path):
+    """A regenerate-mode sample that goes back to QUEUED after its reply was known must be
+    resubmitted with the prompt alone (the old reply must not become part of the prompt),
+    also across a restart."""
+    led = Ledger(tmp_path / "l.sqlite")
+    j = led.add_job([NewSample([1, 2, 3], [0, 0, 0], None, 1000)], sampling={"max_tokens": 4})
+    s = led.next_to_submit(10**9)
+    led.set_generated(s.key, s.attempt, [7, 8, 9])
+    assert s.token_ids == [1, 2, 3, 7, 8] and s.loss_mask == [0, 0, 0, 1, 1]
+    err = P.Notice(status=P.NoticeStatus.error, reason="write failed", request_id="r", key=s.key, attempt=s.attempt)
+    led.on_notice(err, 0)
+    assert s.state == State.queued and s.token_ids == [1, 2, 3] and s.loss_mask == [0, 0, 0] and not s.generated
+    # after a restart with an early file of an in-flight attempt: back to the prompt, no stale notice
+    s = led.next_to_submit(10**9)
+    led.on_notice(ok_notice(s, "early.safetensors"), 900)  # file first, reply not yet known
+    led.set_generated(s.key, s.attempt, [5, 6])  # reply known: READY
+    assert s.state == State.ready
+    led2 = Ledger(tmp_path / "l.sqlite")
+    led2.recover(lambda f: False)  # its file is gone
+    s2 = led2.jobs[j.job_id].samples[0]
+    assert s2.state == State.queued and s2.token_ids == [1, 2, 3] and s2.notice is None and led2.reserved_bytes == 0
+
+
+def test_received_from_a_trainer_without_the_lease_regenerates():
+    led = Ledger()
+    led.add_job(new(1))
+    s = led.next_to_submit(10**9)
+    led.on_notice(ok_notice(s, "f.safetensors"), 100)
+    led.lease_next(b"a", None)
+    led.release_owner(b"a", lambda f: True)  # a's lease lapsed: READY again
+    assert led.received(b"a", s.key) == 0  # a's late RECEIVED: a took the file with it
+    assert s.state == State.queued and led.reserved_bytes == 0  # produced again, never offered fileless
