@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -29,6 +30,24 @@ def _explain(r: httpx.Response) -> str:
     return f"{r.status_code}: {d}"
 
 
+class _Refused(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def _call(c: httpx.Client, method: str, path: str, what: str = "", **kw: object) -> dict:
+    """One REST call; a clear line and an exit code (3 unreachable, 1 refused) on failure."""
+    try:
+        r = c.request(method, path, **kw)  # type: ignore[arg-type]
+    except httpx.HTTPError as e:
+        console.print(f"[red]sidecar not reachable at {c.base_url}: {e}[/red]")
+        raise _Refused(3) from e
+    if r.status_code != 200:
+        console.print(f"[red]{what}{_explain(r)}[/red]")
+        raise _Refused(1)
+    return r.json()
+
+
 def submit(path: str, options: str, url: str | None, follow: bool) -> int:
     p = Path(path)
     if not p.is_file():
@@ -36,14 +55,10 @@ def submit(path: str, options: str, url: str | None, follow: bool) -> int:
         return 2
     with _client(url) as c:
         try:
-            r = c.post("/v1/jobs/upload", files={"file": (p.name, p.read_bytes())}, data={"options": options})
-        except httpx.HTTPError as e:
-            console.print(f"[red]sidecar not reachable at {c.base_url}: {e}[/red]")
-            return 3
-        if r.status_code != 200:
-            console.print(f"[red]job refused: {_explain(r)}[/red]")
-            return 1
-        job = r.json()
+            job = _call(c, "POST", "/v1/jobs/upload", "job refused: ",
+                        files={"file": (p.name, p.read_bytes())}, data={"options": options})  # fmt: skip
+        except _Refused as e:
+            return e.code
         print(job["job_id"])
         return follow_job(c, job["job_id"]) if follow else 0
 
@@ -74,16 +89,10 @@ def follow_job(c: httpx.Client, job_id: str) -> int:
 def status(job_id: str | None, url: str | None) -> int:
     with _client(url) as c:
         try:
-            r = c.get(f"/v1/jobs/{job_id}" if job_id else "/v1/jobs")
-        except httpx.HTTPError as e:
-            console.print(f"[red]sidecar not reachable at {c.base_url}: {e}[/red]")
-            return 3
-        if r.status_code != 200:
-            console.print(f"[red]{_explain(r)}[/red]")
-            return 1
-        import json
-
-        print(json.dumps(r.json(), indent=1))
+            body = _call(c, "GET", f"/v1/jobs/{job_id}" if job_id else "/v1/jobs")
+        except _Refused as e:
+            return e.code
+        print(json.dumps(body, indent=1))
         return 0
 
 

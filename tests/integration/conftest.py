@@ -16,16 +16,23 @@ import pytest
 from hsstream.demo import Stack
 
 
-def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = False) -> Stack:
-    wd = Path(tempfile.mkdtemp(prefix="hsstream-test-"))
+def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = False, env: dict | None = None,
+                prefix: str = "hsstream-test-") -> Stack:
+    """A started stack; ``env`` overrides the sidecar's and vLLM's HSSTREAM_* settings."""
+    wd = Path(tempfile.mkdtemp(prefix=prefix))
     st = Stack(model, layer_ids, wd, prefix_caching=prefix_caching)
+    st.env.update(env or {})
     try:
         st.start()
     except BaseException:
-        st.stop()
-        st.remove_spool()
+        stop_stack(st)
         raise
     return st
+
+
+def stop_stack(st: Stack) -> None:
+    st.stop()
+    st.remove_spool()
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +46,7 @@ def stack_factory(tiny_model) -> Iterator:
 
     yield make
     for st in started:
-        st.stop()
-        st.remove_spool()
+        stop_stack(st)
 
 
 def submit(stack: Stack, samples: list[dict], **options) -> str:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from hsstream import launch
-from tests.integration.conftest import submit
+from tests.integration.conftest import start_stack, stop_stack, submit
 from hsstream.demo import free_port
 from trainer_client import HiddenStateStream, StreamError
 
@@ -32,29 +32,27 @@ HERE = Path(__file__).resolve().parent
 def stack(tiny_model):
     import tempfile
 
-    from hsstream.demo import Stack
-
     import zmq.auth
 
-    st = Stack(tiny_model, [2, 6, 9, 12], Path(tempfile.mkdtemp(prefix="hsstream-rel-")))
-    keys = st.workdir / "keys"
+    state = Path(tempfile.mkdtemp(prefix="hsstream-rel-state-"))
+    keys = state / "keys"
     (keys / "clients").mkdir(parents=True)
     zmq.auth.create_certificates(keys, "server")
     zmq.auth.create_certificates(keys / "clients", "trainer")
     zmq.auth.create_certificates(keys, "stranger")  # not authorised
-    st.remote_port = free_port()
-    st.keys = keys
-    st.env.update({"HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_TRAINER_TIMEOUT_S": "3",
-                   "HSSTREAM_LEDGER_PATH": str(st.workdir / "ledger.sqlite"),
-                   "HSSTREAM_REMOTE_ENDPOINT": f"tcp://127.0.0.1:{st.remote_port}",
-                   "HSSTREAM_CURVE_SERVER_SECRET_FILE": str(keys / "server.key_secret"),
-                   "HSSTREAM_CURVE_CLIENTS_DIR": str(keys / "clients")})  # fmt: skip
+    remote_port = free_port()
+    st = start_stack(tiny_model, [2, 6, 9, 12], prefix="hsstream-rel-", env={
+        "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_TRAINER_TIMEOUT_S": "3",
+        "HSSTREAM_LEDGER_PATH": str(state / "ledger.sqlite"),
+        "HSSTREAM_REMOTE_ENDPOINT": f"tcp://127.0.0.1:{remote_port}",
+        "HSSTREAM_CURVE_SERVER_SECRET_FILE": str(keys / "server.key_secret"),
+        "HSSTREAM_CURVE_CLIENTS_DIR": str(keys / "clients"),
+    })  # fmt: skip
+    st.remote_port, st.keys = remote_port, keys
     try:
-        st.start()
         yield st
     finally:
-        st.stop()
-        st.remove_spool()
+        stop_stack(st)
 
 
 def child(stack, name):

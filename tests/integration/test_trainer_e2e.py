@@ -26,7 +26,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -34,8 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsstream.demo import Stack
-from tests.integration.conftest import submit
+from tests.integration.conftest import start_stack, stop_stack, submit
 from trainer_client import HiddenStateStream
 from trainer_client.dataset import HiddenStateDataset, make_loader
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
@@ -54,14 +52,12 @@ def verifier(tiny_model) -> str:
 
 @pytest.fixture(scope="module")
 def stack(verifier):
-    st = Stack(verifier, LAYERS, Path(tempfile.mkdtemp(prefix="hsstream-test-trainer-")))
-    st.env["HSSTREAM_TRAINER_TIMEOUT_S"] = "10"  # a killed trainer's leases come back quickly
+    # a killed trainer's leases come back quickly
+    st = start_stack(verifier, LAYERS, prefix="hsstream-test-trainer-", env={"HSSTREAM_TRAINER_TIMEOUT_S": "10"})
     try:
-        st.start()
         yield st
     finally:
-        st.stop()
-        st.remove_spool()
+        stop_stack(st)
 
 
 def windows(verifier: str, n: int, length: int, seed: int) -> list[list[int]]:
