@@ -304,6 +304,24 @@ def resolve_in_spool(spool: str | os.PathLike[str], name: str, *, must_exist: bo
     return path
 
 
+def spool_file_exists(spool: str | os.PathLike[str], name: str | None) -> bool:
+    """True if ``name`` is a plain file in the spool; any unsafe or missing name is False."""
+    try:
+        return name is not None and resolve_in_spool(spool, name).exists()
+    except (UnsafePathError, FileNotFoundError):
+        return False
+
+
+def remove_from_spool(spool: str | os.PathLike[str], name: str | None) -> bool:
+    """Delete ``name`` from the spool if it is a plain file there; never anything else.
+    Returns whether a file was removed (already gone or unsafe: False)."""
+    try:
+        resolve_in_spool(spool, name or "").unlink()
+        return True
+    except (UnsafePathError, FileNotFoundError):
+        return False
+
+
 def checksum(*buffers: Any) -> str:
     """blake3 over the tensors' raw bytes in file order (hidden states, then token ids).
 

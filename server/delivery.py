@@ -75,17 +75,8 @@ class DeliveryService(SocketThread):
                       "trainer_failed": 0, "peers_lost": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
 
-    def _file_exists(self, name: str | None) -> bool:
-        try:
-            return name is not None and P.resolve_in_spool(self.spool, name).exists()
-        except (P.UnsafePathError, FileNotFoundError):
-            return False
-
-    def _delete(self, name: str | None) -> None:
-        try:
-            P.resolve_in_spool(self.spool, name or "").unlink()
-        except (FileNotFoundError, P.UnsafePathError):
-            pass
+    def _file_exists(self, name: str) -> bool:
+        return P.spool_file_exists(self.spool, name)
 
     def bind(self) -> object:
         ctx = zmq.Context.instance()
@@ -163,7 +154,7 @@ class DeliveryService(SocketThread):
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
                 if self.ledger.received(owner, k) and peer.remote:
-                    self._delete(file)  # a remote trainer cannot delete our file: we do
+                    P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             for k in msg.keys:
                 if self.ledger.ack(owner, k):
@@ -172,7 +163,7 @@ class DeliveryService(SocketThread):
                     self.stats["duplicate_acks"] += 1
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
-            self._delete(self.ledger.trainer_failed(owner, msg.key, msg.reason))
+            P.remove_from_spool(self.spool, self.ledger.trainer_failed(owner, msg.key, msg.reason))
 
     def _send(self, owner: bytes, frames: list) -> None:
         self._socks[owner[:1]].send_multipart([owner[1:], *frames], copy=False)

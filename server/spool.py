@@ -30,19 +30,10 @@ class SpoolKeeper:
         self.removed_total = 0
 
     def exists(self, name: str) -> bool:
-        try:
-            return P.resolve_in_spool(self.spool, name).exists()
-        except (P.UnsafePathError, FileNotFoundError):
-            return False
+        return P.spool_file_exists(self.spool, name)
 
     def remove(self, names: Iterable[str]) -> int:
-        n = 0
-        for name in names:
-            try:
-                P.resolve_in_spool(self.spool, name).unlink()
-                n += 1
-            except (FileNotFoundError, P.UnsafePathError):
-                pass
+        n = sum(P.remove_from_spool(self.spool, name) for name in names)
         self.removed_total += n
         return n
 

@@ -272,23 +272,16 @@ class HiddenStateStream:
             log.warning("sample %s rejected: %s", key, e)
             self._send(P.Fail(key=key, reason=str(e)[:500]))
             return None
-        # The tensors are in memory (safetensors copied them out): the file can go now
-        # (a remote sidecar deletes its own file when it gets RECEIVED).
-        if not self.remote:
-            try:
-                P.resolve_in_spool(self.spool, d.notice.file or "").unlink()
-            except (FileNotFoundError, P.UnsafePathError):
-                pass
+        # The tensors are in memory (safetensors copied them out): the file can go now.
         self.stats["bytes"] += d.notice.nbytes
-        self._send(P.Received(keys=[key]))
+        self._drop_copy(d)
         return sample
 
     def _drop_copy(self, d: P.Deliver) -> None:
+        """Free the delivered file (ours to delete on this host; a remote sidecar deletes its
+        own on RECEIVED) and tell the sidecar its spool bytes are free."""
         if not self.remote:
-            try:
-                P.resolve_in_spool(self.spool, d.notice.file or "").unlink()
-            except (FileNotFoundError, P.UnsafePathError):
-                pass
+            P.remove_from_spool(self.spool, d.notice.file)
         if d.notice.key is not None:
             self._send(P.Received(keys=[d.notice.key]))
 
