@@ -54,6 +54,17 @@ def test_bearer_token_required_except_health(sidecar):
     assert "bearer token" in httpx.get(f"{c.base_url}/v1/jobs").json()["detail"]
     assert httpx.get(f"{c.base_url}/healthz").status_code == 200
     assert c.get("/v1/jobs").status_code == 200
+    # every other route (from the schema, so a new route is covered too), /metrics and the schema itself
+    # included, needs the token; a wrong one (a prefix, or one character more) is refused
+    schema = c.get("/openapi.json").json()["paths"]
+    routes = [(m.upper(), p.replace("{job_id}", "x")) for p, ops in schema.items() for m in ops]
+    routes += [("GET", "/openapi.json"), ("GET", "/docs")]
+    assert ("GET", "/metrics") in routes and len(routes) >= 10, routes
+    for method, path in routes:
+        want = 200 if path in ("/healthz", "/readyz") else 401
+        for hdr in ({}, {"authorization": f"Bearer {TOKEN[:-1]}"}, {"authorization": f"Bearer {TOKEN}x"}):
+            got = httpx.request(method, f"{c.base_url}{path}", headers=hdr).status_code
+            assert (got == 401) == (want == 401), (method, path, hdr, got)
 
 
 def test_bad_json_is_422(sidecar):

@@ -1,0 +1,117 @@
+"""Jobs: create (JSON or JSONL upload), list, status, token counts, cancel."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
+from pydantic import ValidationError
+
+from connector import protocol as P
+from server.dependencies import Services, ServicesDep, job_or_404, require_token
+from server.ledger import Job, NewSample
+from server.schemas import JobCreated, JobIn, JobOptions, JobStatus, SampleError, SampleIn, TokenCounts
+from server.tokenization import SampleRejected
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
+JobDep = Annotated[Job, Depends(job_or_404)]
+
+
+def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated:
+    """Tokenise, size against the spool budget, and queue what passes (or nothing, per ``on_invalid``)."""
+    s, shape = svc.settings, svc.shape
+    rows, bad = [], []
+    for i, smp in enumerate(samples):
+        try:
+            t = svc.tokenizer(smp, opt)
+        except SampleRejected as e:
+            bad.append({"index": i, "id": smp.id, "reason": str(e)})
+            continue
+        n_pos = len(t.token_ids) + (opt.sampling.max_tokens if opt.mode == "regenerate" else 0)
+        nbytes = P.expected_file_bytes(n_pos, *shape) if shape[1] else 0
+        if nbytes > s.spool_budget_bytes:
+            bad.append({"index": i, "id": smp.id, "reason": f"sample needs {nbytes:,} spool bytes, more than the "
+                        f"whole spool budget of {s.spool_budget_bytes:,} (HSSTREAM_SPOOL_BUDGET_BYTES)"})  # fmt: skip
+            continue
+        rows.append(NewSample(t.token_ids, t.loss_mask, t.label, nbytes))
+    if bad and opt.on_invalid == "reject":
+        raise HTTPException(422, {"message": f"{len(bad)} invalid sample(s); nothing was queued", "samples": bad})
+    if not rows:
+        raise HTTPException(422, {"message": "no valid sample in the job", "samples": bad})
+    sampling = opt.sampling.model_dump() if opt.mode == "regenerate" else None
+    created = svc.ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
+                                 meta={"options": opt.model_dump(), "rejected": bad})  # fmt: skip
+    svc.submitter.wake()
+    return JobCreated(job_id=created.job_id, num_samples=len(created.samples), num_failed_at_submission=len(bad))
+
+
+@router.post("", response_model=JobCreated)
+async def create_job(job: JobIn, svc: ServicesDep) -> JobCreated:
+    return admit(svc, job.samples, job.options)
+
+
+@router.post("/upload", response_model=JobCreated)
+async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: str = Form("{}")) -> JobCreated:  # noqa: B008
+    """The same records as ``POST /v1/jobs``, one JSON object per line."""
+    try:
+        opt = JobOptions.model_validate_json(options)
+    except ValidationError as e:
+        raise HTTPException(422, {"message": "bad options", "errors": json.loads(e.json())}) from e
+    samples, bad = [], []
+    for ln, line in enumerate((await file.read()).decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            samples.append(SampleIn.model_validate_json(line))
+        except ValidationError as e:
+            bad.append({"line": ln, "reason": "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                                        for x in e.errors())})  # fmt: skip
+    if bad:
+        raise HTTPException(422, {"message": f"{len(bad)} bad line(s) in {file.filename}", "lines": bad[:100]})
+    if not samples:
+        raise HTTPException(422, {"message": f"{file.filename} holds no records"})
+    return admit(svc, samples, opt)
+
+
+@router.get("")
+async def list_jobs(svc: ServicesDep) -> list[dict]:
+    return [{"job_id": j.job_id, "done": j.done, "counts": j.counts()} for j in svc.ledger.jobs.values()]
+
+
+@router.get("/{job_id}", response_model=JobStatus)
+async def job_status(j: JobDep, errors_offset: int = Query(0, ge=0), errors_limit: int = Query(100, ge=1, le=1000)):  # noqa: ANN201
+    elapsed = (j.finished or time.time()) - j.created
+    with_err = [x for x in j.samples if x.errors]
+    page = with_err[errors_offset : errors_offset + errors_limit]
+    return JobStatus(
+        job_id=j.job_id, done=j.done, counts=j.counts(), num_samples=len(j.samples),
+        tokens_consumed=j.tokens_consumed, bytes_consumed=j.bytes_consumed, elapsed_s=round(elapsed, 3),
+        tokens_per_s=round(j.tokens_consumed / elapsed, 1) if elapsed > 0 else 0.0,
+        errors=[SampleError(index=x.key.index, label=x.label, errors=x.errors) for x in page],
+        errors_total=len(with_err), errors_offset=errors_offset,
+    )  # fmt: skip
+
+
+@router.get("/{job_id}/token_counts", response_model=TokenCounts)
+async def token_counts(j: JobDep, svc: ServicesDep) -> TokenCounts:
+    c: Counter[int] = Counter()
+    total = 0
+    for x in j.samples:
+        if x.key.epoch != 0:
+            continue
+        mask = x.loss_mask or [1] * len(x.token_ids)
+        c.update(t for t, m in zip(x.token_ids, mask, strict=False) if m)
+        total += len(x.token_ids)
+    return TokenCounts(job_id=j.job_id, vocab_size=svc.tokenizer.vocab_size, total_tokens=total, counts=dict(c))
+
+
+@router.delete("/{job_id}")
+async def cancel_job(j: JobDep, svc: ServicesDep) -> dict:
+    files = svc.ledger.cancel_job(j.job_id)
+    aborted = await svc.submitter.cancel_job(j.job_id)
+    removed = svc.keeper.remove(files)
+    return {"job_id": j.job_id, "cancelled": True, "aborted_requests": aborted, "removed_files": removed,
+            "counts": svc.ledger.jobs[j.job_id].counts()}  # fmt: skip

@@ -1,0 +1,35 @@
+"""Prometheus metrics and the JSON stats: both reveal workload details, so both need the token."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+
+from server.dependencies import ServicesDep, require_token
+
+router = APIRouter(tags=["observability"], dependencies=[Depends(require_token)])
+
+
+@router.get("/metrics")
+async def prom(svc: ServicesDep) -> Response:
+    body, ctype = svc.metrics.render(svc.spool)
+    return Response(body, media_type=ctype)
+
+
+@router.get("/v1/stats")
+async def stats(svc: ServicesDep) -> dict:
+    ledger, sub = svc.ledger, svc.submitter
+    return {
+        "reserved_bytes": ledger.reserved_bytes,
+        "budget_bytes": svc.settings.spool_budget_bytes,
+        "spool_file_bytes": svc.keeper.file_bytes(),
+        "ready": ledger.ready_count(),
+        "vllm_down_since_s": None if sub.down_since is None else round(time.monotonic() - sub.down_since, 1),
+        "notices": svc.notices.stats,
+        "delivery": svc.delivery.stats,
+        "submitter": sub.stats,
+        "states": dict(Counter(x.state.value for j in ledger.jobs.values() for x in j.samples)),
+    }
