@@ -17,6 +17,15 @@ class LayerIdError(ValueError):
     pass
 
 
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """Eagle-3's usual choice: low, middle and high aux layers plus layer N for the targets.
+
+    What the launcher passes to vLLM when no layer ids are given, and so what the sidecar
+    budgets for then."""
+    n = num_hidden_layers
+    return [2, n // 2, n - 3, n]
+
+
 def validate_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int | None = None) -> list[int]:
     ids = [int(i) for i in layer_ids]
     if not ids:

@@ -58,8 +58,11 @@ class Stack:
     tests that kill and restart a process themselves (``stop`` stops whatever is listed).
     """
 
-    def __init__(self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False) -> None:
+    def __init__(
+        self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False, max_model_len: int = 1024
+    ) -> None:
         self.model = model
+        self.max_model_len = max_model_len
         self.layer_ids = layer_ids
         self.workdir = workdir
         self.spool = Path(tempfile.mkdtemp(prefix="hsstream-", dir="/dev/shm"))
@@ -88,7 +91,7 @@ class Stack:
 
     def start(self, on_tick=None) -> None:  # noqa: ANN001
         cli = hsstream_vllm_cli(
-            self.model, self.layer_ids, "127.0.0.1", self.vllm_port, max_model_len=1024,
+            self.model, self.layer_ids, "127.0.0.1", self.vllm_port, max_model_len=self.max_model_len,
             gpu_memory_utilization=0.2 if launch.is_cpu_build() else None, enforce_eager=True,
             prefix_caching=self.prefix_caching, extra=["--served-model-name", "verifier"],
         )  # fmt: skip

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from connector.layers import validate_layer_ids
+from connector.layers import default_layer_ids, validate_layer_ids  # noqa: F401 - default_layer_ids: the CLI's
 
 CONNECTOR_CLASS = "HiddenStatesStreamConnector"
 CONNECTOR_MODULE = "connector.vllm_plugin"
@@ -31,11 +31,6 @@ def num_hidden_layers(model_dir: str) -> int | None:
     c = json.loads(cfg.read_text())
     c = c.get("text_config", c)
     return int(c["num_hidden_layers"])
-
-
-def default_layer_ids(n: int) -> list[int]:
-    """Eagle-3's usual choice: low, middle and high aux layers plus layer N for the targets."""
-    return [2, n // 2, n - 3, n]
 
 
 @dataclass

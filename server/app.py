@@ -10,7 +10,6 @@ can restart without reconfiguration; its ledger is on disk, so it can restart to
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -24,6 +23,7 @@ from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
 from server.ledger import Ledger
 from server.metrics import SidecarMetrics
+from server.model_shape import SampleSizer
 from server.notices import NoticeReceiver
 from server.routers import docs, health, jobs, observability
 from server.spool import SpoolKeeper
@@ -31,18 +31,6 @@ from server.submitter import Submitter
 from server.tokenization import Tokenizer
 
 log = logging.getLogger("hsstream.sidecar")
-
-
-def _model_shape(model_dir: str | None, layer_ids: list[int]) -> tuple[tuple[int, int, int], int | None]:
-    """((layers, hidden, dtype size), max_model_len) from the verifier's config, for the budget."""
-    if not model_dir or not os.path.isdir(model_dir):
-        return (0, 0, 0), None
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg = cfg.get("text_config", cfg)
-    h = int(cfg.get("hidden_size", 0))
-    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return (max(1, len(layer_ids)), h, P.DTYPE_SIZES.get(dt, 2)), cfg.get("max_position_embeddings")
 
 
 def check_spool_dir(spool) -> None:  # noqa: ANN001
@@ -81,9 +69,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     spool = s.spool_dir
     s.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
-    shape, max_len = _model_shape(s.model, s.layer_ids)
+    sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids)
     svc = Services(
-        settings=s, ledger=ledger, metrics=SidecarMetrics(ledger), shape=shape,
+        settings=s, ledger=ledger, metrics=SidecarMetrics(ledger), sizer=sizer,
         tokenizer=Tokenizer(s.model or None, max_model_len=max_len), keeper=SpoolKeeper(spool, ledger),
         notices=NoticeReceiver(s.notice_ep(), spool, ledger),
         delivery=DeliveryService(
@@ -93,10 +81,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,
             concurrency=s.max_concurrency, timeout_s=s.request_timeout_s, down_deadline_s=s.vllm_down_deadline_s,
-            notice_timeout_s=s.notice_timeout_s, spool_dir=str(spool),
+            notice_timeout_s=s.notice_timeout_s, spool_dir=str(spool), sizer=sizer,
         ),
     )  # fmt: skip
     svc.submitter.on_latency = svc.metrics.request_latency.observe
+    svc.submitter.on_engine_limit = svc.tokenizer.set_engine_limit  # vLLM's max_model_len, once it answers
+    svc.notices.observe = sizer.learn  # the sample size, from the first notice when no config was readable
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

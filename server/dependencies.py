@@ -18,6 +18,7 @@ from connector.settings import Settings
 from server.delivery import DeliveryService
 from server.ledger import Job, Ledger
 from server.metrics import SidecarMetrics
+from server.model_shape import SampleSizer
 from server.notices import NoticeReceiver
 from server.spool import SpoolKeeper
 from server.submitter import Submitter
@@ -36,7 +37,7 @@ class Services:
     notices: NoticeReceiver
     delivery: DeliveryService
     submitter: Submitter
-    shape: tuple[int, int, int]  # (layers, hidden, dtype size) for the spool budget; hidden 0 when unknown
+    sizer: SampleSizer  # bytes a sample takes on the spool (unknown until a config or the first notice)
 
     @property
     def spool(self) -> Path:

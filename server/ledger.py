@@ -328,6 +328,32 @@ class Ledger:
                 return s
             return None
 
+    def reprice_queued(self, size_of: Callable[[Sample], int]) -> int:
+        """New expected bytes for every QUEUED sample (the sample size became known, or a
+        notice corrected it). Samples in flight keep what they reserved. Returns how many changed."""
+        changed = 0
+        with self._lock, self._tx():
+            for s in self._queue:
+                if s.state != State.queued or (nb := size_of(s)) == s.expected_bytes:
+                    continue
+                s.expected_bytes = nb
+                self._db.execute("UPDATE samples SET expected_bytes=? WHERE job_id=? AND epoch=? AND idx=?",
+                                 (nb, s.key.job, s.key.epoch, s.key.index))  # fmt: skip
+                changed += 1
+        return changed
+
+    def fail_queued(self, reason_of: Callable[[Sample], str | None]) -> int:
+        """Fail every QUEUED sample for which ``reason_of`` gives a reason, spending no
+        attempt (a limit learned after admission: retrying cannot help)."""
+        with self._lock:
+            doomed = [(s, r) for s in self._queue if s.state == State.queued and (r := reason_of(s))]
+            with self._tx():
+                for s, r in doomed:
+                    if s.state == State.queued:  # listed twice in the queue: fail once
+                        s.errors.append(r)
+                        self._finish(s, State.failed, State.queued)
+        return len({s.key for s, _ in doomed})
+
     def ready_count(self) -> int:
         return sum(1 for s in self._ready if s.state == State.ready)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -42,6 +43,7 @@ class NoticeReceiver(SocketThread):
         self.spool = spool
         self.ledger = ledger
         self.stats = {"notices": 0, "refused": 0, "deleted": 0, "foreign": 0}
+        self.observe: Callable[[P.Notice], object] | None = None  # sees each checked notice first
 
     def bind(self) -> zmq.Socket:
         prepare_ipc(self.endpoint)
@@ -88,6 +90,8 @@ class NoticeReceiver(SocketThread):
             size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
         except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
             n, path, size = n.model_copy(update={"status": P.NoticeStatus.error, "reason": "file vanished"}), None, 0
+        if self.observe is not None:
+            self.observe(n)  # e.g. the sample size, learned before the ledger frees the sample's estimate
         if self.ledger.on_notice(n, size) == "delete" and path is not None:
             self.stats["deleted"] += 1
             try:

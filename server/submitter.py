@@ -5,6 +5,11 @@ a multi-prompt request. Token ids, not text, and ``max_tokens=1``: we only want 
 hidden states. The spool budget is enforced here, before a request exists: a sample is only
 submitted once its expected bytes fit.
 
+Two limits are only known once things run, and both are applied here too: the engine's
+``max_model_len`` (read from vLLM's ``/v1/models``; queued samples longer than it fail at
+once, spending no attempt) and, when the verifier's config could not be read, the sample
+size (learned from the first notice; until then one sample at a time is in flight).
+
 vLLM going away is expected (restarts, upgrades): while it is unreachable, samples wait
 with exponential backoff and keep their attempts; only past ``down_deadline_s`` of
 continuous unavailability are they failed, with the reason.
@@ -20,7 +25,8 @@ import time
 import httpx
 
 from connector import protocol as P
-from server.ledger import Ledger, Sample
+from server.ledger import Ledger, Sample, State
+from server.model_shape import SampleSizer, over_budget_reason, too_long_reason
 
 log = logging.getLogger("hsstream.sidecar")
 
@@ -43,6 +49,8 @@ class Submitter:
         notice_timeout_s: float = 120.0,
         spool_dir: str | None = None,
         fs_reserve_bytes: int = 64 * 2**20,
+        sizer: SampleSizer | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.ledger = ledger
         self.url = vllm_url.rstrip("/")
@@ -55,21 +63,32 @@ class Submitter:
         self.spool_dir = spool_dir
         self.fs_reserve_bytes = fs_reserve_bytes
         self.model_name: str | None = None
+        self.engine_max_len: int | None = None  # vLLM's max_model_len, once it answered
+        self.on_engine_limit = None  # optional callback(max_model_len), for admission
+        self.sizer = sizer
+        self._transport = transport
+        self._applied: tuple[int, int | None] = (-1, None)  # (sizer version, engine limit) applied to the queue
+        self.in_flight = 0  # SUBMITTED samples, kept by a ledger listener
+        ledger.listeners.append(self._on_transition)
         self.down_since: float | None = None
-        self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0}
+        self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0,
+                      "submitted_before_size_known": 0, "max_in_flight_before_size_known": 0,
+                      "failed_over_engine_limit": 0}  # fmt: skip
         self.latency: list[float] = []  # observed by /metrics
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
+        self._probe: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._inflight: dict[P.SampleKey, asyncio.Task] = {}
         self.on_latency = None  # optional callback(seconds)
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        self._client = httpx.AsyncClient(timeout=self.timeout_s, transport=self._transport)
         self._task = asyncio.create_task(self._loop())
+        self._probe = asyncio.create_task(self._probe_engine_until_known())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._inflight.values()) if t]
+        tasks = [t for t in (self._task, self._probe, *self._inflight.values()) if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -90,17 +109,84 @@ class Submitter:
         await asyncio.gather(*tasks, return_exceptions=True)
         return len(tasks)
 
-    async def vllm_model(self) -> str:
+    async def vllm_model(self, timeout: float = 5.0) -> str:
         """The served model name (asked once; vLLM rejects requests naming another)."""
         if self.model_name is None:
             assert self._client is not None
             try:
-                r = await self._client.get(f"{self.url}/v1/models", timeout=5)
+                r = await self._client.get(f"{self.url}/v1/models", timeout=timeout)
                 r.raise_for_status()
-                self.model_name = r.json()["data"][0]["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                card = r.json()["data"][0]
+                self.model_name = card["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
                 raise VllmUnavailable(f"vLLM at {self.url} is not reachable: {e!r}") from e
+            self._set_engine_limit(card.get("max_model_len"))
         return self.model_name
+
+    def _set_engine_limit(self, n: object) -> None:
+        if not isinstance(n, int) or n <= 0 or n == self.engine_max_len:
+            return
+        log.info("vLLM serves at most %d tokens per sequence (max_model_len): longer samples are refused", n)
+        self.engine_max_len = n
+        if self.on_engine_limit:
+            self.on_engine_limit(n)
+        self._apply_limits()
+
+    async def probe_engine(self, timeout: float = 2.0) -> int | None:
+        """vLLM's max_model_len, asking vLLM if it is not known yet; None while vLLM is away."""
+        if self.engine_max_len is None and self._client is not None:
+            try:
+                self.model_name = None
+                await self.vllm_model(timeout)
+            except VllmUnavailable:
+                pass
+        return self.engine_max_len
+
+    async def _probe_engine_until_known(self) -> None:
+        """Learn the engine's limit as soon as vLLM answers, not only once a job needs it."""
+        while self.engine_max_len is None:
+            await self.probe_engine()
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ limits
+    def _on_transition(self, s: Sample, old: State) -> None:
+        self.in_flight += (s.state == State.submitted) - (old == State.submitted)
+
+    def _room(self, s: Sample) -> int:
+        """Tokens vLLM generates beyond the prompt: 1, or the regenerated reply."""
+        sampling = self.ledger.jobs[s.key.job].sampling
+        return int(sampling.get("max_tokens") or 1) if sampling is not None else 1
+
+    def _too_long(self, s: Sample) -> str | None:
+        if self.engine_max_len is None or (s.generated and self.ledger.jobs[s.key.job].sampling is not None):
+            return None
+        if len(s.token_ids) + self._room(s) <= self.engine_max_len:
+            return None
+        return too_long_reason(len(s.token_ids), self.engine_max_len, self._room(s), "vLLM's max_model_len")
+
+    def _apply_limits(self) -> None:
+        """Apply a newly known sample size or engine limit to the samples already queued."""
+        version = self.sizer.version if self.sizer else 0
+        if (version, self.engine_max_len) == self._applied:
+            return
+        if self.sizer is not None and self.sizer.known and version != self._applied[0]:
+            sizer = self.sizer
+
+            def size_of(s: Sample) -> int:
+                pos = len(s.token_ids) + (self._room(s) if self.ledger.jobs[s.key.job].sampling is not None else 0)
+                return sizer.file_bytes(pos) or 0
+
+            n = self.ledger.reprice_queued(size_of)
+            log.info("sample size %s: %d queued sample(s) priced again", sizer.describe(), n)
+            self.ledger.fail_queued(lambda s: over_budget_reason(s.expected_bytes, self.budget)
+                                    if s.expected_bytes > self.budget else None)  # fmt: skip
+        if self.engine_max_len is not None and self.engine_max_len != self._applied[1]:
+            self.stats["failed_over_engine_limit"] += self.ledger.fail_queued(self._too_long)
+        self._applied = (version, self.engine_max_len)
+
+    def _may_submit(self) -> bool:
+        """With the sample size unknown, one sample at a time: its notice tells the size."""
+        return self.sizer is None or self.sizer.known or self.in_flight == 0
 
     async def _loop(self) -> None:
         while True:
@@ -129,8 +215,14 @@ class Submitter:
                 except VllmUnavailable:
                     await asyncio.sleep(1.0)
                     continue
+            self._apply_limits()
             await sem.acquire()
-            s = self.ledger.next_to_submit(self.budget, self.max_ready) if self._fs_has_room() else None
+            ok = self._fs_has_room() and self._may_submit()
+            s = self.ledger.next_to_submit(self.budget, self.max_ready) if ok else None
+            if s is not None and self.sizer is not None and not self.sizer.known:
+                self.stats["submitted_before_size_known"] += 1
+                self.stats["max_in_flight_before_size_known"] = max(self.stats["max_in_flight_before_size_known"],
+                                                                     self.in_flight)  # fmt: skip
             if s is None:
                 sem.release()
                 self._wake.clear()
@@ -171,6 +263,10 @@ class Submitter:
         t0 = time.monotonic()
         try:
             model = await self.vllm_model()
+            if reason := self._too_long(s):  # queued before the limit was known, or it changed
+                self.stats["failed_over_engine_limit"] += 1
+                self.ledger.fail(s.key, reason)
+                return
             body = {
                 "model": model,
                 "prompt": s.token_ids,

@@ -6,10 +6,13 @@ tokenised here and the loss mask lines up position for position.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from server.model_shape import too_long_reason
 from server.schemas import JobOptions, SampleIn
 
+log = logging.getLogger("hsstream.sidecar")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -29,12 +32,22 @@ class Tokenizer:
         self._tok = None
         self.model_dir = model_dir
         self.max_model_len = max_model_len
+        self.limit_source = "the model config's max_position_embeddings"
         self.vocab_size: int | None = None
+        self._missing = "HSSTREAM_MODEL unset"
         if model_dir:
             from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(model_dir)
-            self.vocab_size = len(self._tok)
+            try:
+                self._tok = AutoTokenizer.from_pretrained(model_dir)
+                self.vocab_size = len(self._tok)
+            except (OSError, ValueError) as e:  # a hub id offline, a folder without tokenizer files
+                self._missing = f"none could be loaded from {model_dir!r}: {str(e).splitlines()[0][:200]}"
+                log.warning("no tokenizer (%s): only token_ids samples can be admitted", self._missing)
+
+    def set_engine_limit(self, max_model_len: int) -> None:
+        """vLLM answered: its max_model_len replaces the config's as the length limit."""
+        self.max_model_len, self.limit_source = max_model_len, "vLLM's max_model_len"
 
     def __call__(self, s: SampleIn, opt: JobOptions) -> Tokenized:
         ids, mask = self._encode(s, opt)
@@ -42,17 +55,21 @@ class Tokenizer:
             raise SampleRejected("empty sample: no tokens")
         # vLLM needs room for what it generates beyond the prompt (1 token, or the new reply).
         room = opt.sampling.max_tokens if opt.mode == "regenerate" else 1
-        limits = [x for x in (opt.max_tokens_per_sample, self.max_model_len and self.max_model_len - room) if x]
-        limit = min(limits) if limits else None
+        limits = [(opt.max_tokens_per_sample, f"sample has {len(ids)} tokens, more than the limit of "
+                   f"{opt.max_tokens_per_sample}")] if opt.max_tokens_per_sample else []  # fmt: skip
+        if self.max_model_len:
+            why = too_long_reason(len(ids), self.max_model_len, room, self.limit_source)
+            limits.append((self.max_model_len - room, why))
+        limit, why = min(limits) if limits else (None, "")
         if limit is not None and len(ids) > limit:
             if opt.overlong == "reject":
-                raise SampleRejected(f"sample has {len(ids)} tokens, more than the limit of {limit}")
+                raise SampleRejected(why)
             ids, mask = ids[:limit], mask[:limit]
         return Tokenized(ids, mask, s.id)
 
     def _need(self) -> object:
         if self._tok is None:
-            raise SampleRejected("the sidecar has no tokenizer (HSSTREAM_MODEL unset): send token_ids")
+            raise SampleRejected(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
         return self._tok
 
     def _encode(self, s: SampleIn, opt: JobOptions) -> tuple[list[int], list[int]]:

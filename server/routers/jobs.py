@@ -10,9 +10,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
 from pydantic import ValidationError
 
-from connector import protocol as P
+from server.content_type import expects
 from server.dependencies import Services, ServicesDep, job_or_404, require_token
 from server.ledger import Job, NewSample
+from server.model_shape import over_budget_reason
 from server.schemas import JobCreated, JobIn, JobOptions, JobStatus, SampleError, SampleIn, TokenCounts
 from server.tokenization import SampleRejected
 
@@ -22,7 +23,7 @@ JobDep = Annotated[Job, Depends(job_or_404)]
 
 def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated:
     """Tokenise, size against the spool budget, and queue what passes (or nothing, per ``on_invalid``)."""
-    s, shape = svc.settings, svc.shape
+    s = svc.settings
     rows, bad = [], []
     for i, smp in enumerate(samples):
         try:
@@ -31,10 +32,9 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
             bad.append({"index": i, "id": smp.id, "reason": str(e)})
             continue
         n_pos = len(t.token_ids) + (opt.sampling.max_tokens if opt.mode == "regenerate" else 0)
-        nbytes = P.expected_file_bytes(n_pos, *shape) if shape[1] else 0
+        nbytes = svc.sizer.file_bytes(n_pos) or 0  # unknown yet: priced by the first notice (see Submitter)
         if nbytes > s.spool_budget_bytes:
-            bad.append({"index": i, "id": smp.id, "reason": f"sample needs {nbytes:,} spool bytes, more than the "
-                        f"whole spool budget of {s.spool_budget_bytes:,} (HSSTREAM_SPOOL_BUDGET_BYTES)"})  # fmt: skip
+            bad.append({"index": i, "id": smp.id, "reason": over_budget_reason(nbytes, s.spool_budget_bytes)})
             continue
         rows.append(NewSample(t.token_ids, t.loss_mask, t.label, nbytes))
     if bad and opt.on_invalid == "reject":
@@ -48,12 +48,13 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
     return JobCreated(job_id=created.job_id, num_samples=len(created.samples), num_failed_at_submission=len(bad))
 
 
-@router.post("", response_model=JobCreated)
+@router.post("", response_model=JobCreated, dependencies=[Depends(expects("application/json"))])
 async def create_job(job: JobIn, svc: ServicesDep) -> JobCreated:
+    await svc.submitter.probe_engine()  # the engine's length limit, if vLLM has answered by now
     return admit(svc, job.samples, job.options)
 
 
-@router.post("/upload", response_model=JobCreated)
+@router.post("/upload", response_model=JobCreated, dependencies=[Depends(expects("multipart/form-data"))])
 async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: str = Form("{}")) -> JobCreated:  # noqa: B008
     """The same records as ``POST /v1/jobs``, one JSON object per line."""
     try:
@@ -61,7 +62,7 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
     except ValidationError as e:
         raise HTTPException(422, {"message": "bad options", "errors": json.loads(e.json())}) from e
     samples, bad = [], []
-    for ln, line in enumerate((await file.read()).decode("utf-8", errors="replace").splitlines(), 1):
+    for ln, line in enumerate((await file.read()).decode("utf-8-sig", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -73,6 +74,7 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
         raise HTTPException(422, {"message": f"{len(bad)} bad line(s) in {file.filename}", "lines": bad[:100]})
     if not samples:
         raise HTTPException(422, {"message": f"{file.filename} holds no records"})
+    await svc.submitter.probe_engine()
     return admit(svc, samples, opt)
 
 

@@ -25,6 +25,8 @@ async def stats(svc: ServicesDep) -> dict:
     return {
         "reserved_bytes": ledger.reserved_bytes,
         "budget_bytes": svc.settings.spool_budget_bytes,
+        "sample_size": svc.sizer.describe(),
+        "engine_max_model_len": sub.engine_max_len,
         "spool_file_bytes": svc.keeper.file_bytes(),
         "ready": ledger.ready_count(),
         "vllm_down_since_s": None if sub.down_since is None else round(time.monotonic() - sub.down_since, 1),
