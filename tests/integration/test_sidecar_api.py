@@ -174,6 +174,25 @@ def test_jsonl_upload_and_cli(sidecar, tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout)["job_id"] == job
 
 
+def test_jsonl_upload_with_a_utf8_bom(sidecar):
+    c, _ = sidecar
+    body = "\ufeff" + "\n".join(json.dumps({"prompt": f"line {i}"}) for i in range(2)) + "\n"
+    r = c.post("/v1/jobs/upload", files={"file": ("bom.jsonl", body.encode("utf-8"))})
+    assert r.status_code == 200, r.text
+    assert r.json()["num_samples"] == 2 and r.json()["num_failed_at_submission"] == 0
+
+
+def test_wrong_content_type_names_the_expected_one(sidecar):
+    c, _ = sidecar
+    body = json.dumps({"samples": [{"prompt": "a"}]})
+    r = c.post("/v1/jobs", content=body, headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["detail"] and "text/plain" in r.json()["detail"]
+    r = c.post("/v1/jobs/upload", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["detail"]
+    r = c.post("/v1/jobs", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
 def test_delete_cancels_queued_job(sidecar):
     c, _ = sidecar
     job = post(c, [{"prompt": "a"}, {"prompt": "b"}]).json()["job_id"]

@@ -47,10 +47,10 @@ async def run_for(sub, seconds):
 
 def test_samples_queued_before_the_engine_limit_fail_at_once_without_an_attempt():
     led = Ledger()
-    job = led.add_job([NewSample([7] * 600, None, "long", 0), NewSample([7] * 511, None, "fits", 0),
-                       NewSample([7] * 512, None, "one-over", 0)])  # fmt: skip
+    job = led.add_job([NewSample([7] * 511, None, "fits", 100), NewSample([7] * 600, None, "long", 100),
+                       NewSample([7] * 512, None, "one-over", 100)])  # fmt: skip
     fake = FakeVllm(512)
-    sub = submitter(led, fake, budget_bytes=10**9)
+    sub = submitter(led, fake, budget_bytes=150)  # one at a time: the others are failed while still queued
     asyncio.run(run_for(sub, 0.5))
     st = {s.label: s for s in job.samples}
     assert [len(p) for p in fake.prompts] == [511]  # only the one that fits reached vLLM
