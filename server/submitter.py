@@ -184,9 +184,10 @@ class Submitter:
             self.stats["failed_over_engine_limit"] += self.ledger.fail_queued(self._too_long)
         self._applied = (version, self.engine_max_len)
 
-    def _may_submit(self) -> bool:
-        """With the sample size unknown, one sample at a time: its notice tells the size."""
-        return self.sizer is None or self.sizer.known or self.in_flight == 0
+    def _sized(self) -> bool:
+        """Queued samples carry prices from a known size (learning happens on another thread:
+        a size learned but not yet applied to the queue does not count)."""
+        return self.sizer is None or (self.sizer.known and self._applied[0] == self.sizer.version)
 
     async def _loop(self) -> None:
         while True:
@@ -215,11 +216,13 @@ class Submitter:
                 except VllmUnavailable:
                     await asyncio.sleep(1.0)
                     continue
-            self._apply_limits()
             await sem.acquire()
-            ok = self._fs_has_room() and self._may_submit()
+            self._apply_limits()
+            sized = self._sized()
+            # size unknown: one sample at a time, its notice will tell the size
+            ok = self._fs_has_room() and (sized or self.in_flight == 0)
             s = self.ledger.next_to_submit(self.budget, self.max_ready) if ok else None
-            if s is not None and self.sizer is not None and not self.sizer.known:
+            if s is not None and not sized:
                 self.stats["submitted_before_size_known"] += 1
                 self.stats["max_in_flight_before_size_known"] = max(self.stats["max_in_flight_before_size_known"],
                                                                      self.in_flight)  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hsstream import vllm_cpu_fix as F
+from hsstream.amx import request_amx_permission
 
 rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
 
@@ -26,6 +27,7 @@ def test_expands_per_request_values_to_tokens_with_replacement():
 def test_matches_the_cpu_kernel_on_integers_where_the_kernel_loses_floats():
     cpu = pytest.importorskip("vllm.utils.cpu_triton_utils")
     importlib.import_module("vllm._C")  # registers torch.ops._C
+    request_amx_permission()  # this process runs a vLLM kernel without vLLM's plug-ins (docs/vllm-cpu-fix.md)
     cu = torch.tensor([1, 4, 4, 7], dtype=torch.int64)
     ints = torch.tensor([3, 0, 9, 5], dtype=torch.int64)
     out = torch.empty(7, dtype=torch.int64)
