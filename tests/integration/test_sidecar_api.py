@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from hsstream import launch
-from server.ledger import _unpack
 from hsstream.demo import free_port
+from server.ledger import _unpack
 
 TOKEN = "s3cret"
 
