@@ -1,7 +1,9 @@
 """Turn REST samples into token ids and loss masks with the verifier's own tokenizer.
 
 vLLM then receives token ids, never text, so what is extracted is exactly what was
-tokenised here and the loss mask lines up position for position.
+tokenised here and the loss mask lines up position for position. The ids and masks come from
+``connector/sample_tokens.py`` (shared with the trainer's local token counts); this module
+adds what only the sidecar decides: the vocabulary check of raw token ids and the length limits.
 """
 
 from __future__ import annotations
@@ -9,15 +11,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from connector.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 from server.model_shape import too_long_reason
 from server.schemas import JobOptions, SampleIn
 
+__all__ = ["SampleRejected", "Tokenized", "Tokenizer"]
 log = logging.getLogger("hsstream.sidecar")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
-
-class SampleRejected(ValueError):
-    pass
+#: The shared refusal (connector/sample_tokens.py) under the name the sidecar has always used.
+SampleRejected = SampleRefused
 
 
 @dataclass
@@ -36,10 +38,8 @@ class Tokenizer:
         self.vocab_size: int | None = None
         self._missing = "HSSTREAM_MODEL unset"
         if model_dir:
-            from transformers import AutoTokenizer
-
             try:
-                self._tok = AutoTokenizer.from_pretrained(model_dir)
+                self._tok = load_tokenizer(model_dir)
                 self.vocab_size = len(self._tok)
             except (OSError, ValueError) as e:  # a hub id offline, a folder without tokenizer files
                 self._missing = f"none could be loaded from {model_dir!r}: {str(e).splitlines()[0][:200]}"
@@ -67,49 +67,13 @@ class Tokenizer:
             ids, mask = ids[:limit], mask[:limit]
         return Tokenized(ids, mask, s.id)
 
-    def _need(self) -> object:
-        if self._tok is None:
-            raise SampleRejected(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
-        return self._tok
-
     def _encode(self, s: SampleIn, opt: JobOptions) -> tuple[list[int], list[int]]:
         if s.token_ids is not None:
             if self.vocab_size is not None:
                 bad = [t for t in s.token_ids if not 0 <= t < self.vocab_size]
                 if bad:
                     raise SampleRejected(f"token ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
-            return list(s.token_ids), [0 if opt.mode == "regenerate" else 1] * len(s.token_ids)
-        tok = self._need()
-        if s.prompt is not None:
-            if not s.prompt:
-                raise SampleRejected("empty prompt")
-            ids = tok(s.prompt, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-            return ids, [0 if opt.mode == "regenerate" else 1] * len(ids)
-        if s.messages is not None:
-            msgs = [m.model_dump() for m in s.messages]
-        else:
-            assert s.conversations is not None
-            msgs = []
-            for t in s.conversations:
-                role = _SHAREGPT_ROLES.get(t.from_)
-                if role is None:
-                    raise SampleRejected(f"unknown ShareGPT speaker {t.from_!r}")
-                msgs.append({"role": role, "content": t.value})
-        if not msgs:
-            raise SampleRejected("empty conversation")
-        if opt.mode == "regenerate":
-            # vLLM writes the reply: drop the data's last assistant turn, ask for a new one.
-            while msgs and msgs[-1]["role"] == "assistant":
-                msgs.pop()
-            if not msgs:
-                raise SampleRejected("nothing left to prompt with after removing the assistant reply")
-            ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)
-            ids = list(ids["input_ids"])
-            return ids, [0] * len(ids)
-        out = tok.apply_chat_template(  # type: ignore[attr-defined]
-            msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        ids = list(out["input_ids"])
-        amask = list(out.get("assistant_masks") or [0] * len(ids))
-        mask = amask if opt.loss_mask == "assistant" else [1] * len(ids)
-        return ids, [int(x) for x in mask]
+        elif self._tok is None:
+            raise SampleRejected(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
+        sample = s.model_dump(by_alias=True, exclude_none=True)
+        return encode_sample(self._tok, sample, loss_mask=opt.loss_mask, mode=opt.mode)

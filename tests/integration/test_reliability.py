@@ -152,6 +152,29 @@ def test_chat_job_token_ids_and_loss_mask(stack, tiny_model):
     assert got[0].label == "chat" and got[0].hidden_states.shape == (len(ids), 4, 128)
 
 
+def test_token_ids_are_vllms_own_tokenisation(stack):
+    """What the sidecar sends for a prompt and for a chat is what `vllm serve` makes of the same
+    text (its /tokenize: a prompt with the tokenizer's special tokens, a chat rendered by the
+    template with none added)."""
+    prompt = "Token ids as vLLM sees them: ünïcödé 🚀 中文 שלום"
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Grüß dich! 2+2?"},
+        {"role": "assistant", "content": "4 ✓"},
+    ]
+    job = submit(stack, [{"prompt": prompt, "id": "prompt"}, {"messages": msgs, "id": "chat"}])
+    with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
+        got = {x.label: x.token_ids.tolist() for x in s}
+    vllm = stack.env["HSSTREAM_VLLM_URL"]
+    want = {
+        "prompt": httpx.post(f"{vllm}/tokenize", json={"model": "verifier", "prompt": prompt}, timeout=30),
+        "chat": httpx.post(f"{vllm}/tokenize", json={"model": "verifier", "messages": msgs,
+                                                     "add_generation_prompt": False}, timeout=30),
+    }  # fmt: skip
+    assert all(r.status_code == 200 for r in want.values()), [r.text for r in want.values()]
+    assert got == {k: r.json()["tokens"] for k, r in want.items()}
+
+
 def test_paused_trainer_spool_stays_under_budget_then_drains(stack):
     n = 16
     job = submit(stack, token_samples(n, 40, seed=1))

@@ -3,8 +3,11 @@ that is the "dead vLLM" case, and every other check here needs none)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -16,18 +19,19 @@ import pytest
 
 from hsstream import launch
 from hsstream.demo import free_port
+from server.ledger import _unpack
 
 TOKEN = "s3cret"
 
 
-@pytest.fixture(scope="module")
-def sidecar(tiny_model):
+@contextlib.contextmanager
+def start_sidecar(model: str):
     run = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
     spool = Path(tempfile.mkdtemp(prefix="hsstream-api-", dir="/dev/shm"))
     port = free_port()
     env = launch.child_env({
         "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run), "HSSTREAM_PORT": str(port),
-        "HSSTREAM_MODEL": tiny_model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
+        "HSSTREAM_MODEL": model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
         "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
         "HSSTREAM_VLLM_DOWN_DEADLINE_S": "3", "HSSTREAM_API_TOKEN": TOKEN,
         "HSSTREAM_MAX_BODY_BYTES": "200000", "HSSTREAM_SPOOL_BUDGET_BYTES": "2000000",
@@ -42,6 +46,28 @@ def sidecar(tiny_model):
         child.stop()
         shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(spool, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_model):
+    with start_sidecar(tiny_model) as c_env:
+        yield c_env
+
+
+@pytest.fixture(scope="module")
+def unmarked_sidecar(tiny_model, tmp_path_factory):
+    """A sidecar whose verifier is the tiny model with its template's generation markers removed,
+    as most real templates come."""
+    d = tmp_path_factory.mktemp("tiny-unmarked")
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_model) / f, d / f)
+    marked = (Path(tiny_model) / "chat_template.jinja").read_text()
+    markers = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+    unmarked = markers.sub("", marked)
+    assert markers.search(marked) and not markers.search(unmarked)
+    (d / "chat_template.jinja").write_text(unmarked)
+    with start_sidecar(str(d)) as c_env:
+        yield c_env
 
 
 def post(c, samples, **options):
@@ -205,3 +231,55 @@ def test_metrics_exposed(sidecar):
     c, _ = sidecar
     m = c.get("/metrics").text
     assert "hsstream_samples_total" in m and "hsstream_spool_reserved_bytes" in m and "hsstream_vllm_request_seconds" in m
+
+
+CHATS = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4."}],
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue 🌊, 青, כחול."},
+     {"role": "user", "content": "Another?"}, {"role": "assistant", "content": ""}],
+]  # fmt: skip
+
+
+def ledger_masks(env, job):
+    """(token ids, loss mask) per sample as the sidecar recorded them for delivery."""
+    path = Path(env["HSSTREAM_RUN_DIR"]) / "ledger.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        rows = db.execute("SELECT token_ids, loss_mask FROM samples WHERE job_id=? AND epoch=0 ORDER BY idx", (job,))
+        return [(_unpack(ids), _unpack(mask)) for ids, mask in rows]
+
+
+def test_template_without_generation_markers_gives_the_marked_masks(sidecar, unmarked_sidecar, tiny_model):
+    from transformers import AutoTokenizer
+
+    samples = [{"messages": m} for m in CHATS] + [{"conversations": [{"from": "human", "value": "hi"},
+                                                                      {"from": "gpt", "value": "hello there"}]}]  # fmt: skip
+    jobs = []
+    for c, _ in (sidecar, unmarked_sidecar):
+        r = post(c, samples)
+        assert r.status_code == 200 and r.json()["num_failed_at_submission"] == 0, r.text
+        jobs.append(r.json()["job_id"])
+    marked, unmarked = ledger_masks(sidecar[1], jobs[0]), ledger_masks(unmarked_sidecar[1], jobs[1])
+    assert len(unmarked) == len(samples) and all(any(mask) for _, mask in unmarked)
+    assert unmarked == marked
+    tok = AutoTokenizer.from_pretrained(tiny_model)  # the marked template's own masks, from transformers
+    for msgs, (ids, mask) in zip(CHATS, marked):
+        out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert (ids, mask) == (out["input_ids"], out["assistant_masks"])
+    counts = [c.get(f"/v1/jobs/{j}/token_counts").json() for (c, _), j in zip((sidecar, unmarked_sidecar), jobs)]
+    assert counts[1]["counts"] and counts[1]["counts"] == counts[0]["counts"]
+    assert sum(counts[1]["counts"].values()) == sum(sum(m) for _, m in unmarked) < counts[1]["total_tokens"]
+
+
+def test_conversation_without_assistant_turn_is_invalid_with_the_reason(unmarked_sidecar):
+    c, _ = unmarked_sidecar
+    no_reply = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]}
+    r = post(c, [{"messages": CHATS[0]}, no_reply])
+    assert r.status_code == 422 and "nothing was queued" in r.json()["detail"]["message"]
+    bad = r.json()["detail"]["samples"]
+    assert [b["index"] for b in bad] == [1]
+    assert "no assistant tokens to train on (roles in the conversation: system, user)" in bad[0]["reason"]
+    r = post(c, [{"messages": CHATS[0]}, no_reply], on_invalid="skip")
+    assert r.status_code == 200 and r.json()["num_samples"] == 1 and r.json()["num_failed_at_submission"] == 1
+    r = post(c, [no_reply], loss_mask="all")  # every token carries loss: a valid sample
+    assert r.status_code == 200 and r.json()["num_failed_at_submission"] == 0

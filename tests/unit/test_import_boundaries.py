@@ -16,6 +16,7 @@ BLOCK = "import sys\nfor m in ('vllm', 'fastapi', 'uvicorn', 'transformers'):\n 
         "connector.protocol, connector.settings, connector.layers",
         "trainer_client",
         "trainer_client.stream",
+        "connector.sample_tokens",  # the masks' code: transformers only when a tokenizer is loaded
     ],
 )
 def test_imports_without_vllm_or_fastapi(modules):

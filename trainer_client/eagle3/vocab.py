@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def count_tokens(token_ids: Iterable[list[int]], loss_masks: Iterable[list[int] | None] | None = None) -> dict[int, int]:
@@ -77,34 +80,25 @@ def token_counts_from_sidecar(api: str, job_ids: list[str], token: str | None = 
     return dict(total)
 
 
-def tokenize_samples(verifier_dir: str, samples: list[dict], loss_mask: str = "assistant") -> list[tuple[list[int], list[int]]]:
-    """(token ids, loss mask) per REST sample, as the sidecar computes them (server/tokenization.py).
-
-    Duplicated rather than imported: the trainer installs without the server.
+def tokenize_samples(
+    verifier_dir: str, samples: list[dict], loss_mask: str = "assistant", mode: str = "extract"
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) per REST sample, computed by the code the sidecar runs
+    (``connector/sample_tokens.py``). Samples the sidecar refuses (no assistant tokens, a
+    template that cannot be masked, ...) are left out, as a job with ``on_invalid="skip"``
+    leaves them out; with ``"reject"`` the sidecar refused the whole job already.
     """
+    from connector.sample_tokens import SampleRefused, encode_sample, load_tokenizer
+
     tok = None
     out = []
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-    for s in samples:
-        if s.get("token_ids") is not None:
-            ids = list(s["token_ids"])
-            out.append((ids, [1] * len(ids)))
-            continue
-        if tok is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(verifier_dir)
-        if s.get("prompt") is not None:
-            ids = tok(s["prompt"], add_special_tokens=False)["input_ids"]
-            out.append((ids, [1] * len(ids)))
-            continue
-        msgs = s.get("messages")
-        if msgs is None:
-            msgs = [{"role": roles.get(t["from"], t["from"]), "content": t["value"]} for t in s.get("conversations") or []]
-        enc = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        ids = list(enc["input_ids"])
-        mask = list(enc.get("assistant_masks") or [0] * len(ids)) if loss_mask == "assistant" else [1] * len(ids)
-        out.append((ids, [int(x) for x in mask]))
+    for i, s in enumerate(samples):
+        if tok is None and s.get("token_ids") is None:
+            tok = load_tokenizer(verifier_dir)
+        try:
+            out.append(encode_sample(tok, s, loss_mask=loss_mask, mode=mode))
+        except SampleRefused as e:
+            log.info("token counts leave out sample %d (%s): %s", i, s.get("id"), e)
     return out
 
 
