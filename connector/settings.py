@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
     max_body_bytes: int = 256 * 2**20
+    job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary
     # Remote trainers (other hosts): TCP + CURVE. Keys in zmq.auth's certificate format
     # (`hsstream keys DIR` makes them); the sidecar accepts any public key in curve_clients_dir.
     remote_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5601

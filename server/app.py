@@ -76,6 +76,18 @@ def _curve(s: Settings) -> CurveServer | None:
     return CurveServer(public, secret, str(s.curve_clients_dir))
 
 
+async def compact_finished_jobs(ledger: Ledger, retention_s: float) -> None:
+    """Finished jobs keep their rows for the retention, then only a summary (bounded disk)."""
+    while True:
+        await asyncio.sleep(min(60.0, max(1.0, retention_s / 4)))
+        try:
+            gone = await asyncio.to_thread(ledger.compact, retention_s)
+            if gone:
+                log.info("compacted %d finished job(s): %s", len(gone), ", ".join(gone))
+        except Exception:  # noqa: BLE001 - compaction must outlive one failure
+            log.exception("job compaction failed")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     s = settings or Settings()
     spool = s.spool_dir
@@ -109,9 +121,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc.delivery.start()
         await svc.submitter.start()
         reaper = asyncio.create_task(svc.keeper.run())
+        compactor = asyncio.create_task(compact_finished_jobs(ledger, s.job_retention_s))
         log.info("sidecar up: spool %s, notices %s, delivery %s", spool, s.notice_ep(), s.delivery_ep())
         yield
         reaper.cancel()
+        compactor.cancel()
         await svc.submitter.stop()
         svc.delivery.stop()
         svc.notices.stop()

@@ -91,6 +91,7 @@ class JobStatus(BaseModel):
     errors: list[SampleError]
     errors_total: int
     errors_offset: int
+    compacted: bool = False  # finished longer than HSSTREAM_JOB_RETENTION_S ago: counts kept, errors and data gone
 
 
 class TokenCounts(BaseModel):

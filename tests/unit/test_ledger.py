@@ -42,12 +42,13 @@ def test_ready_limit_pauses_submission():
 def test_epochs_get_their_own_keys_in_a_seeded_shuffle():
     led = Ledger()
     j = led.add_job(new(5), epochs=3, seed=7)
-    keys = [(s.key.epoch, s.key.index) for s in j.samples]
+    keys = [(s.key.epoch, s.key.index) for s in led.job_samples(j.job_id)]
     assert sorted(keys) == [(e, i) for e in range(3) for i in range(5)]
     orders = [[i for e, i in keys if e == ep] for ep in range(3)]
     assert len({tuple(o) for o in orders}) > 1  # reshuffled per epoch
-    j2 = Ledger().add_job(new(5), epochs=3, seed=7)
-    assert [(s.key.epoch, s.key.index) for s in j2.samples] == keys  # deterministic
+    led2 = Ledger()
+    j2 = led2.add_job(new(5), epochs=3, seed=7)
+    assert [(s.key.epoch, s.key.index) for s in led2.job_samples(j2.job_id)] == keys  # deterministic
 
 
 def test_recovery_after_crash(tmp_path):
@@ -69,7 +70,7 @@ def test_recovery_after_crash(tmp_path):
     present = {"one.safetensors", "four.safetensors"}
     stats = led2.recover(lambda f: f in present)
     j2 = led2.jobs[jid]
-    st = {x.key.index: x for x in j2.samples}
+    st = {x.key.index: x for x in led2.job_samples(jid)}
     assert st[0].state == State.queued and st[0].attempt == 1  # was SUBMITTED
     assert st[1].state == State.ready  # leased, file there
     assert st[2].state == State.queued and st[2].attempt == 1  # leased, file gone: produce again
@@ -92,7 +93,7 @@ def test_ack_after_restart_from_a_trainer_that_used_it_counts_once(tmp_path):
     led.lease_next(b"old-identity", None)
     led2 = Ledger(tmp_path / "l.sqlite")
     led2.recover(lambda f: True)
-    key = led2.jobs[j.job_id].samples[0].key
+    key = led2.job_samples(j.job_id)[0].key
     assert led2.ack(b"new-identity", key)  # nobody holds it: the trainer did use it
     assert not led2.ack(b"new-identity", key)
     assert led2.jobs[j.job_id].counts()["consumed"] == 1
@@ -127,12 +128,12 @@ def test_vllm_down_does_not_spend_attempts():
     for _ in range(5):
         s = led.next_to_submit(10**9)
         led.requeue(s.key, s.attempt, "connection refused", count_attempt=False)
-    assert j.samples[0].state == State.queued and not j.samples[0].errors
+    assert led.job_samples(j.job_id)[0].state == State.queued and not led.job_samples(j.job_id)[0].errors
     s = led.next_to_submit(10**9)
     led.requeue(s.key, s.attempt, "500")
     s = led.next_to_submit(10**9)
     led.requeue(s.key, s.attempt, "500")
-    assert j.samples[0].state == State.failed and len(j.samples[0].errors) == 2
+    assert led.job_samples(j.job_id)[0].state == State.failed and len(led.job_samples(j.job_id)[0].errors) == 2
 
 
 def test_watermarks_resume_only_after_draining_to_low():
@@ -179,7 +180,7 @@ def test_regenerate_retry_starts_again_from_the_prompt(tmp_path):
     assert s.state == State.ready
     led2 = Ledger(tmp_path / "l.sqlite")
     led2.recover(lambda f: False)  # its file is gone
-    s2 = led2.jobs[j.job_id].samples[0]
+    s2 = led2.job_samples(j.job_id)[0]
     assert s2.state == State.queued and s2.token_ids == [1, 2, 3] and s2.notice is None and led2.reserved_bytes == 0
 
 
