@@ -56,6 +56,10 @@ class Settings(BaseSettings):
 
     # Connector
     num_writer_threads: int = 4
+    # Hidden states copied out but not yet written (host memory, pinned on CUDA). Over it a
+    # request gets a "busy" notice instead of a file; the engine step never waits.
+    max_pending_write_bytes: int = 2 * 2**30
+    max_queued_notices: int = 4096  # notices waiting for the sidecar; older ones are useless after its restart
 
     @field_validator("layer_ids", mode="before")
     @classmethod

@@ -560,6 +560,12 @@ class Ledger:
             if smp.notice is not None:
                 return "keep" if smp.notice.file == n.file else "delete"  # a repeat: changes nothing
             self.reserved_bytes -= smp.expected_bytes
+            if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault
+                smp.attempt += 1
+                self._reset_prompt(smp)
+                self._enqueue(smp)
+                self._save(smp)
+                return "delete"
             if n.status != P.NoticeStatus.ok:
                 self._retry(smp, n.reason or "connector error")
                 return "delete"

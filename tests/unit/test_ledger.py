@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from connector import protocol as P
 from server.ledger import Ledger, NewSample, State
 
@@ -193,3 +195,66 @@ def test_received_from_a_trainer_without_the_lease_regenerates():
     led.release_owner(b"a", lambda f: True)  # a's lease lapsed: READY again
     assert led.received(b"a", s.key) == 0  # a's late RECEIVED: a took the file with it
     assert s.state == State.queued and led.reserved_bytes == 0  # produced again, never offered fileless
+
+
+def test_sample_payloads_live_in_sqlite_not_in_ram(tmp_path):
+    """Queued and finished samples are rows, not objects: RAM is O(in flight). 20,000 queued
+    samples of 256 tokens held as Python lists would take ~200 MB."""
+    import gc
+    import tracemalloc
+
+    led = Ledger(tmp_path / "l.sqlite")
+    rows = [NewSample(list(range(i, i + 256)), [1] * 256, None, 100) for i in range(20_000)]
+    gc.collect()
+    tracemalloc.start()
+    j = led.add_job(rows)
+    del rows
+    gc.collect()
+    kept, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert kept < 4 * 2**20, f"{kept / 2**20:.1f} MiB kept in RAM for 20,000 queued samples"
+    subs = [led.next_to_submit(10**12) for _ in range(10)]
+    assert led.in_flight() == 10 and len(led.stale_submissions(-1)) == 10
+    for s in subs:
+        led.on_notice(ok_notice(s, f"{s.key.index}.safetensors"), 100)
+        led.lease_next(b"t", None)
+        assert led.ack(b"t", s.key)
+    assert led.in_flight() == 0  # consumed samples leave RAM
+    assert j.counts()["consumed"] == 10 and j.counts()["queued"] == 19_990
+    assert led.job_samples(j.job_id)[0].token_ids == list(range(256))  # still in SQLite
+
+
+def test_errors_are_paged_from_sqlite_and_counted_per_job():
+    led = Ledger(max_attempts=5)
+    j = led.add_job(new(6))
+    for _ in range(6):
+        s = led.next_to_submit(10**9)
+        if s.key.index % 2:
+            led.requeue(s.key, s.attempt, f"boom {s.key.index}")
+    assert j.n_errors == 3
+    page = led.errors_page(j.job_id, 1, 10)
+    assert [x.key.index for x in page] == [3, 5] and page[0].errors == ["attempt 0: boom 3"]
+
+
+def test_finished_jobs_are_compacted_after_the_retention(tmp_path):
+    db = tmp_path / "l.sqlite"
+    led = Ledger(db)
+    done, live = led.add_job(new(2)), led.add_job(new(1))
+    for _ in range(2):
+        s = led.next_to_submit(10**9)
+        led.on_notice(ok_notice(s, f"{s.key.index}.safetensors"), 100)
+        led.lease_next(b"t", None)
+        led.ack(b"t", s.key)
+    assert done.done and not live.done
+    assert led.compact(3600) == []  # within the retention: kept
+    assert led.compact(3600, now=time.time() + 7200) == [done.job_id]
+    assert led.job_samples(done.job_id) == [] and done.job_id not in led.jobs
+    v = led.job_view(done.job_id)
+    assert v.compacted and v.done and v.counts()["consumed"] == 2 and v.tokens_consumed == 20
+    assert not led.ack(b"t", P.SampleKey(job=done.job_id, index=0))  # a late ack changes nothing
+    assert led.jobs_done([done.job_id]) and not led.jobs_done([live.job_id])
+    assert led.job_view(live.job_id) is live  # unfinished jobs are never compacted
+    led2 = Ledger(db)  # after a restart the summary is what remains
+    led2.recover(lambda f: False)
+    assert done.job_id not in led2.jobs and led2.job_view(done.job_id).counts()["consumed"] == 2
+    assert led2.jobs[live.job_id].counts()["queued"] == 1
