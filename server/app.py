@@ -15,11 +15,11 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from connector import protocol as P
 from connector.settings import Settings
+from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
 from server.ledger import Ledger
@@ -135,13 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   openapi_url=None, docs_url=None, redoc_url=None)  # served by routers/docs.py, behind the token
     app.state.services = svc
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):  # noqa: ANN001, ANN202
-        n = request.headers.get("content-length")
-        if n is not None and n.isdigit() and int(n) > s.max_body_bytes:
-            return JSONResponse({"detail": f"request body of {int(n):,} bytes exceeds the limit of "
-                                           f"{s.max_body_bytes:,} (HSSTREAM_MAX_BODY_BYTES)"}, status_code=413)  # fmt: skip
-        return await call_next(request)
+    app.add_middleware(BodyLimit, json_bytes=s.max_json_bytes, upload_bytes=s.max_body_bytes)
 
     app.include_router(health.router)
     app.include_router(jobs.router)

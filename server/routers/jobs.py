@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections import Counter
@@ -61,7 +62,10 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
     except ValidationError as e:
         raise HTTPException(422, {"message": "bad options", "errors": json.loads(e.json())}) from e
     samples, bad = [], []
-    for ln, line in enumerate((await file.read()).decode("utf-8", errors="replace").splitlines(), 1):
+    # The form parser spooled the file to disk as it arrived; read it a line at a time, not whole.
+    await file.seek(0)
+    lines = io.TextIOWrapper(file.file, encoding="utf-8", errors="replace", newline=None)
+    for ln, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
