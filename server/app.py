@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from connector import protocol as P
 from connector.settings import Settings
+from server import errors
 from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
@@ -132,7 +133,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ledger.close()
 
     app = FastAPI(title="hsstream sidecar", version=str(P.PROTOCOL_VERSION), lifespan=lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)  # served by routers/docs.py, behind the token
+                  openapi_url=None, docs_url=None, redoc_url=None,  # served by routers/docs.py, behind the token
+                  default_response_class=errors.AsciiJSONResponse)  # fmt: skip
+    errors.install(app)
     app.state.services = svc
 
     app.add_middleware(BodyLimit, json_bytes=s.max_json_bytes, upload_bytes=s.max_body_bytes)

@@ -128,7 +128,7 @@ def test_generated_requests_across_every_route(sidecar):
         seen.add(case.operation.label)
         ok = r.status_code < 500 or (case.operation.path == "/readyz" and r.status_code == 503)
         if not ok:
-            failures.append((case.operation.label, r.status_code, r.text[:300]))
+            failures.append((case.operation.label, r.status_code, r.text[:300], repr(case)[:1500]))
         if count == 200:
             rss_at_200.append(_rss(proc))
 
@@ -136,7 +136,7 @@ def test_generated_requests_across_every_route(sidecar):
     one()
     took = time.monotonic() - t0
     assert count >= n_requests, count
-    assert not failures, failures[:5]
+    assert not failures, (failures[:5], log.read_text()[-3000:])
     assert seen == {o.label for o in ops}, f"never called: {({o.label for o in ops}) - seen}"
     assert httpx.get(f"{url}/healthz").status_code == 200
     grew = _rss(proc) - rss_at_200[0]
