@@ -258,3 +258,16 @@ def test_finished_jobs_are_compacted_after_the_retention(tmp_path):
     led2.recover(lambda f: False)
     assert done.job_id not in led2.jobs and led2.job_view(done.job_id).counts()["consumed"] == 2
     assert led2.jobs[live.job_id].counts()["queued"] == 1
+
+
+def test_busy_notice_resubmits_without_spending_an_attempt():
+    """The connector had no room to write (HSSTREAM_MAX_PENDING_WRITE_BYTES): not the sample's
+    fault, so it is queued again with a new attempt number and no error counted."""
+    led = Ledger(max_attempts=1)
+    j = led.add_job(new(1, nbytes=100))
+    s = led.next_to_submit(10**9)
+    busy = P.Notice(status=P.NoticeStatus.busy, reason="connector busy", request_id="r", key=s.key, attempt=s.attempt)
+    assert led.on_notice(busy, 0) == "delete"
+    again = led.next_to_submit(10**9)
+    assert again.key == s.key and again.attempt == 1 and not again.errors and led.reserved_bytes == 100
+    assert j.counts()["failed"] == 0 and j.n_errors == 0
