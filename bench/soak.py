@@ -119,8 +119,8 @@ def main() -> int:
     def start_trainer() -> subprocess.Popen:
         log = work / f"trainer{len(trainer_logs)}.log"
         trainer_logs.append(log)
-        p = subprocess.Popen([sys.executable, __file__, "--trainer", stack.delivery_endpoint, str(stack.spool), str(log)],
-                             env=launch.child_env(), cwd=launch.repo_root(), start_new_session=True)  # fmt: skip
+        cmd = [sys.executable, __file__, "--trainer", stack.delivery_endpoint, str(stack.spool), str(log)]
+        p = subprocess.Popen(cmd, env=launch.child_env(), cwd=launch.repo_root(), start_new_session=True)
         trainers.append(p)
         return p
 
@@ -152,8 +152,8 @@ def main() -> int:
         per_job = args.samples // args.jobs
         for j in range(args.jobs):
             n = per_job if j < args.jobs - 1 else args.samples - per_job * (args.jobs - 1)
-            samples = [{"token_ids": [rng.randrange(0, 509) for _ in range(rng.randint(args.min_tokens, args.max_tokens))]}
-                       for _ in range(n)]  # fmt: skip
+            lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in range(n)]
+            samples = [{"token_ids": [rng.randrange(0, 509) for _ in range(k)]} for k in lengths]
             r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples}, timeout=120)
             r.raise_for_status()
             expected.update(f"{r.json()['job_id']}/0/{i}" for i in range(n))
@@ -207,9 +207,11 @@ def main() -> int:
     for name in ("vllm", "sidecar", "trainer"):
         for pid in dict.fromkeys(p[f"{name}_pid"] for p in series if f"{name}_pid" in p):
             pts = [p for p in series if p.get(f"{name}_pid") == pid]
-            procs[f"{name}[{pid}]"] = {"from_s": pts[0]["t"], "to_s": pts[-1]["t"],
-                                       "rss": growth([{"t": p["t"], "v": p[f"{name}_rss"]} for p in pts], "v"),
-                                       "fds": growth([{"t": p["t"], "v": p[f"{name}_fds"]} for p in pts], "v")}  # fmt: skip
+            procs[f"{name}[{pid}]"] = {
+                "from_s": pts[0]["t"], "to_s": pts[-1]["t"],
+                "rss": growth([{"t": p["t"], "v": p[f"{name}_rss"]} for p in pts], "v"),
+                "fds": growth([{"t": p["t"], "v": p[f"{name}_fds"]} for p in pts], "v"),
+            }  # fmt: skip
     judged = [g for v in procs.values() for g in (v["rss"], v["fds"]) if g["growth"] is not None]
     checks = {
         "all_acked_exactly_once": ok and dupes == 0 and missing == 0 and consumed == len(expected) and failed == 0,

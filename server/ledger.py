@@ -283,7 +283,8 @@ class Ledger:
                 if jid in self.jobs:
                     self.jobs[jid].state_counts[st] += n
                     self.jobs[jid].num_samples += n
-            for jid, n in self._db.execute("SELECT job_id, count(*) FROM samples WHERE errors IS NOT NULL GROUP BY job_id"):
+            errs = "SELECT job_id, count(*) FROM samples WHERE errors IS NOT NULL GROUP BY job_id"
+            for jid, n in self._db.execute(errs):
                 if jid in self.jobs:
                     self.jobs[jid].n_errors = n
             lo, hi = self._db.execute("SELECT min(qpos), max(qpos) FROM samples WHERE state = 'queued'").fetchone()
@@ -394,14 +395,19 @@ class Ledger:
                                     "ORDER BY ord LIMIT ? OFFSET ?", (job_id, limit, offset)).fetchall()  # fmt: skip
         return [_sample(r) for r in rows]
 
-    def iter_token_ids(self, job_id: str, epoch: int = 0, chunk: int = 1000) -> Iterable[tuple[list[int], list[int] | None]]:
+    def iter_token_ids(
+        self, job_id: str, epoch: int = 0, chunk: int = 1000
+    ) -> Iterable[tuple[list[int], list[int] | None]]:
         """(token ids, loss mask) of one epoch of a job, read in chunks: the lock is held per
         chunk, never for the whole job."""
         last = -1
         while True:
             with self._lock:
-                rows = self._db.execute("SELECT idx, token_ids, loss_mask FROM samples WHERE job_id=? AND epoch=? "
-                                        "AND idx>? ORDER BY idx LIMIT ?", (job_id, epoch, last, chunk)).fetchall()  # fmt: skip
+                rows = self._db.execute(
+                    "SELECT idx, token_ids, loss_mask FROM samples WHERE job_id=? AND epoch=? AND idx>? "
+                    "ORDER BY idx LIMIT ?",
+                    (job_id, epoch, last, chunk),
+                ).fetchall()
             if not rows:
                 return
             for idx, ids, mask in rows:
@@ -441,7 +447,8 @@ class Ledger:
         their sample rows, deleted a chunk at a time so no call waits long for the lock."""
         now = time.time() if now is None else now
         with self._lock:
-            old = [j for j in self.jobs.values() if j.done and j.finished is not None and now - j.finished > retention_s]
+            old = [j for j in self.jobs.values()
+                   if j.done and j.finished is not None and now - j.finished > retention_s]  # fmt: skip
             for j in old:
                 summary = {"num_samples": j.num_samples, "counts": j.counts(), "n_errors": j.n_errors}
                 self._db.execute("UPDATE jobs SET summary=? WHERE job_id=?", (json.dumps(summary), j.job_id))
@@ -473,7 +480,8 @@ class Ledger:
             if max_ready is not None and self._n_ready >= max_ready:
                 self._throttled = True
                 return None
-            row = self._db.execute(f"SELECT {_COLS} FROM samples WHERE state = 'queued' ORDER BY qpos LIMIT 1").fetchone()
+            head = f"SELECT {_COLS} FROM samples WHERE state = 'queued' ORDER BY qpos LIMIT 1"  # the queue index
+            row = self._db.execute(head).fetchone()
             if row is None:
                 return None
             s = _sample(row)
@@ -548,7 +556,8 @@ class Ledger:
         """SUBMITTED samples with no notice for too long (lost request, dead connector)."""
         now = time.monotonic()
         with self._lock:
-            return [s for s in self._live.values() if s.state == State.submitted and now - s.submitted_at > older_than_s]
+            return [s for s in self._live.values()
+                    if s.state == State.submitted and now - s.submitted_at > older_than_s]  # fmt: skip
 
     # ------------------------------------------------------------------ notices
     def on_notice(self, n: P.Notice, file_bytes: int) -> str:

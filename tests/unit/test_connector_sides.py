@@ -304,18 +304,26 @@ def test_writer_rank_refuses_busy_before_copying_when_writers_are_behind(spool, 
                          max_pending_bytes=5 * row)  # fmt: skip
     gate = threading.Event()
     writer._pool.submit(gate.wait)  # the only writer thread is stuck
-    w = WorkerSide(HiddenStateGatherer(phys, bs, K, None, writer), writer)
-    first = PendingSave("a", "a.safetensors", list(range(4)), [0], P.RequestTag(key=P.SampleKey(job="j", index=0)))
-    second = PendingSave("b", "b.safetensors", list(range(4)), [1], P.RequestTag(key=P.SampleKey(job="j", index=1)))
-    t0 = time.monotonic()
-    done = w.step([first, second], {"a", "b"})
-    assert time.monotonic() - t0 < 0.5 and done == {"a", "b"}  # both blocks free, no wait
-    assert pull.poll(5000)
-    n = P.Notice.decode(pull.recv())
-    assert n.status == P.NoticeStatus.busy and n.key.index == 1 and "MAX_PENDING_WRITE_BYTES" in n.reason
-    assert writer.stats["busy"] == 1
-    gate.set()
-    assert writer.flush(5) and sorted(os.listdir(spool)) == ["a.safetensors"]
+    g = HiddenStateGatherer(phys, bs, K, None, writer)
+    copied = []
+    real_submit = g.submit
+    g.submit = lambda p: (copied.append(p.request_id), real_submit(p))
+    try:
+        w = WorkerSide(g, writer)
+        first = PendingSave("a", "a.safetensors", list(range(4)), [0], P.RequestTag(key=P.SampleKey(job="j", index=0)))
+        second = PendingSave("b", "b.safetensors", list(range(4)), [1], P.RequestTag(key=P.SampleKey(job="j", index=1)))
+        t0 = time.monotonic()
+        done = w.step([first, second], {"a", "b"})
+        assert time.monotonic() - t0 < 0.5 and done == {"a", "b"}  # both blocks free, no wait
+        assert copied == ["a"]  # b was refused before its rows were copied
+        assert pull.poll(5000)
+        n = P.Notice.decode(pull.recv())
+        assert n.status == P.NoticeStatus.busy and n.key.index == 1 and "MAX_PENDING_WRITE_BYTES" in n.reason
+        assert writer.stats["busy"] == 1
+        gate.set()
+        assert writer.flush(5) and sorted(os.listdir(spool)) == ["a.safetensors"]
+    finally:
+        gate.set()  # never leave the writer thread blocked (the interpreter would wait for it)
     writer.close()
     pull.close(linger=0)
 

@@ -204,9 +204,9 @@ def test_sample_payloads_live_in_sqlite_not_in_ram(tmp_path):
     import tracemalloc
 
     led = Ledger(tmp_path / "l.sqlite")
-    rows = [NewSample(list(range(i, i + 256)), [1] * 256, None, 100) for i in range(20_000)]
     gc.collect()
-    tracemalloc.start()
+    tracemalloc.start()  # before the rows exist: whatever keeps them alive is counted
+    rows = [NewSample(list(range(i, i + 256)), [1] * 256, None, 100) for i in range(20_000)]
     j = led.add_job(rows)
     del rows
     gc.collect()
