@@ -121,3 +121,21 @@ def test_acked_keys_are_remembered_within_a_bound_and_never_yielded_again(tmp_pa
     s.ack_all_used()
     assert first_kept in s._acked and keys[901] not in s._acked
     s.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_all_finite_matches_torch_on_the_raw_bits(dtype):
+    """The stream's finite check reads exponent bits with numpy (no torch thread pool): it must
+    agree with torch.isfinite on every kind of value, the largest finite one included."""
+    import torch
+
+    from trainer_client.stream import all_finite
+
+    dt = getattr(torch, dtype)
+    x = torch.randn(64, 4, 32).to(dt)
+    x[0, 0, 0], x[1, 1, 1] = torch.finfo(dt).max, -torch.finfo(dt).tiny
+    assert all_finite(x)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        y = x.clone()
+        y[63, 3, 31] = bad
+        assert not all_finite(y) and not bool(torch.isfinite(y).all())
