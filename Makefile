@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
-.PHONY: demo test test-unit test-integration install clean
+.PHONY: demo test test-unit test-integration soak install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,12 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
+
+# Not part of `make test`: 20,000 samples through vLLM (CPU), the sidecar and the stream, with a
+# trainer and the sidecar killed on the way (~10 min on 2 cores). Writes bench/results/soak_cpu.{json,png}.
+soak: $(STAMP)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

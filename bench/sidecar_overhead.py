@@ -96,6 +96,9 @@ def main() -> int:
     finally:
         stack.stop()
         stack.remove_spool()
+    def per_round(mode: str) -> list[float]:
+        return [next(x["tok_per_s"] for x in rows if x["round"] == r and x["mode"] == mode) for r in range(args.rounds)]
+
     d = statistics.mean(x["tok_per_s"] for x in rows if x["mode"] == "direct")
     s = statistics.mean(x["tok_per_s"] for x in rows if x["mode"] == "sidecar")
     ratios = [next(x for x in rows if x["round"] == r and x["mode"] == "sidecar")["tok_per_s"]
@@ -109,7 +112,11 @@ def main() -> int:
            "cpu_threads_bind": launch.cpu_env().get("VLLM_CPU_OMP_THREADS_BIND"), "device": "cpu (2 cores)",
            "direct_tok_per_s": round(d, 1), "sidecar_tok_per_s": round(s, 1),
            "ratio_sidecar_to_direct_per_round": [round(x, 4) for x in ratios],
-           "ratio_sidecar_to_direct": round(statistics.mean(ratios), 4), "runs": rows,
+           "ratio_sidecar_to_direct": round(statistics.mean(ratios), 4),
+           # Decay as jobs accumulate: the last round's rate over the first's, per path.
+           "sidecar_last_over_first": round(per_round("sidecar")[-1] / per_round("sidecar")[0], 4),
+           "direct_last_over_first": round(per_round("direct")[-1] / per_round("direct")[0], 4),
+           "loadavg_after": [round(x, 2) for x in os.getloadavg()], "runs": rows,
            "spool_files_left": len(left)}  # fmt: skip
     out = ROOT / "bench" / "results" / "sidecar_overhead_cpu.json"
     out.write_text(json.dumps(doc, indent=1))

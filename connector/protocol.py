@@ -93,6 +93,7 @@ class RequestTag(_Model):
 class NoticeStatus(str, Enum):
     ok = "ok"
     error = "error"
+    busy = "busy"  # the connector had no room to write it: not the sample's fault, try again later
 
 
 class Notice(_Model):

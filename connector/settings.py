@@ -45,7 +45,9 @@ class Settings(BaseSettings):
     vllm_down_deadline_s: float = 600.0
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
-    max_body_bytes: int = 256 * 2**20
+    max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
+    max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
+    job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary
     # Remote trainers (other hosts): TCP + CURVE. Keys in zmq.auth's certificate format
     # (`hsstream keys DIR` makes them); the sidecar accepts any public key in curve_clients_dir.
     remote_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5601
@@ -55,6 +57,10 @@ class Settings(BaseSettings):
 
     # Connector
     num_writer_threads: int = 4
+    # Hidden states copied out but not yet written (host memory, pinned on CUDA). Over it a
+    # request gets a "busy" notice instead of a file; the engine step never waits.
+    max_pending_write_bytes: int = 2 * 2**30
+    max_queued_notices: int = 4096  # notices waiting for the sidecar; older ones are useless after its restart
 
     @field_validator("layer_ids", mode="before")
     @classmethod

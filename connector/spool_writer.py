@@ -35,6 +35,7 @@ class WriteJob:
     token_ids: list[int]
     hidden_states: torch.Tensor  # host tensor [T, K, H]; may still be filling (see ready)
     ready: Callable[[], None] | None = None  # blocks until the async copy has landed
+    nbytes: int = 0  # counted against the writer's bound while it waits
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,26 @@ class SpoolWriter:
         notice_endpoint: str | None,
         shape: ShapeInfo,
         num_threads: int = 4,
+        *,
+        max_pending_bytes: int = 2 * 2**30,
+        max_queued_notices: int = 4096,
     ) -> None:
+        """Both queues are bounded, and neither bound ever blocks the engine step: over
+        ``max_pending_bytes`` of hidden states waiting for a writer, a request gets a "busy"
+        notice (the sidecar submits it again later); over ``max_queued_notices`` waiting for a
+        sidecar (none connected), notices are dropped and counted — the sidecar's notice
+        timeout resubmits those samples, and its reaper removes their files."""
         self.spool = Path(spool_dir)
         self.shape = shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="hsstream-write")
-        self._notices: queue.Queue[bytes | None] = queue.Queue()
+        self._notices: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, max_queued_notices))
+        self.max_queued_notices = max(1, max_queued_notices)
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self.stats = {"busy": 0, "notices_dropped": 0}
         self._endpoint = notice_endpoint
         self._sender: threading.Thread | None = None
+        self._closing = False
         self._lock = threading.Lock()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
@@ -70,10 +84,31 @@ class SpoolWriter:
             self._sender.start()
 
     # -- called from the engine's step: must return at once ---------------------------------
-    def submit(self, job: WriteJob) -> None:
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more may wait for a writer (one write always may)."""
+        with self._lock:
+            return self._pending == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes
+
+    def refuse_busy(self, request_id: str, tag: P.RequestTag | None) -> None:
+        with self._lock:
+            self.stats["busy"] += 1
+            mb = self._pending_bytes / 2**20
+        self._publish(self._notice(request_id, tag, status=P.NoticeStatus.busy,
+                                   reason=f"connector busy: {mb:.0f} MiB of hidden states waiting to be written "
+                                          f"(HSSTREAM_MAX_PENDING_WRITE_BYTES)"))  # fmt: skip
+
+    def submit(self, job: WriteJob) -> bool:
+        """Queue a write, or refuse it with a "busy" notice when the queue is full."""
+        nbytes = job.hidden_states.numel() * job.hidden_states.element_size()
+        if not self.has_room(nbytes):
+            self.refuse_busy(job.request_id, job.tag)
+            return False
         with self._lock:
             self._pending += 1
+            self._pending_bytes += nbytes
+        job.nbytes = nbytes
         self._pool.submit(self._write, job)
+        return True
 
     def submit_error(self, request_id: str, tag: P.RequestTag | None, reason: str) -> None:
         self._publish(self._notice(request_id, tag, status=P.NoticeStatus.error, reason=reason))
@@ -130,24 +165,37 @@ class SpoolWriter:
         self._publish(notice)
         with self._lock:
             self._pending -= 1
+            self._pending_bytes -= job.nbytes
             self._idle.notify_all()
 
     def _publish(self, notice: P.Notice) -> None:
-        if self._sender is not None:
-            self._notices.put(notice.encode())
+        if self._sender is None:
+            return
+        try:
+            self._notices.put_nowait(notice.encode())
+        except queue.Full:
+            with self._lock:
+                self.stats["notices_dropped"] += 1
+                n = self.stats["notices_dropped"]
+            if n == 1 or n % 1000 == 0:
+                log.warning("%d notice(s) dropped: %d waiting and no sidecar taking them (is it running at %s?)",
+                            n, self.max_queued_notices, self._endpoint)  # fmt: skip
 
     # -- the socket's owner thread -----------------------------------------------------------
     def _send_loop(self) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 5000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, self.max_queued_notices)
         sock.connect(self._endpoint)
         try:
             while True:
                 msg = self._notices.get()
                 if msg is None:
                     break
+                while not sock.poll(200, zmq.POLLOUT):  # no sidecar: wait, but not past close()
+                    if self._closing:
+                        return
                 sock.send(msg)
         finally:
             sock.close()
@@ -159,5 +207,10 @@ class SpoolWriter:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         if self._sender is not None:
-            self._notices.put(None)
+            try:
+                self._notices.put_nowait(None)  # after what is queued: it still goes out
+            except queue.Full:
+                self._closing = True  # no sidecar has been taking notices: do not wait for one
             self._sender.join(timeout=10)
+            self._closing = True
+            self._sender.join(timeout=1)

@@ -57,6 +57,8 @@ class ConnectorOptions:
     spool_dir: str
     notice_endpoint: str
     num_writer_threads: int
+    max_pending_write_bytes: int
+    max_queued_notices: int
     user_layer_ids: list[int]
     num_hidden_layers: int
     hidden_size: int
@@ -94,6 +96,8 @@ class ConnectorOptions:
             spool_dir=spool,
             notice_endpoint=endpoint,
             num_writer_threads=int(extra.get("num_writer_threads", env.num_writer_threads)),
+            max_pending_write_bytes=int(extra.get("max_pending_write_bytes", env.max_pending_write_bytes)),
+            max_queued_notices=int(extra.get("max_queued_notices", env.max_queued_notices)),
             user_layer_ids=user_ids,
             num_hidden_layers=n_layers,
             hidden_size=vllm_config.model_config.get_hidden_size(),
@@ -148,6 +152,8 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             o.notice_endpoint,
             ShapeInfo(o.user_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
             num_threads=o.num_writer_threads,
+            max_pending_bytes=o.max_pending_write_bytes,
+            max_queued_notices=o.max_queued_notices,
         )
         gatherer = HiddenStateGatherer(
             kv_caches[names[0]],

@@ -62,6 +62,10 @@ class HiddenStateGatherer:
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._inflight: dict[str, _InFlight] = {}
 
+    def nbytes_for(self, num_tokens: int) -> int:
+        """Host bytes a copy of ``num_tokens`` rows takes (what the writer's bound counts)."""
+        return num_tokens * self.view.shape[2] * self.view.shape[3] * self.view.element_size()
+
     def submit(self, p: PendingSave) -> None:
         tag = p.request_tag()
         n = len(p.token_ids)
@@ -132,6 +136,11 @@ class WorkerSide:
         for p in pending:
             if p.error is not None:
                 self.writer.submit_error(p.request_id, p.request_tag(), p.error)
+                continue
+            if not self.writer.has_room(self.gatherer.nbytes_for(len(p.token_ids))):
+                # Writers are behind: refuse before copying anything (nothing to free later).
+                self.gatherer.mark_done(p.request_id)
+                self.writer.refuse_busy(p.request_id, p.request_tag())
                 continue
             try:
                 self.gatherer.submit(p)

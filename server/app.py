@@ -14,11 +14,12 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from connector import protocol as P
 from connector.settings import Settings
+from server import errors
+from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
 from server.ledger import Ledger
@@ -64,6 +65,18 @@ def _curve(s: Settings) -> CurveServer | None:
     return CurveServer(public, secret, str(s.curve_clients_dir))
 
 
+async def compact_finished_jobs(ledger: Ledger, retention_s: float) -> None:
+    """Finished jobs keep their rows for the retention, then only a summary (bounded disk)."""
+    while True:
+        await asyncio.sleep(min(60.0, max(1.0, retention_s / 4)))
+        try:
+            gone = await asyncio.to_thread(ledger.compact, retention_s)
+            if gone:
+                log.info("compacted %d finished job(s): %s", len(gone), ", ".join(gone))
+        except Exception:  # noqa: BLE001 - compaction must outlive one failure
+            log.exception("job compaction failed")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     s = settings or Settings()
     spool = s.spool_dir
@@ -99,25 +112,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc.delivery.start()
         await svc.submitter.start()
         reaper = asyncio.create_task(svc.keeper.run())
+        compactor = asyncio.create_task(compact_finished_jobs(ledger, s.job_retention_s))
         log.info("sidecar up: spool %s, notices %s, delivery %s", spool, s.notice_ep(), s.delivery_ep())
         yield
         reaper.cancel()
+        compactor.cancel()
         await svc.submitter.stop()
         svc.delivery.stop()
         svc.notices.stop()
         ledger.close()
 
     app = FastAPI(title="hsstream sidecar", version=str(P.PROTOCOL_VERSION), lifespan=lifespan,
-                  openapi_url=None, docs_url=None, redoc_url=None)  # served by routers/docs.py, behind the token
+                  openapi_url=None, docs_url=None, redoc_url=None,  # served by routers/docs.py, behind the token
+                  default_response_class=errors.AsciiJSONResponse)  # fmt: skip
+    errors.install(app)
     app.state.services = svc
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):  # noqa: ANN001, ANN202
-        n = request.headers.get("content-length")
-        if n is not None and n.isdigit() and int(n) > s.max_body_bytes:
-            return JSONResponse({"detail": f"request body of {int(n):,} bytes exceeds the limit of "
-                                           f"{s.max_body_bytes:,} (HSSTREAM_MAX_BODY_BYTES)"}, status_code=413)  # fmt: skip
-        return await call_next(request)
+    app.add_middleware(BodyLimit, json_bytes=s.max_json_bytes, upload_bytes=s.max_body_bytes)
 
     app.include_router(health.router)
     app.include_router(jobs.router)

@@ -177,8 +177,10 @@ class DeliveryService(SocketThread):
                 self.ledger.release_owner(owner, self._file_exists)
                 del self.peers[owner]
                 continue
-            if not peer.greeted:
-                continue  # no HELLO yet: we do not know which jobs it wants
+            if not peer.greeted or peer.ended:
+                # No HELLO yet (we do not know which jobs it wants), or its jobs are done: a
+                # closed stream's peer lingers until its timeout, and must cost nothing meanwhile.
+                continue
             try:
                 while peer.credit > 0:
                     s = self.ledger.lease_next(owner, peer.jobs)

@@ -69,7 +69,7 @@ def require_token(request: Request, settings: SettingsDep) -> None:
 
 
 def job_or_404(job_id: str, svc: ServicesDep) -> Job:
-    j = svc.ledger.jobs.get(job_id)
+    j = svc.ledger.job_view(job_id)  # a live job, or the summary of a compacted one
     if j is None:
         raise HTTPException(404, f"unknown job {job_id!r}")
     return j

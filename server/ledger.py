@@ -9,6 +9,12 @@ Every transition is written through to SQLite (WAL) before the lock is released,
 sidecar killed at any moment restarts from a state it had really reached. On restart,
 SUBMITTED and LEASED samples cannot be trusted (the request or the trainer may be gone) and
 are recovered: see :meth:`Ledger.recover`.
+
+Memory is O(in flight), not O(samples): SQLite holds every sample (token ids, masks, errors)
+and the queue (ordered by ``qpos``); only SUBMITTED / READY / LEASED samples are objects in
+RAM, bounded by the spool budget, ``max_ready`` and the submit concurrency. Per-job counts
+are kept incrementally, so nothing on a hot path scans all samples. Finished jobs are
+compacted after a retention: their rows go, a summary stays.
 """
 
 from __future__ import annotations
@@ -41,10 +47,13 @@ class State(str, Enum):
 
 
 TERMINAL = {State.consumed, State.failed, State.cancelled}
+IN_FLIGHT = (State.submitted, State.ready, State.leased)
 
 
 @dataclass
 class Sample:
+    """One sample as an object: in flight (kept in RAM), or loaded from SQLite for one call."""
+
     key: P.SampleKey
     token_ids: list[int]
     loss_mask: list[int] | None
@@ -59,28 +68,36 @@ class Sample:
     errors: list[str] = field(default_factory=list)
     generated: bool = False  # regenerate mode: vLLM's reply is known (token ids final)
     prompt_len: int = -1  # regenerate mode: token_ids beyond this are vLLM's reply
+    qpos: int = 0  # place in the queue while QUEUED
+    saved: State | None = None  # the state SQLite holds (per-job counts follow it)
 
 
 @dataclass
 class Job:
+    """A job's counters, kept incrementally so status, metrics and the delivery thread's
+    completion check are O(1) per job, whatever its size."""
+
     job_id: str
-    samples: list[Sample]
+    num_samples: int = 0
     created: float = field(default_factory=time.time)
     finished: float | None = None
     tokens_consumed: int = 0
     bytes_consumed: int = 0
     sampling: dict | None = None  # regenerate mode: vLLM writes the reply with these
-    by_key: dict[tuple[int, int], Sample] = field(default_factory=dict, repr=False)
+    state_counts: Counter = field(default_factory=Counter, repr=False)
+    n_errors: int = 0  # samples with at least one error
+    compacted: bool = False  # rows deleted after the retention; the counts are a summary
 
     def counts(self) -> dict[str, int]:
-        c = Counter(s.state.value for s in self.samples)
-        return {st.value: c.get(st.value, 0) for st in State}
+        return {st.value: self.state_counts.get(st.value, 0) for st in State}
 
-    n_terminal: int = 0  # kept by the ledger: checked every few ms by delivery, must be O(1)
+    @property
+    def n_terminal(self) -> int:
+        return sum(self.state_counts.get(st.value, 0) for st in TERMINAL)
 
     @property
     def done(self) -> bool:
-        return self.n_terminal == len(self.samples)
+        return self.n_terminal == self.num_samples
 
 
 @dataclass
@@ -91,15 +108,23 @@ class NewSample:
     expected_bytes: int
 
 
+# errors is NULL while a sample has none, so the partial index below finds the few that do.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
   job_id TEXT PRIMARY KEY, created REAL, finished REAL, tokens_consumed INTEGER DEFAULT 0,
-  bytes_consumed INTEGER DEFAULT 0, meta TEXT);
+  bytes_consumed INTEGER DEFAULT 0, meta TEXT, summary TEXT);
 CREATE TABLE IF NOT EXISTS samples (
   job_id TEXT, epoch INTEGER, idx INTEGER, ord INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT,
   expected_bytes INTEGER, state TEXT, attempt INTEGER, notice TEXT, on_disk_bytes INTEGER, errors TEXT,
-  prompt_len INTEGER, PRIMARY KEY (job_id, epoch, idx));
+  prompt_len INTEGER, qpos INTEGER, PRIMARY KEY (job_id, epoch, idx));
 """
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS samples_queue ON samples(qpos) WHERE state = 'queued';
+CREATE INDEX IF NOT EXISTS samples_in_flight ON samples(job_id, ord) WHERE state IN ('submitted', 'ready', 'leased');
+CREATE INDEX IF NOT EXISTS samples_errors ON samples(job_id, ord) WHERE errors IS NOT NULL;
+"""
+_COLS = ("job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, on_disk_bytes, "
+         "errors, prompt_len, qpos")  # fmt: skip
 
 
 def _pack(ids: list[int] | None) -> bytes | None:
@@ -114,13 +139,31 @@ def _unpack(b: bytes | None) -> list[int] | None:
     return a.tolist()
 
 
+def _sample(row: tuple) -> Sample:
+    jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen, qpos = row
+    s = Sample(P.SampleKey(job=jid, epoch=ep, index=idx), _unpack(ids) or [], _unpack(mask), label, eb, State(st), att,
+               P.Notice.model_validate_json(notice) if notice else None, odb or 0,
+               errors=json.loads(errs) if errs else [], prompt_len=plen if plen is not None else -1,
+               qpos=qpos or 0, saved=State(st))  # fmt: skip
+    s.generated = s.prompt_len >= 0 and len(s.token_ids) > s.prompt_len
+    return s
+
+
+# A listener hears (new state, old state or None for a new sample, how many samples, their tokens).
+Listener = Callable[[State, "State | None", int, int], None]
+
+
 class Ledger:
     def __init__(self, path: str | Path | None = None, max_attempts: int = 3) -> None:
         self.max_attempts = max_attempts
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, Job] = {}  # jobs not yet compacted
         self._lock = threading.RLock()
-        self._queue: deque[Sample] = deque()
-        self._ready: deque[Sample] = deque()
+        self._live: dict[P.SampleKey, Sample] = {}  # SUBMITTED / READY / LEASED
+        # READY samples per job, oldest first; may hold samples that left READY (skipped when
+        # met). Per job, so a trainer asking for one job never walks another job's samples.
+        self._ready: dict[str, deque[Sample]] = {}
+        self._n_ready = 0
+        self._qlo = self._qhi = 0  # queue positions: appendleft below qlo, append above qhi
         self.reserved_bytes = 0  # expected bytes of SUBMITTED + real bytes of files on disk
         self._throttled = False  # a limit was hit: wait for the low watermark
         self.path = str(path) if path else ":memory:"
@@ -128,7 +171,19 @@ class Ledger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        self.listeners: list[Callable[[Sample, State], None]] = []
+        self._migrate()
+        self._db.executescript(_INDEXES)
+        self.listeners: list[Listener] = []
+
+    def _migrate(self) -> None:
+        """Ledgers written before the queue and the job summaries moved into SQLite."""
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(samples)")}
+        if "qpos" not in cols:
+            self._db.execute("ALTER TABLE samples ADD COLUMN qpos INTEGER")
+            self._db.execute("UPDATE samples SET qpos = ord")
+            self._db.execute("UPDATE samples SET errors = NULL WHERE errors = '[]'")
+        if "summary" not in {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN summary TEXT")
 
     def is_open(self) -> bool:
         try:
@@ -138,16 +193,35 @@ class Ledger:
             return False
 
     # ------------------------------------------------------------------ persistence
-    def _save(self, s: Sample, old: State | None = None) -> None:
+    def _save(self, s: Sample) -> None:
+        """Write a sample through, move it between RAM and SQLite-only, and keep the counts."""
         self._db.execute(
-            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=? "
+            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=? "
             "WHERE job_id=? AND epoch=? AND idx=?",
             (s.state.value, s.attempt, s.notice.model_dump_json() if s.notice else None, s.on_disk_bytes,
-             json.dumps(s.errors), s.key.job, s.key.epoch, s.key.index),
+             json.dumps(s.errors) if s.errors else None, s.qpos, s.key.job, s.key.epoch, s.key.index),
         )  # fmt: skip
-        if old is not None and old != s.state:
-            for fn in self.listeners:
-                fn(s, old)
+        if s.state in IN_FLIGHT:
+            self._live[s.key] = s
+        else:
+            self._live.pop(s.key, None)
+        old = s.saved
+        if old == s.state:
+            return
+        s.saved = s.state
+        self._n_ready += (s.state == State.ready) - (old == State.ready)
+        job = self.jobs.get(s.key.job)
+        if job is not None:
+            if old is not None:
+                job.state_counts[old.value] -= 1
+            job.state_counts[s.state.value] += 1
+        for fn in self.listeners:
+            fn(s.state, old, 1, len(s.token_ids))
+
+    def _load(self, key: P.SampleKey) -> Sample | None:
+        row = self._db.execute(f"SELECT {_COLS} FROM samples WHERE job_id=? AND epoch=? AND idx=?",
+                               (key.job, key.epoch, key.index)).fetchone()  # fmt: skip
+        return None if row is None else _sample(row)
 
     @contextmanager
     def _tx(self):  # noqa: ANN202
@@ -159,6 +233,21 @@ class Ledger:
             self._db.execute("ROLLBACK")
             raise
         self._db.execute("COMMIT")
+
+    def _enqueue(self, s: Sample, *, front: bool = False) -> None:
+        """QUEUED again; the caller saves. At the front for samples that were already under way."""
+        if front:
+            self._qlo -= 1
+            s.qpos = self._qlo
+        else:
+            self._qhi += 1
+            s.qpos = self._qhi
+        s.state = State.queued
+
+    def _add_error(self, s: Sample, reason: str) -> None:
+        if not s.errors and s.key.job in self.jobs:
+            self.jobs[s.key.job].n_errors += 1
+        s.errors.append(reason)
 
     def _reset_prompt(self, s: Sample) -> None:
         """Regenerate mode: a sample going back to QUEUED gets a new reply, so its token ids
@@ -181,56 +270,58 @@ class Ledger:
     def recover(self, file_exists: Callable[[str], bool]) -> dict[str, int]:
         """Reload after a restart. SUBMITTED → QUEUED (the request may be lost; a late notice
         for it is discarded as an old attempt); LEASED → READY if its file is still there,
-        else QUEUED (the trainer may have used it without acking: it is produced again)."""
+        else QUEUED (the trainer may have used it without acking: it is produced again).
+        Only samples that were in flight are read; the rest stay in SQLite."""
         stats = Counter()
         with self._lock:
             for jid, created, finished, tok, nb, meta in self._db.execute(
-                "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs ORDER BY created"
+                "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs "
+                "WHERE summary IS NULL ORDER BY created"
             ):
-                self.jobs[jid] = Job(jid, [], created, finished, tok, nb, json.loads(meta or "{}").get("sampling"))
+                self.jobs[jid] = Job(jid, 0, created, finished, tok, nb, json.loads(meta or "{}").get("sampling"))
+            for jid, st, n in self._db.execute("SELECT job_id, state, count(*) FROM samples GROUP BY job_id, state"):
+                if jid in self.jobs:
+                    self.jobs[jid].state_counts[st] += n
+                    self.jobs[jid].num_samples += n
+            errs = "SELECT job_id, count(*) FROM samples WHERE errors IS NOT NULL GROUP BY job_id"
+            for jid, n in self._db.execute(errs):
+                if jid in self.jobs:
+                    self.jobs[jid].n_errors = n
+            lo, hi = self._db.execute("SELECT min(qpos), max(qpos) FROM samples WHERE state = 'queued'").fetchone()
+            self._qlo, self._qhi = min(lo or 0, self._qlo), max(hi or 0, self._qhi)
             rows = self._db.execute(
-                "SELECT job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, "
-                "on_disk_bytes, errors, prompt_len FROM samples ORDER BY job_id, ord"
+                f"SELECT {_COLS} FROM samples WHERE state IN ('submitted', 'ready', 'leased') ORDER BY job_id, ord"
             ).fetchall()
             with self._tx():
-                for jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen in rows:
-                    s = Sample(P.SampleKey(job=jid, epoch=ep, index=idx), _unpack(ids) or [], _unpack(mask), label, eb,
-                               State(st), att, P.Notice.model_validate_json(notice) if notice else None, odb,
-                               errors=json.loads(errs or "[]"), prompt_len=plen if plen is not None else -1)  # fmt: skip
-                    s.generated = s.prompt_len >= 0 and len(s.token_ids) > s.prompt_len
-                    job = self.jobs[jid]
-                    job.samples.append(s)
-                    job.n_terminal += s.state in TERMINAL
-                    job.by_key[(ep, idx)] = s
+                for s in map(_sample, rows):
                     if s.state == State.submitted:
                         s.attempt += 1  # whatever comes back for the old attempt is discarded
-                        s.state = State.queued
                         s.notice, s.on_disk_bytes = None, 0  # an early (regenerate) file is stray now
                         self._reset_prompt(s)
+                        self._enqueue(s, front=True)
                         stats["resubmitted"] += 1
-                    if s.state in (State.ready, State.leased):
-                        if s.notice and s.notice.file and file_exists(s.notice.file):
-                            s.state = State.ready
-                            self._ready.append(s)
-                            self.reserved_bytes += s.on_disk_bytes
-                            stats["ready"] += 1
-                        else:
-                            s.state, s.notice, s.on_disk_bytes = State.queued, None, 0
-                            s.attempt += 1
-                            self._reset_prompt(s)
-                            stats["regenerate"] += 1
-                    if s.state == State.queued:
-                        self._queue.append(s)
+                    elif s.notice and s.notice.file and file_exists(s.notice.file):
+                        s.state = State.ready
+                        self._ready.setdefault(s.key.job, deque()).append(s)
+                        self.reserved_bytes += s.on_disk_bytes
+                        stats["ready"] += 1
+                    else:
+                        s.notice, s.on_disk_bytes = None, 0
+                        s.attempt += 1
+                        self._reset_prompt(s)
+                        self._enqueue(s, front=True)
+                        stats["regenerate"] += 1
                     self._save(s)
         return dict(stats)
 
     def live_files(self) -> set[str]:
         """Files the ledger still expects in the spool; anything else there is garbage."""
         with self._lock:
-            return {
-                s.notice.file for j in self.jobs.values() for s in j.samples
-                if s.state in (State.ready, State.leased, State.submitted) and s.notice and s.notice.file
-            }  # fmt: skip
+            return {s.notice.file for s in self._live.values() if s.notice and s.notice.file}
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._live)
 
     # ------------------------------------------------------------------ jobs
     def add_job(
@@ -241,33 +332,87 @@ class Ledger:
         regenerated, never stored), so epoch e of sample i has its own key (job, i, e)."""
         job_id = uuid.uuid4().hex[:16]
         with self._lock:
-            job = Job(job_id, [], sampling=sampling)
+            job = Job(job_id, sampling=sampling)
             with self._tx():
                 self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
                                  (job_id, job.created, json.dumps({**(meta or {}), "sampling": sampling})))  # fmt: skip
+                packed = [(_pack(n.token_ids), _pack(n.loss_mask)) for n in samples]
                 order = 0
-                rows = []
                 for ep in range(epochs):
                     idxs = list(range(len(samples)))
                     if epochs > 1 or seed:
                         random.Random(seed * 1_000_003 + ep).shuffle(idxs)
-                    for i in idxs:
-                        n = samples[i]
-                        s = Sample(P.SampleKey(job=job_id, index=i, epoch=ep), n.token_ids, n.loss_mask, n.label,
-                                   n.expected_bytes, prompt_len=len(n.token_ids))  # fmt: skip
-                        job.samples.append(s)
-                        job.by_key[(ep, i)] = s
-                        rows.append((job_id, ep, i, order, _pack(n.token_ids), _pack(n.loss_mask), n.label,
-                                     n.expected_bytes, s.state.value, 0, None, 0, "[]", len(n.token_ids)))  # fmt: skip
-                        order += 1
-                self._db.executemany("INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-            self._queue.extend(job.samples)
+                    self._db.executemany(
+                        "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        ((job_id, ep, i, order + k, *packed[i], samples[i].label, samples[i].expected_bytes,
+                          State.queued.value, 0, None, 0, None, len(samples[i].token_ids), self._qhi + 1 + order + k)
+                         for k, i in enumerate(idxs)),
+                    )  # fmt: skip
+                    order += len(idxs)
+            self._qhi += order
+            job.num_samples = order
+            job.state_counts[State.queued.value] = order
             self.jobs[job_id] = job
+            for fn in self.listeners:
+                fn(State.queued, None, order, 0)
             return job
 
     def get(self, key: P.SampleKey) -> Sample | None:
-        job = self.jobs.get(key.job)
-        return None if job is None else job.by_key.get((key.epoch, key.index))
+        """The sample in flight, or a copy loaded from SQLite (changes to it must be saved)."""
+        if key.job not in self.jobs:
+            return None
+        return self._live.get(key) or self._load(key)
+
+    def job_samples(self, job_id: str) -> list[Sample]:
+        """Every sample of a job in submission order (the live objects where in flight).
+        O(job): for tests and debugging, not for a hot path."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_COLS} FROM samples WHERE job_id=? ORDER BY ord", (job_id,)).fetchall()
+            return [self._live.get(s.key) or s for s in map(_sample, rows)]
+
+    def job_view(self, job_id: str) -> Job | None:
+        """A job's counters: the live ones, or the summary of a compacted job."""
+        with self._lock:
+            if job_id in self.jobs:
+                return self.jobs[job_id]
+            row = self._db.execute("SELECT created, finished, tokens_consumed, bytes_consumed, summary FROM jobs "
+                                   "WHERE job_id=? AND summary IS NOT NULL", (job_id,)).fetchone()  # fmt: skip
+        if row is None:
+            return None
+        created, finished, tok, nb, summary = row
+        sm = json.loads(summary)
+        return Job(job_id, sm["num_samples"], created, finished, tok, nb, state_counts=Counter(sm["counts"]),
+                   n_errors=sm["n_errors"], compacted=True)  # fmt: skip
+
+    def job_ids(self) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT job_id FROM jobs ORDER BY created")]
+
+    def errors_page(self, job_id: str, offset: int, limit: int) -> list[Sample]:
+        """Samples of a job that have errors, in submission order (an indexed read)."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_COLS} FROM samples WHERE job_id=? AND errors IS NOT NULL "
+                                    "ORDER BY ord LIMIT ? OFFSET ?", (job_id, limit, offset)).fetchall()  # fmt: skip
+        return [_sample(r) for r in rows]
+
+    def iter_token_ids(
+        self, job_id: str, epoch: int = 0, chunk: int = 1000
+    ) -> Iterable[tuple[list[int], list[int] | None]]:
+        """(token ids, loss mask) of one epoch of a job, read in chunks: the lock is held per
+        chunk, never for the whole job."""
+        last = -1
+        while True:
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT idx, token_ids, loss_mask FROM samples WHERE job_id=? AND epoch=? AND idx>? "
+                    "ORDER BY idx LIMIT ?",
+                    (job_id, epoch, last, chunk),
+                ).fetchall()
+            if not rows:
+                return
+            for idx, ids, mask in rows:
+                last = idx
+                yield _unpack(ids) or [], _unpack(mask)
 
     def cancel_job(self, job_id: str) -> list[str]:
         """Cancel every unfinished sample; returns spool files to delete. Samples in flight in
@@ -276,10 +421,7 @@ class Ledger:
         with self._lock:
             job = self.jobs[job_id]
             with self._tx():
-                for s in job.samples:
-                    if s.state in TERMINAL:
-                        continue
-                    old = s.state
+                for s in [x for x in self._live.values() if x.key.job == job_id]:
                     if s.state == State.submitted and s.notice is None:
                         self.reserved_bytes -= s.expected_bytes
                     self.reserved_bytes -= s.on_disk_bytes
@@ -288,11 +430,37 @@ class Ledger:
                     s.on_disk_bytes = 0
                     s.lease_owner = None
                     s.state = State.cancelled
-                    job.n_terminal += 1
-                    self._save(s, old)
+                    self._save(s)
+                self._ready.pop(job_id, None)
+                n = self._db.execute("UPDATE samples SET state=? WHERE job_id=? AND state=?",
+                                     (State.cancelled.value, job_id, State.queued.value)).rowcount  # fmt: skip
+                job.state_counts[State.queued.value] -= n
+                job.state_counts[State.cancelled.value] += n
                 job.finished = job.finished or time.time()
                 self._save_job(job)
+            for fn in self.listeners:
+                fn(State.cancelled, State.queued, n, 0)
         return files
+
+    def compact(self, retention_s: float, now: float | None = None, chunk: int = 5000) -> list[str]:
+        """Jobs finished more than ``retention_s`` ago keep a summary (counts, tokens) and lose
+        their sample rows, deleted a chunk at a time so no call waits long for the lock."""
+        now = time.time() if now is None else now
+        with self._lock:
+            old = [j for j in self.jobs.values()
+                   if j.done and j.finished is not None and now - j.finished > retention_s]  # fmt: skip
+            for j in old:
+                summary = {"num_samples": j.num_samples, "counts": j.counts(), "n_errors": j.n_errors}
+                self._db.execute("UPDATE jobs SET summary=? WHERE job_id=?", (json.dumps(summary), j.job_id))
+                del self.jobs[j.job_id]  # from here on, its samples are unknown keys
+        for j in old:
+            while True:
+                with self._lock:
+                    n = self._db.execute("DELETE FROM samples WHERE rowid IN (SELECT rowid FROM samples WHERE job_id=? "
+                                         "LIMIT ?)", (j.job_id, chunk)).rowcount  # fmt: skip
+                if n == 0:
+                    break
+        return [j.job_id for j in old]
 
     # ------------------------------------------------------------------ submission
     def next_to_submit(self, budget: int, max_ready: int | None = None, low_water: float = 0.75) -> Sample | None:
@@ -305,28 +473,26 @@ class Ledger:
         with self._lock:
             if self._throttled:
                 if self.reserved_bytes > low_water * budget or (
-                    max_ready is not None and self.ready_count() > low_water * max_ready
+                    max_ready is not None and self._n_ready > low_water * max_ready
                 ):
                     return None
                 self._throttled = False
-            if max_ready is not None and self.ready_count() >= max_ready:
+            if max_ready is not None and self._n_ready >= max_ready:
                 self._throttled = True
                 return None
-            while self._queue:
-                s = self._queue[0]
-                if s.state != State.queued:
-                    self._queue.popleft()
-                    continue
-                if self.reserved_bytes + s.expected_bytes > budget and self.reserved_bytes > 0:
-                    self._throttled = True
-                    return None
-                self._queue.popleft()
-                s.state = State.submitted
-                s.submitted_at = time.monotonic()
-                self.reserved_bytes += s.expected_bytes
-                self._save(s, State.queued)
-                return s
-            return None
+            head = f"SELECT {_COLS} FROM samples WHERE state = 'queued' ORDER BY qpos LIMIT 1"  # the queue index
+            row = self._db.execute(head).fetchone()
+            if row is None:
+                return None
+            s = _sample(row)
+            if self.reserved_bytes + s.expected_bytes > budget and self.reserved_bytes > 0:
+                self._throttled = True
+                return None
+            s.state = State.submitted
+            s.submitted_at = time.monotonic()
+            self.reserved_bytes += s.expected_bytes
+            self._save(s)
+            return s
 
     def reprice_queued(self, size_of: Callable[[Sample], int]) -> int:
         """New expected bytes for every QUEUED sample (the sample size became known, or a
@@ -355,7 +521,7 @@ class Ledger:
         return len({s.key for s, _ in doomed})
 
     def ready_count(self) -> int:
-        return sum(1 for s in self._ready if s.state == State.ready)
+        return self._n_ready
 
     def requeue(self, key: P.SampleKey, attempt: int, reason: str, *, count_attempt: bool = True) -> None:
         """vLLM refused, errored or timed out: retry with a new attempt, or fail for good.
@@ -363,18 +529,17 @@ class Ledger:
         ``count_attempt=False`` is for vLLM being unreachable: not the sample's fault, so it
         waits without using up its attempts (the submitter bounds the wait by a deadline)."""
         with self._lock:
-            smp = self.get(key)
+            smp = self._live.get(key)
             if smp is None or smp.state != State.submitted or smp.attempt != attempt:
                 return
             self._unreserve_submitted(smp)
             if count_attempt:
-                self._retry(smp, reason, State.submitted)
+                self._retry(smp, reason)
             else:
                 smp.attempt += 1  # a late answer to the old request must not count
                 self._reset_prompt(smp)
-                smp.state = State.queued
-                self._queue.appendleft(smp)
-                self._save(smp, State.submitted)
+                self._enqueue(smp, front=True)
+                self._save(smp)
 
     def _unreserve_submitted(self, smp: Sample) -> None:
         """A SUBMITTED sample leaves that state: release what it holds (its estimate, or, if
@@ -390,28 +555,25 @@ class Ledger:
             s = self.get(key)
             if s is None or s.state in TERMINAL:
                 return
-            old = s.state
-            if old == State.submitted:
+            if s.state == State.submitted:
                 self._unreserve_submitted(s)
-            s.errors.append(reason)
-            self._finish(s, State.failed, old)
+            self._add_error(s, reason)
+            self._finish(s, State.failed)
 
-    def _retry(self, smp: Sample, reason: str, old: State) -> None:
-        smp.errors.append(f"attempt {smp.attempt}: {reason}")
+    def _retry(self, smp: Sample, reason: str) -> None:
+        self._add_error(smp, f"attempt {smp.attempt}: {reason}")
         smp.attempt += 1  # the request generation: late answers to older ones are discarded
         if len(smp.errors) >= self.max_attempts:  # failures, not generations, use up attempts
-            self._finish(smp, State.failed, old)
+            self._finish(smp, State.failed)
         else:
             self._reset_prompt(smp)
-            smp.state = State.queued
-            self._queue.append(smp)
-            self._save(smp, old)
+            self._enqueue(smp)
+            self._save(smp)
 
-    def _finish(self, smp: Sample, state: State, old: State) -> None:
+    def _finish(self, smp: Sample, state: State) -> None:
         smp.state = state
-        self._save(smp, old)
+        self._save(smp)
         job = self.jobs[smp.key.job]
-        job.n_terminal += 1
         if job.finished is None and job.done:
             job.finished = time.time()
         self._save_job(job)
@@ -420,21 +582,27 @@ class Ledger:
         """SUBMITTED samples with no notice for too long (lost request, dead connector)."""
         now = time.monotonic()
         with self._lock:
-            return [s for j in self.jobs.values() for s in j.samples
+            return [s for s in self._live.values()
                     if s.state == State.submitted and now - s.submitted_at > older_than_s]  # fmt: skip
 
     # ------------------------------------------------------------------ notices
     def on_notice(self, n: P.Notice, file_bytes: int) -> str:
         """Apply a connector notice; returns what to do with its file: 'keep' or 'delete'."""
         with self._lock:
-            smp = self.get(n.key) if n.key else None
+            smp = self._live.get(n.key) if n.key else None
             if smp is None or smp.attempt != n.attempt or smp.state != State.submitted:
                 return "delete"  # unknown, cancelled, or a late notice for an older attempt
             if smp.notice is not None:
                 return "keep" if smp.notice.file == n.file else "delete"  # a repeat: changes nothing
             self.reserved_bytes -= smp.expected_bytes
+            if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault
+                smp.attempt += 1
+                self._reset_prompt(smp)
+                self._enqueue(smp)
+                self._save(smp)
+                return "delete"
             if n.status != P.NoticeStatus.ok:
-                self._retry(smp, n.reason or "connector error", State.submitted)
+                self._retry(smp, n.reason or "connector error")
                 return "delete"
             smp.notice = n
             smp.on_disk_bytes = file_bytes
@@ -445,16 +613,19 @@ class Ledger:
             self._make_ready(smp)
             return "keep"
 
-    def _make_ready(self, smp: Sample) -> None:
+    def _make_ready(self, smp: Sample, *, front: bool = False) -> None:
         smp.state = State.ready
-        self._ready.append(smp)
-        self._save(smp, State.submitted)
+        dq = self._ready.setdefault(smp.key.job, deque())
+        if len(dq) > 2 * self._n_ready + 64:  # drop entries that left READY (lost files, acks without lease)
+            dq = self._ready[smp.key.job] = deque(s for s in dq if s.state == State.ready)
+        dq.appendleft(smp) if front else dq.append(smp)
+        self._save(smp)
 
     def set_generated(self, key: P.SampleKey, attempt: int, output_ids: list[int]) -> None:
         """Regenerate mode: vLLM's reply is in. The file holds prompt + reply − 1 positions
         (the last generated token was never fed back); the loss mask covers the reply."""
         with self._lock:
-            smp = self.get(key)
+            smp = self._live.get(key)
             if smp is None or smp.state != State.submitted or smp.attempt != attempt or smp.generated:
                 return
             keep = output_ids[:-1]
@@ -468,18 +639,19 @@ class Ledger:
 
     # ------------------------------------------------------------------ delivery
     def lease_next(self, owner: bytes, jobs: list[str] | None) -> Sample | None:
+        """The oldest READY sample of the first of ``jobs`` (any job if None) that has one."""
         with self._lock:
-            for _ in range(len(self._ready)):
-                s = self._ready.popleft()
-                if s.state != State.ready:
-                    continue
-                if jobs is not None and s.key.job not in jobs:
-                    self._ready.append(s)
-                    continue
-                s.state = State.leased
-                s.lease_owner = owner
-                self._save(s, State.ready)
-                return s
+            for job in list(self._ready) if jobs is None else jobs:
+                dq = self._ready.get(job)
+                while dq:
+                    s = dq.popleft()
+                    if s.state != State.ready:
+                        continue
+                    s.state = State.leased
+                    s.lease_owner = owner
+                    self._save(s)
+                    return s
+                self._ready.pop(job, None)
             return None
 
     def received(self, owner: bytes, key: P.SampleKey) -> int:
@@ -489,7 +661,7 @@ class Ledger:
         is gone all the same: the sample is produced again rather than offered to another
         trainer with no file behind it (its ack, if it comes, still counts once)."""
         with self._lock:
-            s = self.get(key)
+            s = self._live.get(key)
             if s is None or s.on_disk_bytes == 0:
                 return 0
             if s.lease_owner != owner:
@@ -511,8 +683,7 @@ class Ledger:
                 return False
             if s.lease_owner is not None and s.lease_owner != owner:
                 return False
-            old = s.state
-            if old == State.submitted and s.notice is None:
+            if s.state == State.submitted and s.notice is None:
                 self.reserved_bytes -= s.expected_bytes
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes = 0
@@ -520,67 +691,61 @@ class Ledger:
             job = self.jobs[key.job]
             job.tokens_consumed += len(s.token_ids)
             job.bytes_consumed += s.notice.nbytes if s.notice else 0
-            self._finish(s, State.consumed, old)
+            self._finish(s, State.consumed)
             return True
 
     def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:
         """The trainer found the sample invalid: regenerate it. Returns a file to delete."""
         with self._lock:
-            s = self.get(key)
+            s = self._live.get(key)
             if s is None or s.state != State.leased or s.lease_owner != owner:
                 return None
             self.received(owner, key)
             s.lease_owner = None
             f = s.notice.file if s.notice else None
             s.notice = None
-            self._retry(s, f"trainer: {reason}", State.leased)
+            self._retry(s, f"trainer: {reason}")
             return f
 
     def release_owner(self, owner: bytes, file_exists: Callable[[str], bool]) -> int:
         """A trainer went away: its leases go back to READY if the file is there, else QUEUED."""
         n = 0
         with self._lock:
-            for job in self.jobs.values():
-                for s in job.samples:
-                    if s.state == State.leased and s.lease_owner == owner:
-                        n += 1
-                        s.lease_owner = None
-                        if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
-                            s.state = State.ready
-                            self._ready.appendleft(s)
-                        else:
-                            self.reserved_bytes -= s.on_disk_bytes
-                            s.on_disk_bytes = 0
-                            s.notice = None
-                            s.attempt += 1
-                            self._reset_prompt(s)
-                            s.state = State.queued
-                            self._queue.appendleft(s)
-                        self._save(s, State.leased)
+            for s in [x for x in self._live.values() if x.state == State.leased and x.lease_owner == owner]:
+                n += 1
+                s.lease_owner = None
+                if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
+                    self._make_ready(s, front=True)
+                    continue
+                self.reserved_bytes -= s.on_disk_bytes
+                s.on_disk_bytes = 0
+                s.notice = None
+                s.attempt += 1
+                self._reset_prompt(s)
+                self._enqueue(s, front=True)
+                self._save(s)
         return n
 
     def file_lost(self, key: P.SampleKey) -> None:
         """A READY/LEASED sample's file vanished: produce it again (not the sample's fault)."""
         with self._lock:
-            s = self.get(key)
+            s = self._live.get(key)
             if s is None or s.state not in (State.ready, State.leased):
                 return
-            old = s.state
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes, s.notice, s.lease_owner = 0, None, None
             s.attempt += 1
             self._reset_prompt(s)
-            s.state = State.queued
-            self._queue.appendleft(s)
-            self._save(s, old)
+            self._enqueue(s, front=True)
+            self._save(s)
 
     def jobs_done(self, jobs: Iterable[str] | None) -> bool:
         with self._lock:
             jobs = list(jobs) if jobs else None
-            sel = [self.jobs[j] for j in jobs if j in self.jobs] if jobs else list(self.jobs.values())
-            if jobs and len(sel) != len(jobs):
+            sel = [self.job_view(j) for j in jobs] if jobs else list(self.jobs.values())
+            if jobs and not all(sel):
                 return False
-            return bool(sel) and all(j.done for j in sel)
+            return bool(sel) and all(j.done for j in sel)  # type: ignore[union-attr]
 
     def close(self) -> None:
         with self._lock:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from server.ledger import Ledger, Sample, State
+from server.ledger import Ledger, State
 
 
 class SidecarMetrics:
@@ -25,10 +25,10 @@ class SidecarMetrics:
         self.tmpfs_used = Gauge("hsstream_spool_fs_used_bytes", "Used bytes of the spool's filesystem", registry=r)
         ledger.listeners.append(self._on_transition)
 
-    def _on_transition(self, s: Sample, old: State) -> None:
-        self.transitions.labels(s.state.value).inc()
-        if s.state == State.consumed:
-            self.tokens.inc(len(s.token_ids))
+    def _on_transition(self, state: State, old: State | None, n: int, tokens: int) -> None:
+        self.transitions.labels(state.value).inc(n)
+        if state == State.consumed:
+            self.tokens.inc(tokens)
 
     def render(self, spool: Path) -> tuple[bytes, str]:
         counts = {st.value: 0 for st in State}

@@ -7,6 +7,22 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+def _encodable(v: object, where: str = "sample") -> None:
+    """JSON may carry lone surrogates (``"\\ud800"``); no tokenizer, UTF-8 file or SQLite column
+    can hold them, so they are refused here, with the place, instead of failing deep inside."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where}: text is not valid Unicode ({e.reason} at position {e.start})") from None
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            _encodable(x, f"{where}.{k}")
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _encodable(x, f"{where}[{i}]")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
@@ -36,6 +52,7 @@ class SampleIn(BaseModel):
             raise ValueError(
                 f"a sample needs exactly one of prompt, messages, conversations, token_ids (got {given or 'none'})"
             )
+        _encodable(self.model_dump(exclude={"token_ids"}, by_alias=True))
         return self
 
 
@@ -91,6 +108,7 @@ class JobStatus(BaseModel):
     errors: list[SampleError]
     errors_total: int
     errors_offset: int
+    compacted: bool = False  # finished longer than HSSTREAM_JOB_RETENTION_S ago: counts kept, errors and data gone
 
 
 class TokenCounts(BaseModel):

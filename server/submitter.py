@@ -277,7 +277,8 @@ class Submitter:
                 "temperature": 0.0,
                 "kv_transfer_params": P.kv_params_for(P.RequestTag(key=s.key, attempt=attempt)),
             }
-            sampling = self.ledger.jobs[s.key.job].sampling
+            job = self.ledger.jobs.get(s.key.job)
+            sampling = job.sampling if job is not None else None
             if sampling is not None:
                 # regenerate: vLLM writes a reply; states cover prompt + reply - 1 positions
                 body.update({k: v for k, v in sampling.items() if v is not None}, return_token_ids=True)

@@ -50,7 +50,12 @@ class Tokenizer:
         self.max_model_len, self.limit_source = max_model_len, "vLLM's max_model_len"
 
     def __call__(self, s: SampleIn, opt: JobOptions) -> Tokenized:
-        ids, mask = self._encode(s, opt)
+        try:
+            ids, mask = self._encode(s, opt)
+        except SampleRejected:
+            raise
+        except Exception as e:  # noqa: BLE001 - the tokenizer or chat template choked on this input
+            raise SampleRejected(f"the tokenizer failed on this sample: {type(e).__name__}: {e}"[:500]) from e
         if not ids:
             raise SampleRejected("empty sample: no tokens")
         # vLLM needs room for what it generates beyond the prompt (1 token, or the new reply).

@@ -14,11 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 import zmq.auth
@@ -64,6 +65,22 @@ class Sample:
         return self.hidden_states[:, self.layer_ids.index(self.num_hidden_layers)]
 
 
+# Exponent bits per float dtype: a value is inf or NaN exactly when all of them are set.
+_EXPONENT_MASKS = {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
+                   torch.float32: (np.uint32, 0x7F800000), torch.float64: (np.uint64, 0x7FF0000000000000)}  # fmt: skip
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """``torch.isfinite(t).all()`` without torch's thread pool: a parallel op in the training
+    process, on cores vLLM keeps busy, waited for its second thread on every sample and was
+    most of the stream's time (bench/sidecar_overhead.py); numpy on the raw bits is one thread."""
+    if t.dtype not in _EXPONENT_MASKS:
+        return bool(torch.isfinite(t).all())
+    utype, mask = _EXPONENT_MASKS[t.dtype]
+    bits = t.contiguous().view(torch.uint8).numpy().view(utype)
+    return not bool(np.any((bits & utype(mask)) == utype(mask)))
+
+
 def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = None) -> Sample:
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted."""
@@ -95,7 +112,7 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = Non
         raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
     if P.checksum(hs.contiguous().view(torch.uint8).numpy(), ids.numpy()) != n.checksum:
         raise InvalidSample("checksum mismatch")
-    if not torch.isfinite(hs).all():
+    if not all_finite(hs):
         raise InvalidSample("non-finite hidden states")
     if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
         raise InvalidSample("token ids differ from the ones submitted")
@@ -125,11 +142,17 @@ class HiddenStateStream:
         heartbeat_s: float = 2.0,
         curve_server_key: str | bytes | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
+        acked_memory: int = 65536,
     ) -> None:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar that sends the bytes, authenticated with CURVE: ``curve_server_key`` is the
         sidecar's public key (or its ``.key`` file), ``curve_client_cert`` this trainer's
-        ``.key_secret`` file, whose public half must be in the sidecar's clients directory."""
+        ``.key_secret`` file, whose public half must be in the sidecar's clients directory.
+
+        ``acked_memory``: how many of the latest acked keys the stream remembers, so that a
+        sample redelivered before the sidecar saw our ack (ack still queued, lease lapsed, sidecar
+        restarted) is dropped, never yielded twice. Older keys are the ledger's to remember: once
+        the sidecar has the ack the sample is CONSUMED and never delivered again."""
         s = Settings()
         self.endpoint = endpoint or s.delivery_ep()
         self.spool = Path(spool_dir or s.spool_dir)
@@ -143,7 +166,8 @@ class HiddenStateStream:
         self.heartbeat_s = heartbeat_s
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._acked: set[P.SampleKey] = set()
+        self._acked: OrderedDict[P.SampleKey, None] = OrderedDict()  # newest last, at most acked_memory
+        self.acked_memory = max(1, acked_memory)
         self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
         self._used_set: set[P.SampleKey] = set()
         self._last_send = 0.0
@@ -211,7 +235,10 @@ class HiddenStateStream:
         keys = [k for k in keys if k not in self._acked]
         if keys and self._sock is not None:
             self._send(P.Ack(keys=keys))
-            self._acked.update(keys)
+            for k in keys:
+                self._acked[k] = None
+            while len(self._acked) > self.acked_memory:
+                self._acked.popitem(last=False)
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Sample]:
@@ -251,6 +278,7 @@ class HiddenStateStream:
         if key is None:
             return None
         if key in self._acked:  # redelivered after we acked: never yield twice
+            self._acked.move_to_end(key)  # the sidecar has not seen our ack yet: keep it fresh
             self.stats["duplicates"] += 1
             self._drop_copy(d)
             self._send(P.Ack(keys=[key]))

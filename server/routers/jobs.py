@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections import Counter
@@ -45,7 +46,7 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
     created = svc.ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
                                  meta={"options": opt.model_dump(), "rejected": bad})  # fmt: skip
     svc.submitter.wake()
-    return JobCreated(job_id=created.job_id, num_samples=len(created.samples), num_failed_at_submission=len(bad))
+    return JobCreated(job_id=created.job_id, num_samples=created.num_samples, num_failed_at_submission=len(bad))
 
 
 @router.post("", response_model=JobCreated, dependencies=[Depends(expects("application/json"))])
@@ -62,7 +63,11 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
     except ValidationError as e:
         raise HTTPException(422, {"message": "bad options", "errors": json.loads(e.json())}) from e
     samples, bad = [], []
-    for ln, line in enumerate((await file.read()).decode("utf-8-sig", errors="replace").splitlines(), 1):
+    # The form parser spooled the file to disk as it arrived; read it a line at a time, not whole
+    # (utf-8-sig: a leading BOM, as some editors write, is not part of the first line).
+    await file.seek(0)
+    lines = io.TextIOWrapper(file.file, encoding="utf-8-sig", errors="replace", newline=None)
+    for ln, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -80,20 +85,21 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
 
 @router.get("")
 async def list_jobs(svc: ServicesDep) -> list[dict]:
-    return [{"job_id": j.job_id, "done": j.done, "counts": j.counts()} for j in svc.ledger.jobs.values()]
+    led = svc.ledger
+    return [{"job_id": j.job_id, "done": j.done, "counts": j.counts(), "compacted": j.compacted}
+            for j in map(led.job_view, led.job_ids()) if j is not None]  # fmt: skip
 
 
 @router.get("/{job_id}", response_model=JobStatus)
-async def job_status(j: JobDep, errors_offset: int = Query(0, ge=0), errors_limit: int = Query(100, ge=1, le=1000)):  # noqa: ANN201
+async def job_status(j: JobDep, svc: ServicesDep, errors_offset: int = Query(0, ge=0), errors_limit: int = Query(100, ge=1, le=1000)):  # noqa: ANN201
     elapsed = (j.finished or time.time()) - j.created
-    with_err = [x for x in j.samples if x.errors]
-    page = with_err[errors_offset : errors_offset + errors_limit]
+    page = svc.ledger.errors_page(j.job_id, errors_offset, errors_limit)  # an indexed read, not a scan
     return JobStatus(
-        job_id=j.job_id, done=j.done, counts=j.counts(), num_samples=len(j.samples),
+        job_id=j.job_id, done=j.done, counts=j.counts(), num_samples=j.num_samples, compacted=j.compacted,
         tokens_consumed=j.tokens_consumed, bytes_consumed=j.bytes_consumed, elapsed_s=round(elapsed, 3),
         tokens_per_s=round(j.tokens_consumed / elapsed, 1) if elapsed > 0 else 0.0,
         errors=[SampleError(index=x.key.index, label=x.label, errors=x.errors) for x in page],
-        errors_total=len(with_err), errors_offset=errors_offset,
+        errors_total=j.n_errors, errors_offset=errors_offset,
     )  # fmt: skip
 
 
@@ -101,17 +107,19 @@ async def job_status(j: JobDep, errors_offset: int = Query(0, ge=0), errors_limi
 async def token_counts(j: JobDep, svc: ServicesDep) -> TokenCounts:
     c: Counter[int] = Counter()
     total = 0
-    for x in j.samples:
-        if x.key.epoch != 0:
-            continue
-        mask = x.loss_mask or [1] * len(x.token_ids)
-        c.update(t for t, m in zip(x.token_ids, mask, strict=False) if m)
-        total += len(x.token_ids)
+    if j.compacted:
+        raise HTTPException(410, f"job {j.job_id!r} was compacted after HSSTREAM_JOB_RETENTION_S: its data is gone")
+    for ids, mask in svc.ledger.iter_token_ids(j.job_id, epoch=0):
+        mask = mask or [1] * len(ids)
+        c.update(t for t, m in zip(ids, mask, strict=False) if m)
+        total += len(ids)
     return TokenCounts(job_id=j.job_id, vocab_size=svc.tokenizer.vocab_size, total_tokens=total, counts=dict(c))
 
 
 @router.delete("/{job_id}")
 async def cancel_job(j: JobDep, svc: ServicesDep) -> dict:
+    if j.compacted:
+        raise HTTPException(409, f"job {j.job_id!r} finished and was compacted: nothing to cancel")
     files = svc.ledger.cancel_job(j.job_id)
     aborted = await svc.submitter.cancel_job(j.job_id)
     removed = svc.keeper.remove(files)

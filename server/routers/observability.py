@@ -33,5 +33,6 @@ async def stats(svc: ServicesDep) -> dict:
         "notices": svc.notices.stats,
         "delivery": svc.delivery.stats,
         "submitter": sub.stats,
-        "states": dict(Counter(x.state.value for j in ledger.jobs.values() for x in j.samples)),
+        "states": dict(sum((Counter(j.counts()) for j in list(ledger.jobs.values())), Counter())),
+        "in_flight": ledger.in_flight(),
     }

@@ -34,7 +34,8 @@ def start_sidecar(model: str):
         "HSSTREAM_MODEL": model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
         "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
         "HSSTREAM_VLLM_DOWN_DEADLINE_S": "3", "HSSTREAM_API_TOKEN": TOKEN,
-        "HSSTREAM_MAX_BODY_BYTES": "200000", "HSSTREAM_SPOOL_BUDGET_BYTES": "2000000",
+        "HSSTREAM_MAX_BODY_BYTES": "200000", "HSSTREAM_MAX_JSON_BYTES": "200000",
+        "HSSTREAM_SPOOL_BUDGET_BYTES": "2000000",
     })  # fmt: skip
     child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
     url = f"http://127.0.0.1:{port}"

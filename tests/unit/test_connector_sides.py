@@ -282,3 +282,60 @@ def test_writer_rank_writes_reports_and_survives_a_bad_request(spool):
     assert torch.equal(got, torch.cat([phys[3], phys[1]])[:6])
     assert w.step([], set()) is None
     writer.close()
+
+
+def test_writer_rank_refuses_busy_before_copying_when_writers_are_behind(spool, tmp_path):
+    """Over the pending-bytes bound, a request gets a "busy" notice at once (no copy, nothing
+    written, its blocks reported free) and the step does not wait for the writers."""
+    import threading
+    import time
+
+    import zmq
+
+    from connector.worker_side import WorkerSide
+
+    K, H, bs = 2, 8, 4
+    phys = torch.zeros(6, bs, K, H, dtype=torch.bfloat16)
+    ep = f"ipc://{tmp_path}/n.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(ep)
+    row = K * H * 2
+    writer = SpoolWriter(spool, ep, ShapeInfo([1, 2], 4, H, "bfloat16", "m"), num_threads=1,
+                         max_pending_bytes=5 * row)  # fmt: skip
+    gate = threading.Event()
+    writer._pool.submit(gate.wait)  # the only writer thread is stuck
+    g = HiddenStateGatherer(phys, bs, K, None, writer)
+    copied = []
+    real_submit = g.submit
+    g.submit = lambda p: (copied.append(p.request_id), real_submit(p))
+    try:
+        w = WorkerSide(g, writer)
+        first = PendingSave("a", "a.safetensors", list(range(4)), [0], P.RequestTag(key=P.SampleKey(job="j", index=0)))
+        second = PendingSave("b", "b.safetensors", list(range(4)), [1], P.RequestTag(key=P.SampleKey(job="j", index=1)))
+        t0 = time.monotonic()
+        done = w.step([first, second], {"a", "b"})
+        assert time.monotonic() - t0 < 0.5 and done == {"a", "b"}  # both blocks free, no wait
+        assert copied == ["a"]  # b was refused before its rows were copied
+        assert pull.poll(5000)
+        n = P.Notice.decode(pull.recv())
+        assert n.status == P.NoticeStatus.busy and n.key.index == 1 and "MAX_PENDING_WRITE_BYTES" in n.reason
+        assert writer.stats["busy"] == 1
+        gate.set()
+        assert writer.flush(5) and sorted(os.listdir(spool)) == ["a.safetensors"]
+    finally:
+        gate.set()  # never leave the writer thread blocked (the interpreter would wait for it)
+    writer.close()
+    pull.close(linger=0)
+
+
+def test_notices_without_a_sidecar_are_bounded_and_never_block(spool, tmp_path):
+    import time
+
+    writer = SpoolWriter(spool, f"ipc://{tmp_path}/nobody.sock", ShapeInfo([1], 4, 8, "bfloat16", "m"),
+                         num_threads=1, max_queued_notices=10)  # fmt: skip
+    t0 = time.monotonic()
+    for i in range(2000):
+        writer.submit_error(f"r{i}", None, "x")
+    assert time.monotonic() - t0 < 2.0
+    assert writer._notices.qsize() <= 10 and writer.stats["notices_dropped"] >= 2000 - 10 - 10 - 1
+    writer.close()

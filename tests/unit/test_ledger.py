@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from connector import protocol as P
 from server.ledger import Ledger, NewSample, State
 
@@ -42,12 +44,13 @@ def test_ready_limit_pauses_submission():
 def test_epochs_get_their_own_keys_in_a_seeded_shuffle():
     led = Ledger()
     j = led.add_job(new(5), epochs=3, seed=7)
-    keys = [(s.key.epoch, s.key.index) for s in j.samples]
+    keys = [(s.key.epoch, s.key.index) for s in led.job_samples(j.job_id)]
     assert sorted(keys) == [(e, i) for e in range(3) for i in range(5)]
     orders = [[i for e, i in keys if e == ep] for ep in range(3)]
     assert len({tuple(o) for o in orders}) > 1  # reshuffled per epoch
-    j2 = Ledger().add_job(new(5), epochs=3, seed=7)
-    assert [(s.key.epoch, s.key.index) for s in j2.samples] == keys  # deterministic
+    led2 = Ledger()
+    j2 = led2.add_job(new(5), epochs=3, seed=7)
+    assert [(s.key.epoch, s.key.index) for s in led2.job_samples(j2.job_id)] == keys  # deterministic
 
 
 def test_recovery_after_crash(tmp_path):
@@ -69,7 +72,7 @@ def test_recovery_after_crash(tmp_path):
     present = {"one.safetensors", "four.safetensors"}
     stats = led2.recover(lambda f: f in present)
     j2 = led2.jobs[jid]
-    st = {x.key.index: x for x in j2.samples}
+    st = {x.key.index: x for x in led2.job_samples(jid)}
     assert st[0].state == State.queued and st[0].attempt == 1  # was SUBMITTED
     assert st[1].state == State.ready  # leased, file there
     assert st[2].state == State.queued and st[2].attempt == 1  # leased, file gone: produce again
@@ -92,7 +95,7 @@ def test_ack_after_restart_from_a_trainer_that_used_it_counts_once(tmp_path):
     led.lease_next(b"old-identity", None)
     led2 = Ledger(tmp_path / "l.sqlite")
     led2.recover(lambda f: True)
-    key = led2.jobs[j.job_id].samples[0].key
+    key = led2.job_samples(j.job_id)[0].key
     assert led2.ack(b"new-identity", key)  # nobody holds it: the trainer did use it
     assert not led2.ack(b"new-identity", key)
     assert led2.jobs[j.job_id].counts()["consumed"] == 1
@@ -127,12 +130,12 @@ def test_vllm_down_does_not_spend_attempts():
     for _ in range(5):
         s = led.next_to_submit(10**9)
         led.requeue(s.key, s.attempt, "connection refused", count_attempt=False)
-    assert j.samples[0].state == State.queued and not j.samples[0].errors
+    assert led.job_samples(j.job_id)[0].state == State.queued and not led.job_samples(j.job_id)[0].errors
     s = led.next_to_submit(10**9)
     led.requeue(s.key, s.attempt, "500")
     s = led.next_to_submit(10**9)
     led.requeue(s.key, s.attempt, "500")
-    assert j.samples[0].state == State.failed and len(j.samples[0].errors) == 2
+    assert led.job_samples(j.job_id)[0].state == State.failed and len(led.job_samples(j.job_id)[0].errors) == 2
 
 
 def test_watermarks_resume_only_after_draining_to_low():
@@ -179,7 +182,7 @@ def test_regenerate_retry_starts_again_from_the_prompt(tmp_path):
     assert s.state == State.ready
     led2 = Ledger(tmp_path / "l.sqlite")
     led2.recover(lambda f: False)  # its file is gone
-    s2 = led2.jobs[j.job_id].samples[0]
+    s2 = led2.job_samples(j.job_id)[0]
     assert s2.state == State.queued and s2.token_ids == [1, 2, 3] and s2.notice is None and led2.reserved_bytes == 0
 
 
@@ -192,3 +195,79 @@ def test_received_from_a_trainer_without_the_lease_regenerates():
     led.release_owner(b"a", lambda f: True)  # a's lease lapsed: READY again
     assert led.received(b"a", s.key) == 0  # a's late RECEIVED: a took the file with it
     assert s.state == State.queued and led.reserved_bytes == 0  # produced again, never offered fileless
+
+
+def test_sample_payloads_live_in_sqlite_not_in_ram(tmp_path):
+    """Queued and finished samples are rows, not objects: RAM is O(in flight). 20,000 queued
+    samples of 256 tokens held as Python lists would take ~200 MB."""
+    import gc
+    import tracemalloc
+
+    led = Ledger(tmp_path / "l.sqlite")
+    gc.collect()
+    tracemalloc.start()  # before the rows exist: whatever keeps them alive is counted
+    rows = [NewSample(list(range(i, i + 256)), [1] * 256, None, 100) for i in range(20_000)]
+    j = led.add_job(rows)
+    del rows
+    gc.collect()
+    kept, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert kept < 4 * 2**20, f"{kept / 2**20:.1f} MiB kept in RAM for 20,000 queued samples"
+    subs = [led.next_to_submit(10**12) for _ in range(10)]
+    assert led.in_flight() == 10 and len(led.stale_submissions(-1)) == 10
+    for s in subs:
+        led.on_notice(ok_notice(s, f"{s.key.index}.safetensors"), 100)
+        led.lease_next(b"t", None)
+        assert led.ack(b"t", s.key)
+    assert led.in_flight() == 0  # consumed samples leave RAM
+    assert j.counts()["consumed"] == 10 and j.counts()["queued"] == 19_990
+    assert led.job_samples(j.job_id)[0].token_ids == list(range(256))  # still in SQLite
+
+
+def test_errors_are_paged_from_sqlite_and_counted_per_job():
+    led = Ledger(max_attempts=5)
+    j = led.add_job(new(6))
+    for _ in range(6):
+        s = led.next_to_submit(10**9)
+        if s.key.index % 2:
+            led.requeue(s.key, s.attempt, f"boom {s.key.index}")
+    assert j.n_errors == 3
+    page = led.errors_page(j.job_id, 1, 10)
+    assert [x.key.index for x in page] == [3, 5] and page[0].errors == ["attempt 0: boom 3"]
+
+
+def test_finished_jobs_are_compacted_after_the_retention(tmp_path):
+    db = tmp_path / "l.sqlite"
+    led = Ledger(db)
+    done, live = led.add_job(new(2)), led.add_job(new(1))
+    for _ in range(2):
+        s = led.next_to_submit(10**9)
+        led.on_notice(ok_notice(s, f"{s.key.index}.safetensors"), 100)
+        led.lease_next(b"t", None)
+        led.ack(b"t", s.key)
+    assert done.done and not live.done
+    assert led.compact(3600) == []  # within the retention: kept
+    assert led.compact(3600, now=time.time() + 7200) == [done.job_id]
+    assert led.job_samples(done.job_id) == [] and done.job_id not in led.jobs
+    v = led.job_view(done.job_id)
+    assert v.compacted and v.done and v.counts()["consumed"] == 2 and v.tokens_consumed == 20
+    assert not led.ack(b"t", P.SampleKey(job=done.job_id, index=0))  # a late ack changes nothing
+    assert led.jobs_done([done.job_id]) and not led.jobs_done([live.job_id])
+    assert led.job_view(live.job_id) is live  # unfinished jobs are never compacted
+    led2 = Ledger(db)  # after a restart the summary is what remains
+    led2.recover(lambda f: False)
+    assert done.job_id not in led2.jobs and led2.job_view(done.job_id).counts()["consumed"] == 2
+    assert led2.jobs[live.job_id].counts()["queued"] == 1
+
+
+def test_busy_notice_resubmits_without_spending_an_attempt():
+    """The connector had no room to write (HSSTREAM_MAX_PENDING_WRITE_BYTES): not the sample's
+    fault, so it is queued again with a new attempt number and no error counted."""
+    led = Ledger(max_attempts=1)
+    j = led.add_job(new(1, nbytes=100))
+    s = led.next_to_submit(10**9)
+    busy = P.Notice(status=P.NoticeStatus.busy, reason="connector busy", request_id="r", key=s.key, attempt=s.attempt)
+    assert led.on_notice(busy, 0) == "delete"
+    again = led.next_to_submit(10**9)
+    assert again.key == s.key and again.attempt == 1 and not again.errors and led.reserved_bytes == 100
+    assert j.counts()["failed"] == 0 and j.n_errors == 0

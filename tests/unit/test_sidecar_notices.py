@@ -31,18 +31,18 @@ def notice(key, file, **kw):
 @pytest.mark.parametrize("name", ["../precious.safetensors", "/etc/passwd", "sub/x.safetensors", "..safetensors"])
 def test_notice_outside_spool_is_refused_and_nothing_touched(setup, name):
     spool, outside, ledger, job, rx = setup
-    rx.handle(notice(job.samples[0].key, name))
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, name))
     assert rx.stats["refused"] == 1
     assert outside.read_bytes() == b"not yours"
     # the sample is not READY on a refused file: it goes back to be produced again
-    assert job.samples[0].state == State.queued
-    assert "refusing" in job.samples[0].errors[0]
+    assert ledger.job_samples(job.job_id)[0].state == State.queued
+    assert "refusing" in ledger.job_samples(job.job_id)[0].errors[0]
 
 
 def test_symlink_in_spool_is_refused(setup):
     spool, outside, ledger, job, rx = setup
     os.symlink(outside, spool / "link.safetensors")
-    rx.handle(notice(job.samples[0].key, "link.safetensors"))
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "link.safetensors"))
     assert rx.stats["refused"] == 1
     assert outside.read_bytes() == b"not yours"
     assert (spool / "link.safetensors").is_symlink()  # not ours to delete either
@@ -51,45 +51,45 @@ def test_symlink_in_spool_is_refused(setup):
 def test_good_notice_makes_sample_ready_and_reserves_real_bytes(setup):
     spool, _, ledger, job, rx = setup
     (spool / "f.safetensors").write_bytes(b"x" * 100)
-    rx.handle(notice(job.samples[0].key, "f.safetensors"))
-    assert job.samples[0].state == State.ready
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "f.safetensors"))
+    assert ledger.job_samples(job.job_id)[0].state == State.ready
     assert ledger.reserved_bytes == 100  # expected bytes released, file bytes held
 
 
 def test_late_notice_for_old_attempt_is_deleted_not_delivered(setup):
     spool, _, ledger, job, rx = setup
-    key = job.samples[0].key
+    key = ledger.job_samples(job.job_id)[0].key
     ledger.requeue(key, 0, "vLLM said 500")  # attempt 0 failed, requeued as attempt 1
     (spool / "old.safetensors").write_bytes(b"x")
     rx.handle(notice(key, "old.safetensors", attempt=0))
     assert not (spool / "old.safetensors").exists()
-    assert job.samples[0].state == State.queued and job.samples[0].attempt == 1
+    assert ledger.job_samples(job.job_id)[0].state == State.queued and ledger.job_samples(job.job_id)[0].attempt == 1
 
 
 def test_error_notice_retries_then_fails(setup):
     spool, _, ledger, job, rx = setup
-    key = job.samples[0].key
+    key = ledger.job_samples(job.job_id)[0].key
     err = P.Notice(status=P.NoticeStatus.error, reason="aborted", request_id="r", key=key).encode()
     rx.handle(err)
-    assert job.samples[0].state == State.queued and job.samples[0].attempt == 1
-    assert ledger.next_to_submit(10**9) is job.samples[0]
+    assert ledger.job_samples(job.job_id)[0].state == State.queued and ledger.job_samples(job.job_id)[0].attempt == 1
+    assert ledger.next_to_submit(10**9).key == key
     rx.handle(P.Notice(status=P.NoticeStatus.error, reason="aborted", request_id="r", key=key, attempt=1).encode())
-    assert job.samples[0].state == State.failed and job.done
+    assert ledger.job_samples(job.job_id)[0].state == State.failed and job.done
 
 
 @pytest.mark.parametrize("raw", [b"not json", b'{"v": 99, "status": "ok", "request_id": "r"}', b"[]"])
 def test_malformed_notice_is_refused(setup, raw):
-    *_, job, rx = setup
+    _, _, ledger, job, rx = setup
     rx.handle(raw)
-    assert rx.stats["refused"] == 1 and job.samples[0].state == State.submitted
+    assert rx.stats["refused"] == 1 and ledger.job_samples(job.job_id)[0].state == State.submitted
 
 
 def test_ack_is_exactly_once(setup):
     spool, _, ledger, job, rx = setup
     (spool / "f.safetensors").write_bytes(b"x" * 10)
-    rx.handle(notice(job.samples[0].key, "f.safetensors"))
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "f.safetensors"))
     s = ledger.lease_next(b"t1", None)
-    assert s is job.samples[0]
+    assert s is ledger.job_samples(job.job_id)[0]  # the live object
     assert not ledger.ack(b"t2", s.key)  # another trainer's ack does nothing
     assert ledger.ack(b"t1", s.key)
     assert not ledger.ack(b"t1", s.key)  # a repeat changes nothing

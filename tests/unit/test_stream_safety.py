@@ -97,3 +97,45 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
     assert s.stats["duplicates"] == 1
     assert not (spool / "a.safetensors").exists() and not (spool / "b.safetensors").exists()
     s.close()
+
+
+def test_acked_keys_are_remembered_within_a_bound_and_never_yielded_again(tmp_path, router):
+    """The acked-key memory is bounded (a long run acks millions); a sample redelivered
+    before the sidecar saw our ack is dropped, and a redelivery keeps its key fresh."""
+    sock, ep = router
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    s = HiddenStateStream(ep, spool_dir=spool, ack="manual", timeout_s=5, acked_memory=100)
+    s._connect()
+    keys = [P.SampleKey(job="j", index=i) for i in range(1000)]
+    s._used = list(keys)
+    s.ack_all_used()
+    assert len(s._acked) == 100  # bounded: the oldest 900 are the ledger's to remember
+    recent = keys[-1]
+    got = s._take(_real_sample(spool, "r.safetensors", recent))
+    assert got is None and s.stats["duplicates"] == 1  # acked: never yielded twice
+    assert not (spool / "r.safetensors").exists()  # its copy is freed all the same
+    first_kept = keys[900]
+    s._used = [P.SampleKey(job="j", index=i) for i in range(1000, 1099)]  # 99 newer acks
+    s._take(_real_sample(spool, "k.safetensors", first_kept))  # redelivered: refreshed
+    s.ack_all_used()
+    assert first_kept in s._acked and keys[901] not in s._acked
+    s.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_all_finite_matches_torch_on_the_raw_bits(dtype):
+    """The stream's finite check reads exponent bits with numpy (no torch thread pool): it must
+    agree with torch.isfinite on every kind of value, the largest finite one included."""
+    import torch
+
+    from trainer_client.stream import all_finite
+
+    dt = getattr(torch, dtype)
+    x = torch.randn(64, 4, 32).to(dt)
+    x[0, 0, 0], x[1, 1, 1] = torch.finfo(dt).max, -torch.finfo(dt).tiny
+    assert all_finite(x)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        y = x.clone()
+        y[63, 3, 31] = bad
+        assert not all_finite(y) and not bool(torch.isfinite(y).all())

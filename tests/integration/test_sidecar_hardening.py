@@ -1,0 +1,146 @@
+"""The sidecar under hostile or careless clients, on a real uvicorn process with its default
+limits (no vLLM behind it: every check here needs none): bodies without a Content-Length,
+and a few thousand generated requests across every route."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from hsstream import launch
+from hsstream.demo import free_port
+
+TOKEN = "fuzz-token"
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_model):
+    run = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
+    spool = Path(tempfile.mkdtemp(prefix="hsstream-hard-", dir="/dev/shm"))
+    port = free_port()
+    env = launch.child_env({
+        "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run), "HSSTREAM_PORT": str(port),
+        "HSSTREAM_MODEL": tiny_model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
+        "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        "HSSTREAM_VLLM_DOWN_DEADLINE_S": "2", "HSSTREAM_API_TOKEN": TOKEN,
+    })  # fmt: skip
+    child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        launch.wait_http(f"{url}/healthz", child, 60)
+        yield url, port, psutil.Process(child.proc.pid), run / "sidecar.log"
+    finally:
+        child.stop()
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def _rss(proc: psutil.Process) -> int:
+    """The sidecar's resident memory, its children (none expected) included."""
+    return proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+
+
+def _send_chunked(port: int, path: str, content_type: str, first: bytes, total: int, chunk: int = 1 << 20) -> bytes:
+    """POST ``total`` bytes with Transfer-Encoding: chunked (no Content-Length), raw, so that an
+    early answer from the server is read even if it stops reading what we send."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    s.sendall(head.encode() + f"{len(first):x}\r\n".encode() + first + b"\r\n")
+    piece = f"{chunk:x}\r\n".encode() + b"[" * chunk + b"\r\n"
+    sent = 0
+    try:
+        while sent < total:
+            s.sendall(piece)
+            sent += chunk
+        s.sendall(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed: read its answer
+    s.settimeout(60)
+    reply = b""
+    try:
+        while chunk_in := s.recv(65536):
+            reply += chunk_in
+            head_end = reply.find(b"\r\n\r\n")
+            if head_end > 0:
+                length = next((int(x.split(b":")[1]) for x in reply[:head_end].lower().split(b"\r\n")
+                               if x.startswith(b"content-length:")), 0)  # fmt: skip
+                if len(reply) >= head_end + 4 + length:
+                    break
+    except (ConnectionResetError, TimeoutError):
+        pass
+    s.close()
+    return reply
+
+
+_PART = (b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+         b"Content-Type: application/octet-stream\r\n\r\n")
+
+
+@pytest.mark.parametrize(
+    ("path", "ctype", "first"),
+    [("/v1/jobs", "application/json", b'{"samples": '),
+     ("/v1/jobs/upload", "multipart/form-data; boundary=xyz", _PART)],  # a well-formed upload, only too long
+)  # fmt: skip
+def test_chunked_300_mib_body_is_refused_without_being_read_whole(sidecar, path, ctype, first):
+    url, port, proc, _ = sidecar
+    before = _rss(proc)
+    reply = _send_chunked(port, path, ctype, first, 300 * 2**20)
+    grew = _rss(proc) - before
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
+    assert b"exceeds the limit" in reply
+    assert grew < 50 * 2**20, f"sidecar RSS grew by {grew / 2**20:.0f} MiB for a refused body"
+    assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+def test_generated_requests_across_every_route(sidecar):
+    """schemathesis draws requests from the sidecar's own OpenAPI schema (valid and invalid
+    bodies, paths and query values) for every route: no 500 (an unhandled error; /readyz's
+    documented 503 is fine), the server stays up, and its memory does not creep."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    url, _, proc, log = sidecar
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json", headers=auth).json())
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert len(ops) >= 8, [o.label for o in ops]
+    n_requests, seen, failures, rss_at_200 = 2000, set(), [], []
+    session = __import__("requests").Session()
+    count = 0
+
+    @settings(max_examples=n_requests, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(st.one_of(*(op.as_strategy() for op in ops)))
+    def one(case):  # noqa: ANN001
+        nonlocal count
+        r = case.call(base_url=url, session=session, headers=auth, timeout=30)
+        count += 1
+        seen.add(case.operation.label)
+        ok = r.status_code < 500 or (case.operation.path == "/readyz" and r.status_code == 503)
+        if not ok:
+            failures.append((case.operation.label, r.status_code, r.text[:300], repr(case)[:1500]))
+        if count == 200:
+            rss_at_200.append(_rss(proc))
+
+    t0 = time.monotonic()
+    one()
+    took = time.monotonic() - t0
+    assert count >= n_requests, count
+    assert not failures, (failures[:5], log.read_text()[-3000:])
+    assert seen == {o.label for o in ops}, f"never called: {({o.label for o in ops}) - seen}"
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    grew = _rss(proc) - rss_at_200[0]
+    print(f"{count} requests over {len(seen)} routes in {took:.0f} s; RSS {rss_at_200[0] / 2**20:.0f} MiB after "
+          f"200, {grew / 2**20:+.1f} MiB after {count}")
+    assert grew < 20 * 2**20, f"RSS grew {grew / 2**20:.1f} MiB after the first 200 requests"
+    assert "Traceback" not in log.read_text(), "the sidecar logged an unhandled error"
