@@ -73,6 +73,8 @@ class NoticeReceiver(SocketThread):
         path = None
         if n.file is not None:
             try:
+                if not P.is_own_name(n.file) or P.is_tmp_name(n.file):
+                    raise P.UnsafePathError(f"refusing {n.file!r}: not a name the connector writes ({P.FILE_PREFIX}…)")
                 path = P.resolve_in_spool(self.spool, n.file)
             except P.UnsafePathError as e:
                 self.stats["refused"] += 1
@@ -90,7 +92,4 @@ class NoticeReceiver(SocketThread):
             n, path, size = n.model_copy(update={"status": P.NoticeStatus.error, "reason": "file vanished"}), None, 0
         if self.ledger.on_notice(n, size) == "delete" and path is not None:
             self.stats["deleted"] += 1
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            P.remove_from_spool(self.spool, n.file)

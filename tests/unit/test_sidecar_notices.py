@@ -41,17 +41,17 @@ def test_notice_outside_spool_is_refused_and_nothing_touched(setup, name):
 
 def test_symlink_in_spool_is_refused(setup):
     spool, outside, ledger, job, rx = setup
-    os.symlink(outside, spool / "link.safetensors")
-    rx.handle(notice(job.samples[0].key, "link.safetensors"))
+    os.symlink(outside, spool / "hs-link.safetensors")
+    rx.handle(notice(job.samples[0].key, "hs-link.safetensors"))
     assert rx.stats["refused"] == 1
     assert outside.read_bytes() == b"not yours"
-    assert (spool / "link.safetensors").is_symlink()  # not ours to delete either
+    assert (spool / "hs-link.safetensors").is_symlink()  # not ours to delete either
 
 
 def test_good_notice_makes_sample_ready_and_reserves_real_bytes(setup):
     spool, _, ledger, job, rx = setup
-    (spool / "f.safetensors").write_bytes(b"x" * 100)
-    rx.handle(notice(job.samples[0].key, "f.safetensors"))
+    (spool / "hs-f.safetensors").write_bytes(b"x" * 100)
+    rx.handle(notice(job.samples[0].key, "hs-f.safetensors"))
     assert job.samples[0].state == State.ready
     assert ledger.reserved_bytes == 100  # expected bytes released, file bytes held
 
@@ -60,9 +60,9 @@ def test_late_notice_for_old_attempt_is_deleted_not_delivered(setup):
     spool, _, ledger, job, rx = setup
     key = job.samples[0].key
     ledger.requeue(key, 0, "vLLM said 500")  # attempt 0 failed, requeued as attempt 1
-    (spool / "old.safetensors").write_bytes(b"x")
-    rx.handle(notice(key, "old.safetensors", attempt=0))
-    assert not (spool / "old.safetensors").exists()
+    (spool / "hs-old.safetensors").write_bytes(b"x")
+    rx.handle(notice(key, "hs-old.safetensors", attempt=0))
+    assert not (spool / "hs-old.safetensors").exists()
     assert job.samples[0].state == State.queued and job.samples[0].attempt == 1
 
 
@@ -86,8 +86,8 @@ def test_malformed_notice_is_refused(setup, raw):
 
 def test_ack_is_exactly_once(setup):
     spool, _, ledger, job, rx = setup
-    (spool / "f.safetensors").write_bytes(b"x" * 10)
-    rx.handle(notice(job.samples[0].key, "f.safetensors"))
+    (spool / "hs-f.safetensors").write_bytes(b"x" * 10)
+    rx.handle(notice(job.samples[0].key, "hs-f.safetensors"))
     s = ledger.lease_next(b"t1", None)
     assert s is job.samples[0]
     assert not ledger.ack(b"t2", s.key)  # another trainer's ack does nothing

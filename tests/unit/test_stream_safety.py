@@ -34,16 +34,16 @@ def test_path_outside_spool_refused_nothing_touched(tmp_path, router, how):
     spool.mkdir()
     outside = tmp_path / "victim.safetensors"
     outside.write_bytes(b"keep me")
-    name = {"dotdot": "../victim.safetensors", "absolute": str(outside), "symlink": "link.safetensors"}[how]
+    name = {"dotdot": "../victim.safetensors", "absolute": str(outside), "symlink": "hs-link.safetensors"}[how]
     if how == "symlink":
-        os.symlink(outside, spool / "link.safetensors")
+        os.symlink(outside, spool / "hs-link.safetensors")
     s = HiddenStateStream(ep, spool_dir=spool, timeout_s=5)
     s._connect()
     assert s._take(deliver(name)) is None
     assert s.stats["invalid"] == 1
     assert outside.read_bytes() == b"keep me"
     if how == "symlink":
-        assert (spool / "link.safetensors").is_symlink()
+        assert (spool / "hs-link.safetensors").is_symlink()
     msgs = []
     while sock.poll(500):
         msgs.append(P.decode_msg(sock.recv_multipart()[1:]))
@@ -73,7 +73,7 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
     key = P.SampleKey(job="j", index=0)
     s = HiddenStateStream(ep, spool_dir=spool, ack="manual", timeout_s=5)
     it = iter(s)
-    first = _real_sample(spool, "a.safetensors", key)
+    first = _real_sample(spool, "hs-a.safetensors", key)
     ident = None
 
     def send(msg):
@@ -86,7 +86,7 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
         assert sock.poll(5000)
         ident = sock.recv_multipart()[0]
         send(first)
-        send(_real_sample(spool, "b.safetensors", key))  # the same key, produced again
+        send(_real_sample(spool, "hs-b.safetensors", key))  # the same key, produced again
         send(P.End())
 
     t = threading.Thread(target=sidecar)
@@ -95,5 +95,5 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
     t.join()
     assert [g.key for g in got] == [key]
     assert s.stats["duplicates"] == 1
-    assert not (spool / "a.safetensors").exists() and not (spool / "b.safetensors").exists()
+    assert not (spool / "hs-a.safetensors").exists() and not (spool / "hs-b.safetensors").exists()
     s.close()
