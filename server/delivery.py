@@ -72,7 +72,7 @@ class DeliveryService(SocketThread):
         self.peer_timeout_s = peer_timeout_s
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
-                      "trainer_failed": 0, "peers_lost": 0}  # fmt: skip
+                      "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
 
     def _file_exists(self, name: str) -> bool:
@@ -156,11 +156,17 @@ class DeliveryService(SocketThread):
                 if self.ledger.received(owner, k) and peer.remote:
                     P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
-            for k in msg.keys:
-                if self.ledger.ack(owner, k):
-                    self.stats["acked"] += 1
-                else:
-                    self.stats["duplicate_acks"] += 1
+            try:
+                acked, dup = self.ledger.ack_many(owner, msg.keys)
+            except Exception:  # noqa: BLE001 - none of the list applied: do not leave it leased
+                # Its leases go back (as for a lost trainer); a redelivered sample it already
+                # acked is acked again by the stream on sight, so the ack is not lost.
+                log.exception("ACK of %d key(s) from trainer %s failed: returning its leases", len(msg.keys), owner.hex())
+                self.stats["ack_errors"] += 1
+                self.ledger.release_owner(owner, self._file_exists)
+                return
+            self.stats["acked"] += acked
+            self.stats["duplicate_acks"] += dup
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
             P.remove_from_spool(self.spool, self.ledger.trainer_failed(owner, msg.key, msg.reason))

@@ -390,8 +390,18 @@ class Ledger:
             job.finished = time.time()
         self._save_job(job)
 
+    def responded(self, key: P.SampleKey, attempt: int) -> None:
+        """vLLM answered the request: the notice is due from now on. The notice timeout counts
+        from here, not from submission, so a request slower than the timeout does not race
+        its own notice."""
+        with self._lock:
+            smp = self.get(key)
+            if smp is not None and smp.state == State.submitted and smp.attempt == attempt:
+                smp.submitted_at = time.monotonic()
+
     def stale_submissions(self, older_than_s: float) -> list[Sample]:
-        """SUBMITTED samples with no notice for too long (lost request, dead connector)."""
+        """SUBMITTED samples with no notice for too long (lost request, dead connector); the
+        time counts from vLLM's response (``responded``) once there is one."""
         now = time.monotonic()
         with self._lock:
             return [s for j in self.jobs.values() for s in j.samples
@@ -496,6 +506,28 @@ class Ledger:
             job.bytes_consumed += s.notice.nbytes if s.notice else 0
             self._finish(s, State.consumed, old)
             return True
+
+    def ack_many(self, owner: bytes, keys: list[P.SampleKey]) -> tuple[int, int]:
+        """Apply one ACK message as a whole: all its keys, in one transaction, or none (an error
+        part-way rolls back the database and the in-memory state alike, then propagates).
+        Returns (acked, ignored as repeats or not this trainer's)."""
+        with self._lock:
+            samples = [s for k in keys if (s := self.get(k)) is not None]
+            jobs = {s.key.job: self.jobs[s.key.job] for s in samples}
+            saved = ([(s, s.state, s.on_disk_bytes, s.lease_owner) for s in samples],
+                     [(j, j.tokens_consumed, j.bytes_consumed, j.n_terminal, j.finished) for j in jobs.values()],
+                     self.reserved_bytes)  # fmt: skip
+            try:
+                with self._tx():
+                    acked = sum(self.ack(owner, k) for k in keys)
+            except BaseException:
+                for smp, state, on_disk, lease in saved[0]:
+                    smp.state, smp.on_disk_bytes, smp.lease_owner = state, on_disk, lease
+                for j, tok, nb, nt, fin in saved[1]:
+                    j.tokens_consumed, j.bytes_consumed, j.n_terminal, j.finished = tok, nb, nt, fin
+                self.reserved_bytes = saved[2]
+                raise
+            return acked, len(keys) - acked
 
     def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:
         """The trainer found the sample invalid: regenerate it. Returns a file to delete."""

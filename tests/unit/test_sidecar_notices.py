@@ -34,9 +34,29 @@ def test_notice_outside_spool_is_refused_and_nothing_touched(setup, name):
     rx.handle(notice(job.samples[0].key, name))
     assert rx.stats["refused"] == 1
     assert outside.read_bytes() == b"not yours"
-    # the sample is not READY on a refused file: it goes back to be produced again
-    assert job.samples[0].state == State.queued
-    assert "refusing" in job.samples[0].errors[0]
+    # a refused notice does not touch the sample: still waiting for its own notice, no attempt spent
+    smp = job.samples[0]
+    assert smp.state == State.submitted and smp.attempt == 0 and smp.errors == []
+
+
+def test_a_flood_of_refused_notices_with_a_real_key_costs_no_attempt(setup):
+    spool, outside, ledger, job, rx = setup
+    key = job.samples[0].key
+    (spool / "evil.safetensors").mkdir()  # not a regular file, and not a name the connector writes
+    (spool / "hs-dir.safetensors").mkdir()
+    os.symlink(outside, spool / "hs-link.safetensors")
+    bad = ["evil.safetensors", "hs-dir.safetensors", "hs-link.safetensors", "hs-missing.safetensors",
+           "model.safetensors", ".hs-x.safetensors.1.tmp"]
+    for _ in range(5):  # 30 notices > max_attempts (2)
+        for name in bad:
+            rx.handle(notice(key, name))
+    assert rx.stats["refused"] == 30
+    smp = job.samples[0]
+    assert smp.state == State.submitted and smp.attempt == 0 and smp.errors == []
+    (spool / "hs-real.safetensors").write_bytes(b"x" * 30)
+    rx.handle(notice(key, "hs-real.safetensors"))  # the sample's own notice still lands
+    assert smp.state == State.ready and smp.notice.file == "hs-real.safetensors"
+    assert outside.read_bytes() == b"not yours" and (spool / "evil.safetensors").is_dir()
 
 
 def test_symlink_in_spool_is_refused(setup):
