@@ -213,8 +213,8 @@ class Fail(_Model):
 
 
 class Heartbeat(_Model):
-    """Trainer → sidecar, every few seconds. It repeats the HELLO and the trainer's window so a
-    restarted sidecar (which knows no peers) can resume serving it without a new handshake."""
+    """Both ways, every few seconds (the sidecar sends it bare). From a trainer it repeats the
+    HELLO and the trainer's window so a restarted sidecar (which knows no peers) can resume serving it without a new handshake."""
 
     v: int = PROTOCOL_VERSION
     hello: Hello | None = None

@@ -97,3 +97,26 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
     assert s.stats["duplicates"] == 1
     assert not (spool / "hs-a.safetensors").exists() and not (spool / "hs-b.safetensors").exists()
     s.close()
+
+
+def test_wrong_spool_dir_stops_at_once_and_fails_no_sample(tmp_path, router):
+    """A trainer pointed at the wrong spool must not turn every delivery into FAIL (which
+    burns the job's attempts): it gets a StreamError at the first delivery, and reports nothing."""
+    from trainer_client.stream import StreamError
+
+    sock, ep = router
+    spool, wrong = tmp_path / "spool", tmp_path / "elsewhere"
+    spool.mkdir()
+    wrong.mkdir()
+    d = _real_sample(spool, "hs-a.safetensors", P.SampleKey(job="j", index=0))
+    s = HiddenStateStream(ep, spool_dir=wrong, timeout_s=5)
+    s._connect()
+    with pytest.raises(StreamError, match=r"cannot read delivered file 'hs-a.safetensors' in spool_dir .*elsewhere"):
+        s._take(d)
+    s.close()
+    msgs = []
+    while sock.poll(300):
+        msgs.append(P.decode_msg(sock.recv_multipart()[1:]))
+    assert not [m for m in msgs if isinstance(m, P.Fail | P.Received | P.Ack)], msgs
+    assert (spool / "hs-a.safetensors").exists()  # still there for the sample's next lease
+    os.unlink(spool / "hs-a.safetensors")
