@@ -44,6 +44,14 @@ CHECKSUM_ALGO = "blake3"
 FILE_SUFFIX = ".safetensors"
 TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
+#: Every spool file the connector writes is named ``hs-…`` (``file_name_for_request``): the
+#: sidecar, the trainer and ``hsstream up`` delete no other name, whatever a message says.
+FILE_PREFIX = "hs-"
+#: Created by the sidecar in an empty or new spool directory: proof that the spool is ours.
+#: Blind clean-ups (the reaper, ``hsstream up``'s stop) only ever run in a marked spool.
+SPOOL_MARKER = ".hsstream-spool"
+SPOOL_MODE = 0o700  # token ids are the users' prompts: only our user reads the spool
+FILE_MODE = 0o600
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.safetensors$")
 
@@ -54,6 +62,10 @@ class ProtocolError(ValueError):
 
 class UnsafePathError(ProtocolError):
     """A name that would reach outside the spool (``..``, absolute, symlink, odd characters)."""
+
+
+class SpoolNotOurs(ProtocolError):
+    """A spool directory we did not create (no marker, not empty): nothing in it is ours to delete."""
 
 
 class _Model(BaseModel):
@@ -202,8 +214,8 @@ class Fail(_Model):
 
 
 class Heartbeat(_Model):
-    """Trainer → sidecar, every few seconds. It repeats the HELLO and the trainer's window so a
-    restarted sidecar (which knows no peers) can resume serving it without a new handshake."""
+    """Both ways, every few seconds (the sidecar sends it bare). From a trainer it repeats the
+    HELLO and the trainer's window so a restarted sidecar (which knows no peers) can resume serving it without a new handshake."""
 
     v: int = PROTOCOL_VERSION
     hello: Hello | None = None
@@ -262,15 +274,24 @@ def decode_msg(frames: list[bytes]) -> _Model:
 
 
 def file_name_for_request(request_id: str) -> str:
-    """A spool file name derived from vLLM's request id (unique per engine), safe as a name."""
+    """A spool file name derived from vLLM's request id (unique per engine), safe as a name,
+    and recognisably ours (``FILE_PREFIX``)."""
     stem = re.sub(r"[^A-Za-z0-9_-]", "_", request_id)[:160] or "request"
-    if not stem[0].isalnum():
-        stem = "r" + stem
     if stem != request_id:  # keep distinct ids distinct after the substitution
         import hashlib
 
         stem += "-" + hashlib.blake2s(request_id.encode(), digest_size=6).hexdigest()
-    return stem + FILE_SUFFIX
+    return FILE_PREFIX + stem + FILE_SUFFIX
+
+
+_OWN_NAME = re.compile(r"^hs-[A-Za-z0-9_-]{1,200}\.safetensors$")
+_OWN_TMP = re.compile(r"^\.(hs-[A-Za-z0-9_-]{1,200}\.safetensors)\.[0-9]{1,10}\.tmp$")
+
+
+def is_own_name(name: str) -> bool:
+    """True for a name the connector writes: a spool file or its temporary name. (The connector
+    creates no lock files; were it to, their names would be added here, the one place.)"""
+    return isinstance(name, str) and bool(_OWN_NAME.fullmatch(name) or _OWN_TMP.fullmatch(name))
 
 
 def tmp_name_for(name: str) -> str:
@@ -314,13 +335,69 @@ def spool_file_exists(spool: str | os.PathLike[str], name: str | None) -> bool:
 
 
 def remove_from_spool(spool: str | os.PathLike[str], name: str | None) -> bool:
-    """Delete ``name`` from the spool if it is a plain file there; never anything else.
-    Returns whether a file was removed (already gone or unsafe: False)."""
+    """Delete ``name`` from the spool if it is a plain file there with a name the connector
+    writes (``is_own_name``); never anything else. Returns whether a file was removed
+    (already gone, unsafe or not ours: False)."""
+    if not name or not _OWN_NAME.fullmatch(name):
+        return False
     try:
-        resolve_in_spool(spool, name or "").unlink()
+        resolve_in_spool(spool, name).unlink()
         return True
     except (UnsafePathError, FileNotFoundError):
         return False
+
+
+def is_marked_spool(spool: str | os.PathLike[str]) -> bool:
+    """True if ``spool`` is a plain directory holding our marker as a plain file."""
+    try:
+        return stat.S_ISDIR(os.lstat(spool).st_mode) and stat.S_ISREG(os.lstat(Path(spool) / SPOOL_MARKER).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def own_spool_entries(spool: str | os.PathLike[str]) -> list[str]:
+    """Names in ``spool`` that are ours to delete: the connector's files and temporary files,
+    and only in a marked spool (an unmarked directory may be anything, e.g. a model folder)."""
+    if not is_marked_spool(spool):
+        return []
+    return [e.name for e in os.scandir(spool) if is_own_name(e.name) and e.is_file(follow_symlinks=False)]
+
+
+def claim_spool(spool: str | os.PathLike[str]) -> bool:
+    """Make ``spool`` ours or refuse it: create it (mode 0700) with the marker if missing, mark
+    it if empty, accept it if marked; refuse anything else (``SpoolNotOurs``), e.g. a model
+    folder, so that no clean-up ever runs in it. Returns True if the marker was created now.
+
+    The spool must be a plain directory (a symlink planted in the world-writable /dev/shm could
+    point it elsewhere), belong to this user and not be group- or world-writable."""
+    root = Path(spool)
+    try:
+        root.mkdir(parents=True, mode=SPOOL_MODE)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpoolNotOurs(f"spool {root} is not a plain directory (a symlink?): refusing to manage it")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SpoolNotOurs(
+            f"spool {root} must belong to this user and not be group- or world-writable "
+            f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})"
+        )
+    if is_marked_spool(root):
+        return False
+    others = sorted(n for n in os.listdir(root) if n != SPOOL_MARKER)
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise SpoolNotOurs(
+            f"spool {root} is not empty ({shown}) and has no {SPOOL_MARKER} marker, so it is not a spool "
+            "hsstream created; refusing to use it, since the spool's clean-up deletes files. Point "
+            "HSSTREAM_SPOOL_DIR at a new or empty directory (hsstream marks it as its own)."
+        )
+    fd = os.open(root / SPOOL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        f.write("This directory is an hsstream spool: hsstream deletes the hs-*.safetensors files in it.\n")
+    os.chmod(root, SPOOL_MODE)
+    return True
 
 
 def checksum(*buffers: Any) -> str:

@@ -15,11 +15,17 @@ def serve(host: str = typer.Option(None), port: int = typer.Option(None)) -> Non
     """Run the sidecar (REST + notice + delivery endpoints)."""
     import uvicorn
 
+    from connector import protocol as P
     from connector.settings import Settings
     from server.app import create_app
 
     s = Settings()
-    uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_level="warning")
+    try:
+        app_ = create_app(s)
+    except P.SpoolNotOurs as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    uvicorn.run(app_, host=host or s.host, port=port or s.port, log_level="warning")
 
 
 @app.command()

@@ -113,7 +113,10 @@ class Stack:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def spool_files(self) -> list[str]:
-        return sorted(os.listdir(self.spool)) if self.spool.exists() else []
+        """Everything in the spool but the sidecar's ownership marker."""
+        from connector.protocol import SPOOL_MARKER
+
+        return sorted(n for n in os.listdir(self.spool) if n != SPOOL_MARKER) if self.spool.exists() else []
 
     def remove_spool(self) -> None:
         shutil.rmtree(self.spool, ignore_errors=True)

@@ -25,7 +25,6 @@ import ctypes
 import fcntl
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -542,10 +541,13 @@ class Supervisor:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
-        if not c.spool_dir.exists():
-            c.spool_dir.mkdir(parents=True, mode=0o700)
-            self._made_spool = True
-        elif stale := self._spool_entries():
+        existed = c.spool_dir.exists()
+        try:
+            P.claim_spool(c.spool_dir)  # a folder we did not make (no marker, not empty) is refused
+        except P.SpoolNotOurs as e:
+            raise UpError(str(e)) from None
+        self._made_spool = not existed
+        if stale := self._spool_entries():
             self.say(f"spool {c.spool_dir} holds {len(stale)} file(s) from an earlier run; the sidecar reaps them")
 
     def start(self, on_tick: Callable[[float], None] | None = None) -> None:
@@ -653,14 +655,11 @@ class Supervisor:
 
     # ---------------------------------------------------------------- stop
     def _spool_entries(self) -> list[str]:
+        """The spool files ours to delete: the connector's names, in a spool with our marker."""
         try:
-            names = os.listdir(self.cfg.spool_dir)
+            return P.own_spool_entries(self.cfg.spool_dir)
         except FileNotFoundError:
             return []
-        return [
-            n for n in names
-            if n.endswith(P.FILE_SUFFIX) or (n.startswith(P.TMP_PREFIX) and n.endswith(P.TMP_SUFFIX))
-        ]  # fmt: skip
 
     def _remove_vllm_shm(self) -> None:
         """Remove the shared memory of vLLM processes that are all gone (see group_shm_files)."""
@@ -696,8 +695,15 @@ class Supervisor:
                 removed += 1
             except FileNotFoundError:
                 pass
-        if self._made_spool:
-            shutil.rmtree(self.cfg.spool_dir, ignore_errors=True)
+        if self._made_spool:  # only our marker and files were in it: anything else stays, and so does the folder
+            try:
+                os.unlink(self.cfg.spool_dir / P.SPOOL_MARKER)
+                self.cfg.spool_dir.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                self._made_spool = False
+                self.say(f"spool {self.cfg.spool_dir} holds files that are not the stack's: left in place")
         if self._lock_fd is not None:
             try:
                 os.unlink(self.cfg.run_dir / "up.lock")

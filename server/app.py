@@ -34,21 +34,6 @@ from server.tokenization import Tokenizer
 log = logging.getLogger("hsstream.sidecar")
 
 
-def check_spool_dir(spool) -> None:  # noqa: ANN001
-    """The reaper deletes unowned *.safetensors in the spool: it must be ours alone. A symlink
-    (e.g. planted in the world-writable /dev/shm) could point it at model weights."""
-    spool.mkdir(parents=True, exist_ok=True, mode=0o755)
-    st = os.lstat(spool)
-    import stat as st_mod
-
-    if not st_mod.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"spool {spool} is not a plain directory (a symlink?): refusing to manage it")
-    if st.st_uid != os.getuid() or st.st_mode & 0o002:
-        raise RuntimeError(
-            f"spool {spool} must belong to this user and not be world-writable (mode {oct(st.st_mode & 0o777)})"
-        )
-
-
 def _curve(s: Settings) -> CurveServer | None:
     if not s.remote_endpoint:
         return None
@@ -80,6 +65,8 @@ async def compact_finished_jobs(ledger: Ledger, retention_s: float) -> None:
 def create_app(settings: Settings | None = None) -> FastAPI:
     s = settings or Settings()
     spool = s.spool_dir
+    if P.claim_spool(spool):  # refuses a directory that is not ours (e.g. a model folder), before anything
+        log.info("spool %s created/marked as ours", spool)
     s.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
     sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids)
@@ -103,7 +90,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        check_spool_dir(spool)
         rec = ledger.recover(svc.keeper.exists)
         removed = svc.keeper.sweep(min_age_s=0)
         if rec or removed:

@@ -3,7 +3,9 @@
 Credit-based flow control (ZeroMQ Guide, ch. 7): a trainer says how many samples it can
 hold and never gets more. Every message from a trainer counts as a heartbeat; a trainer
 silent for longer than ``peer_timeout_s`` is presumed dead and its leases go back (READY if
-the file is still there, else QUEUED to be produced again), so nothing is lost.
+the file is still there, else QUEUED to be produced again), so nothing is lost. Heartbeats go
+both ways: the sidecar sends one to each trainer it has not sent anything to for
+``heartbeat_s``, and a trainer that hears nothing reconnects (``HiddenStateStream``).
 
 Two sockets, one thread: the local one (``ipc://``) for trainers on this host, which read
 the spool themselves; and optionally a TCP one with CURVE authentication for trainers on
@@ -44,6 +46,7 @@ class Peer:
     follow: bool = False
     credit: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    last_sent: float = field(default_factory=time.monotonic)
     ended: bool = False
     greeted: bool = False
 
@@ -58,6 +61,7 @@ class DeliveryService(SocketThread):
         ledger: Ledger,
         peer_timeout_s: float = 120.0,
         *,
+        heartbeat_s: float = 1.0,
         remote_endpoint: str | None = None,
         curve: CurveServer | None = None,
     ) -> None:
@@ -70,9 +74,10 @@ class DeliveryService(SocketThread):
         self.spool = spool
         self.ledger = ledger
         self.peer_timeout_s = peer_timeout_s
+        self.heartbeat_s = heartbeat_s
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
-                      "trainer_failed": 0, "peers_lost": 0}  # fmt: skip
+                      "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
 
     def _file_exists(self, name: str) -> bool:
@@ -156,17 +161,25 @@ class DeliveryService(SocketThread):
                 if self.ledger.received(owner, k) and peer.remote:
                     P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
-            for k in msg.keys:
-                if self.ledger.ack(owner, k):
-                    self.stats["acked"] += 1
-                else:
-                    self.stats["duplicate_acks"] += 1
+            try:
+                acked, dup = self.ledger.ack_many(owner, msg.keys)
+            except Exception:  # noqa: BLE001 - none of the list applied: do not leave it leased
+                # Its leases go back (as for a lost trainer); a redelivered sample it already
+                # acked is acked again by the stream on sight, so the ack is not lost.
+                log.exception("ACK of %d key(s) from trainer %s failed: returning its leases", len(msg.keys), owner.hex())
+                self.stats["ack_errors"] += 1
+                self.ledger.release_owner(owner, self._file_exists)
+                return
+            self.stats["acked"] += acked
+            self.stats["duplicate_acks"] += dup
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
             P.remove_from_spool(self.spool, self.ledger.trainer_failed(owner, msg.key, msg.reason))
 
     def _send(self, owner: bytes, frames: list) -> None:
         self._socks[owner[:1]].send_multipart([owner[1:], *frames], copy=False)
+        if (peer := self.peers.get(owner)) is not None:
+            peer.last_sent = time.monotonic()
 
     def _dispatch(self) -> None:
         now = time.monotonic()
@@ -181,6 +194,13 @@ class DeliveryService(SocketThread):
                 # No HELLO yet (we do not know which jobs it wants), or its jobs are done: a
                 # closed stream's peer lingers until its timeout, and must cost nothing meanwhile.
                 continue
+            if now - peer.last_sent > self.heartbeat_s:
+                # Heartbeats both ways (ZeroMQ Guide, ch. 4): a trainer that hears nothing from
+                # us for a while reconnects instead of waiting out its whole timeout.
+                try:
+                    self._send(owner, P.encode_msg(P.Heartbeat()))
+                except zmq.ZMQError:
+                    pass  # unreachable: handled below on its next delivery, or by its timeout
             try:
                 while peer.credit > 0:
                     s = self.ledger.lease_next(owner, peer.jobs)

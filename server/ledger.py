@@ -494,31 +494,43 @@ class Ledger:
             self._save(s)
             return s
 
+    def _queued_chunks(self, chunk: int = 2000) -> Iterable[list[Sample]]:
+        """QUEUED samples (they live in SQLite only) a chunk at a time. Yields with the lock
+        held, so the caller may change and save them before any other thread sees them."""
+        last = 0
+        while True:
+            with self._lock:
+                rows = self._db.execute(f"SELECT rowid, {_COLS} FROM samples WHERE state = 'queued' AND rowid > ? "
+                                        "ORDER BY rowid LIMIT ?", (last, chunk)).fetchall()  # fmt: skip
+                if not rows:
+                    return
+                last = rows[-1][0]
+                with self._tx():
+                    yield [_sample(r[1:]) for r in rows]
+
     def reprice_queued(self, size_of: Callable[[Sample], int]) -> int:
         """New expected bytes for every QUEUED sample (the sample size became known, or a
         notice corrected it). Samples in flight keep what they reserved. Returns how many changed."""
         changed = 0
-        with self._lock, self._tx():
-            for s in self._queue:
-                if s.state != State.queued or (nb := size_of(s)) == s.expected_bytes:
-                    continue
-                s.expected_bytes = nb
-                self._db.execute("UPDATE samples SET expected_bytes=? WHERE job_id=? AND epoch=? AND idx=?",
-                                 (nb, s.key.job, s.key.epoch, s.key.index))  # fmt: skip
-                changed += 1
+        for samples in self._queued_chunks():
+            for s in samples:
+                if s.key.job in self.jobs and (nb := size_of(s)) != s.expected_bytes:
+                    self._db.execute("UPDATE samples SET expected_bytes=? WHERE job_id=? AND epoch=? AND idx=?",
+                                     (nb, s.key.job, s.key.epoch, s.key.index))  # fmt: skip
+                    changed += 1
         return changed
 
     def fail_queued(self, reason_of: Callable[[Sample], str | None]) -> int:
         """Fail every QUEUED sample for which ``reason_of`` gives a reason, spending no
         attempt (a limit learned after admission: retrying cannot help)."""
-        with self._lock:
-            doomed = [(s, r) for s in self._queue if s.state == State.queued and (r := reason_of(s))]
-            with self._tx():
-                for s, r in doomed:
-                    if s.state == State.queued:  # listed twice in the queue: fail once
-                        s.errors.append(r)
-                        self._finish(s, State.failed, State.queued)
-        return len({s.key for s, _ in doomed})
+        failed = 0
+        for samples in self._queued_chunks():
+            for s in samples:
+                if s.key.job in self.jobs and (r := reason_of(s)):
+                    self._add_error(s, r)
+                    self._finish(s, State.failed)
+                    failed += 1
+        return failed
 
     def ready_count(self) -> int:
         return self._n_ready
@@ -578,8 +590,18 @@ class Ledger:
             job.finished = time.time()
         self._save_job(job)
 
+    def responded(self, key: P.SampleKey, attempt: int) -> None:
+        """vLLM answered the request: the notice is due from now on. The notice timeout counts
+        from here, not from submission, so a request slower than the timeout does not race
+        its own notice."""
+        with self._lock:
+            smp = self.get(key)
+            if smp is not None and smp.state == State.submitted and smp.attempt == attempt:
+                smp.submitted_at = time.monotonic()
+
     def stale_submissions(self, older_than_s: float) -> list[Sample]:
-        """SUBMITTED samples with no notice for too long (lost request, dead connector)."""
+        """SUBMITTED samples with no notice for too long (lost request, dead connector); the
+        time counts from vLLM's response (``responded``) once there is one."""
         now = time.monotonic()
         with self._lock:
             return [s for s in self._live.values()
@@ -693,6 +715,28 @@ class Ledger:
             job.bytes_consumed += s.notice.nbytes if s.notice else 0
             self._finish(s, State.consumed)
             return True
+
+    def ack_many(self, owner: bytes, keys: list[P.SampleKey]) -> tuple[int, int]:
+        """Apply one ACK message as a whole: all its keys, in one transaction, or none (an error
+        part-way rolls back the database and the in-memory state alike, then propagates).
+        Returns (acked, ignored as repeats or not this trainer's)."""
+        with self._lock:
+            samples = [s for k in keys if (s := self.get(k)) is not None]
+            jobs = {s.key.job: self.jobs[s.key.job] for s in samples}
+            saved = ([(s, s.state, s.on_disk_bytes, s.lease_owner) for s in samples],
+                     [(j, j.tokens_consumed, j.bytes_consumed, j.n_terminal, j.finished) for j in jobs.values()],
+                     self.reserved_bytes)  # fmt: skip
+            try:
+                with self._tx():
+                    acked = sum(self.ack(owner, k) for k in keys)
+            except BaseException:
+                for smp, state, on_disk, lease in saved[0]:
+                    smp.state, smp.on_disk_bytes, smp.lease_owner = state, on_disk, lease
+                for j, tok, nb, nt, fin in saved[1]:
+                    j.tokens_consumed, j.bytes_consumed, j.n_terminal, j.finished = tok, nb, nt, fin
+                self.reserved_bytes = saved[2]
+                raise
+            return acked, len(keys) - acked
 
     def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:
         """The trainer found the sample invalid: regenerate it. Returns a file to delete."""

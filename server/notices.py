@@ -75,13 +75,17 @@ class NoticeReceiver(SocketThread):
         path = None
         if n.file is not None:
             try:
+                if not P.is_own_name(n.file) or P.is_tmp_name(n.file):
+                    raise P.UnsafePathError(f"refusing {n.file!r}: not a name the connector writes ({P.FILE_PREFIX}…)")
                 path = P.resolve_in_spool(self.spool, n.file)
-            except P.UnsafePathError as e:
+            except (P.UnsafePathError, FileNotFoundError) as e:
+                # Refused without touching the sample: a notice naming a file we cannot use may
+                # come from anyone, and must not cost a real sample an attempt (a flood of them
+                # failed one). The sample's own notice, or the notice timeout, settles it.
                 self.stats["refused"] += 1
-                log.error("refused notice for %s: %s", n.request_id, e)
-                n = n.model_copy(update={"status": P.NoticeStatus.error, "reason": str(e), "file": None})
-            except FileNotFoundError:
-                n = n.model_copy(update={"status": P.NoticeStatus.error, "reason": f"file {n.file} missing"})
+                why = e if isinstance(e, P.UnsafePathError) else f"file {n.file} missing"
+                log.error("refused notice for %s (key %s, attempt %d): %s", n.request_id, n.key, n.attempt, why)
+                return
         if n.key is None:
             # A request that did not come through us (drop-in use of the connector): not ours.
             self.stats["foreign"] += 1
@@ -94,7 +98,4 @@ class NoticeReceiver(SocketThread):
             self.observe(n)  # e.g. the sample size, learned before the ledger frees the sample's estimate
         if self.ledger.on_notice(n, size) == "delete" and path is not None:
             self.stats["deleted"] += 1
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            P.remove_from_spool(self.spool, n.file)

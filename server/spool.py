@@ -1,6 +1,7 @@
 """The sidecar's side of the spool: what may be deleted, and the reaper for what leaked.
 
-Only names that pass ``protocol.resolve_in_spool`` are ever touched. A file is garbage when
+Only the connector's own names (``protocol.is_own_name``) in a spool that carries our marker
+(``protocol.claim_spool``) are ever touched: a spool pointed at a model folder deletes nothing. A file is garbage when
 no READY/LEASED sample names it and it is old enough that its notice cannot still be on the
 way; temp files are garbage once their writer had ample time. Killed processes (connector,
 trainer, sidecar) therefore never leave /dev/shm filling up for long.
@@ -50,12 +51,15 @@ class SpoolKeeper:
     def sweep(self, min_age_s: float | None = None) -> int:
         """Remove files no live sample owns; ``min_age_s=0`` at start-up, when nothing is in flight."""
         age = self.grace_s if min_age_s is None else min_age_s
+        if not P.is_marked_spool(self.spool):
+            log.error("spool %s lost its %s marker: not sweeping it", self.spool, P.SPOOL_MARKER)
+            return 0
         live = self.ledger.live_files()
         now = time.time()
         gone = 0
         for e in os.scandir(self.spool):
             name = e.name
-            if name in live or not (name.endswith(P.FILE_SUFFIX) or P.is_tmp_name(name)):
+            if name in live or not P.is_own_name(name):
                 continue
             try:
                 st = e.stat(follow_symlinks=False)

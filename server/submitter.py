@@ -290,6 +290,7 @@ class Submitter:
                 self.stats["http_errors"] += 1
                 self.ledger.requeue(s.key, attempt, f"vLLM answered {r.status_code}: {r.text[:300]}")
                 return
+            self.ledger.responded(s.key, attempt)  # the notice timeout starts now
             if sampling is not None:
                 out = (r.json().get("choices") or [{}])[0].get("token_ids")
                 if not out:

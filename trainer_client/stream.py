@@ -140,6 +140,7 @@ class HiddenStateStream:
         follow: bool = False,
         timeout_s: float = 600.0,
         heartbeat_s: float = 2.0,
+        sidecar_silence_s: float = 10.0,
         curve_server_key: str | bytes | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
         acked_memory: int = 65536,
@@ -164,6 +165,8 @@ class HiddenStateStream:
         self.follow = follow
         self.timeout_s = timeout_s
         self.heartbeat_s = heartbeat_s
+        self.sidecar_silence_s = sidecar_silence_s  # the sidecar heartbeats every second
+        self._last_recv = time.monotonic()
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._acked: OrderedDict[P.SampleKey, None] = OrderedDict()  # newest last, at most acked_memory
@@ -177,7 +180,7 @@ class HiddenStateStream:
             raise ValueError(f"{self.endpoint} is remote: pass curve_server_key and curve_client_cert")
         self._curve = (curve_server_key, curve_client_cert)
         self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote)
-        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0}
+        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0}
 
     # -- socket -------------------------------------------------------------------------------
     def _connect(self) -> zmq.Socket:
@@ -195,9 +198,28 @@ class HiddenStateStream:
                 sock.curve_publickey, sock.curve_secretkey = pub, sec
             sock.connect(self.endpoint)
             self._sock = sock
-            self._send(self._hello)
-            self._send(P.Credit(n=self.credit))
+            self._last_recv = time.monotonic()
+            self._outbox.appendleft(P.encode_msg(P.Credit(n=self.credit)))
+            self._outbox.appendleft(P.encode_msg(self._hello))
+            self._flush()
         return self._sock
+
+    def _reconnect(self) -> zmq.Socket:
+        """The sidecar has been silent (it heartbeats every second): drop the connection and
+        start a fresh one (the ZeroMQ Guide's Paranoid Pirate). Acks still queued are kept;
+        the old credit is replaced by a new HELLO and full window. Samples the old connection
+        held come back to us or another trainer when their leases lapse; one we still hold
+        unacked is dropped on redelivery, one we acked is acked again."""
+        log.warning("sidecar at %s silent for %.0f s: reconnecting", self.endpoint, time.monotonic() - self._last_recv)
+        self.stats["reconnects"] += 1
+        credit = P.MsgType.credit.value.encode()
+        kept = [m for m in self._outbox if m[0] != credit]
+        self._outbox.clear()
+        self._outbox.extend(kept)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        return self._connect()
 
     def _send(self, body) -> None:  # noqa: ANN001
         """Queue a message and send what can go now. Never blocks: with no sidecar connected
@@ -251,18 +273,21 @@ class HiddenStateStream:
             if time.monotonic() - self._last_send > self.heartbeat_s and not self._outbox:
                 self._send(P.Heartbeat(hello=self._hello, window=self.credit))
             if not sock.poll(int(min(self.heartbeat_s, 0.5) * 1000)):
+                if time.monotonic() - self._last_recv > self.sidecar_silence_s:
+                    sock = self._reconnect()
                 if time.monotonic() > deadline:
                     why = (" (nothing could be sent: no connection; for tcp:// check the CURVE keys)"
                            if self._outbox else " (is it running, and is the job producing?)")  # fmt: skip
                     raise StreamError(f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s{why}")
                 continue
-            deadline = time.monotonic() + self.timeout_s
             frames = sock.recv_multipart()
+            self._last_recv = time.monotonic()
             msg = P.decode_msg(frames)
             if isinstance(msg, P.End):
                 return
             if not isinstance(msg, P.Deliver):
-                continue
+                continue  # a heartbeat: the sidecar is alive, but it is no sample (timeout_s runs on)
+            deadline = time.monotonic() + self.timeout_s
             self.stats["delivered"] += 1
             sample = self._take(msg, P.payload_of(frames))
             self._send(P.Credit(n=1))
@@ -295,7 +320,15 @@ class HiddenStateStream:
             return None
         try:
             sample = load_and_check(None if self.remote else self.spool, d, payload)
-        except (InvalidSample, P.ProtocolError, OSError, ValueError) as e:
+        except OSError as e:
+            # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
+            # it failed would burn every sample's attempts. Stop at once instead; nothing is
+            # reported, and the lease goes back to the sidecar.
+            raise StreamError(
+                f"cannot read delivered file {d.notice.file!r} in spool_dir {self.spool}: {e.strerror or e}. "
+                "Is spool_dir the sidecar's HSSTREAM_SPOOL_DIR on this host? (no sample was reported failed)"
+            ) from e
+        except (InvalidSample, P.ProtocolError, ValueError) as e:
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
             self._send(P.Fail(key=key, reason=str(e)[:500]))

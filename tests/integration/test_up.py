@@ -23,6 +23,7 @@ import httpx
 import psutil
 import pytest
 
+from connector import protocol as P
 from hsstream.demo import free_port
 from hsstream.up import group_shm_files
 
@@ -155,7 +156,8 @@ def used(up: Up, job: str) -> list[str]:
 
 
 def spool_files(up: Up) -> list[str]:
-    return sorted(os.listdir(up.spool)) if up.spool.exists() else []
+    """Everything in the spool but the ownership marker."""
+    return sorted(n for n in os.listdir(up.spool) if n != P.SPOOL_MARKER) if up.spool.exists() else []
 
 
 @pytest.fixture(scope="module")

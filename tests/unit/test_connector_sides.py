@@ -46,11 +46,11 @@ def test_finished_request_is_saved():
     ok, params = side.request_finished(_request(output=(90,), computed=5), [4, 1, 7])
     assert ok is True
     assert params == {
-        P.KV_PARAMS_PATH_KEY: f"{SPOOL}/cmpl-7.safetensors",
-        "hsstream_file": "cmpl-7.safetensors",
+        P.KV_PARAMS_PATH_KEY: f"{SPOOL}/hs-cmpl-7.safetensors",
+        "hsstream_file": "hs-cmpl-7.safetensors",
     }
     (p,) = side.take_pending()
-    assert p == PendingSave("cmpl-7", "cmpl-7.safetensors", [11, 12, 13, 14, 15], [4, 1, 7], TAG.model_dump(mode="json"))
+    assert p == PendingSave("cmpl-7", "hs-cmpl-7.safetensors", [11, 12, 13, 14, 15], [4, 1, 7], TAG.model_dump(mode="json"))
     assert p.error is None
     assert p.request_tag() == TAG
     assert side.take_pending() == []  # handed over once
@@ -85,7 +85,7 @@ def test_aborted_before_scheduling():
     assert p.error is not None and "aborted" in p.error
     assert p.token_ids == [] and p.block_ids == []
     assert p.request_tag() == TAG  # the sidecar learns which sample failed
-    assert p.file == "cmpl-7.safetensors"
+    assert p.file == "hs-cmpl-7.safetensors"
 
 
 def test_aborted_mid_prefill():
@@ -109,7 +109,7 @@ def test_no_prompt_token_ids():
 def test_plain_request_without_tag_is_still_saved(params):
     side = SchedulerSide(SPOOL)
     ok, out = side.request_finished(_request(params=params), [5, 6])
-    assert ok is True and out["hsstream_file"] == "cmpl-7.safetensors"
+    assert ok is True and out["hsstream_file"] == "hs-cmpl-7.safetensors"
     (p,) = side.take_pending()
     assert p.tag is None and p.request_tag() is None and p.error is None
 

@@ -274,7 +274,7 @@ def test_file_name_for_request_is_safe(spool, rid):
 
 
 def test_file_name_keeps_plain_ids():
-    assert P.file_name_for_request("cmpl-abc_1") == "cmpl-abc_1.safetensors"
+    assert P.file_name_for_request("cmpl-abc_1") == "hs-cmpl-abc_1.safetensors"
 
 
 def test_tmp_name_is_hidden_and_recognised():

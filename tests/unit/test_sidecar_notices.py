@@ -34,24 +34,44 @@ def test_notice_outside_spool_is_refused_and_nothing_touched(setup, name):
     rx.handle(notice(ledger.job_samples(job.job_id)[0].key, name))
     assert rx.stats["refused"] == 1
     assert outside.read_bytes() == b"not yours"
-    # the sample is not READY on a refused file: it goes back to be produced again
-    assert ledger.job_samples(job.job_id)[0].state == State.queued
-    assert "refusing" in ledger.job_samples(job.job_id)[0].errors[0]
+    # a refused notice does not touch the sample: still waiting for its own notice, no attempt spent
+    smp = ledger.job_samples(job.job_id)[0]
+    assert smp.state == State.submitted and smp.attempt == 0 and smp.errors == []
+
+
+def test_a_flood_of_refused_notices_with_a_real_key_costs_no_attempt(setup):
+    spool, outside, ledger, job, rx = setup
+    key = ledger.job_samples(job.job_id)[0].key
+    (spool / "evil.safetensors").mkdir()  # not a regular file, and not a name the connector writes
+    (spool / "hs-dir.safetensors").mkdir()
+    os.symlink(outside, spool / "hs-link.safetensors")
+    bad = ["evil.safetensors", "hs-dir.safetensors", "hs-link.safetensors", "hs-missing.safetensors",
+           "model.safetensors", ".hs-x.safetensors.1.tmp"]
+    for _ in range(5):  # 30 notices > max_attempts (2)
+        for name in bad:
+            rx.handle(notice(key, name))
+    assert rx.stats["refused"] == 30
+    smp = ledger.job_samples(job.job_id)[0]
+    assert smp.state == State.submitted and smp.attempt == 0 and smp.errors == []
+    (spool / "hs-real.safetensors").write_bytes(b"x" * 30)
+    rx.handle(notice(key, "hs-real.safetensors"))  # the sample's own notice still lands
+    assert smp.state == State.ready and smp.notice.file == "hs-real.safetensors"
+    assert outside.read_bytes() == b"not yours" and (spool / "evil.safetensors").is_dir()
 
 
 def test_symlink_in_spool_is_refused(setup):
     spool, outside, ledger, job, rx = setup
-    os.symlink(outside, spool / "link.safetensors")
-    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "link.safetensors"))
+    os.symlink(outside, spool / "hs-link.safetensors")
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "hs-link.safetensors"))
     assert rx.stats["refused"] == 1
     assert outside.read_bytes() == b"not yours"
-    assert (spool / "link.safetensors").is_symlink()  # not ours to delete either
+    assert (spool / "hs-link.safetensors").is_symlink()  # not ours to delete either
 
 
 def test_good_notice_makes_sample_ready_and_reserves_real_bytes(setup):
     spool, _, ledger, job, rx = setup
-    (spool / "f.safetensors").write_bytes(b"x" * 100)
-    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "f.safetensors"))
+    (spool / "hs-f.safetensors").write_bytes(b"x" * 100)
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "hs-f.safetensors"))
     assert ledger.job_samples(job.job_id)[0].state == State.ready
     assert ledger.reserved_bytes == 100  # expected bytes released, file bytes held
 
@@ -60,9 +80,9 @@ def test_late_notice_for_old_attempt_is_deleted_not_delivered(setup):
     spool, _, ledger, job, rx = setup
     key = ledger.job_samples(job.job_id)[0].key
     ledger.requeue(key, 0, "vLLM said 500")  # attempt 0 failed, requeued as attempt 1
-    (spool / "old.safetensors").write_bytes(b"x")
-    rx.handle(notice(key, "old.safetensors", attempt=0))
-    assert not (spool / "old.safetensors").exists()
+    (spool / "hs-old.safetensors").write_bytes(b"x")
+    rx.handle(notice(key, "hs-old.safetensors", attempt=0))
+    assert not (spool / "hs-old.safetensors").exists()
     assert ledger.job_samples(job.job_id)[0].state == State.queued and ledger.job_samples(job.job_id)[0].attempt == 1
 
 
@@ -86,8 +106,8 @@ def test_malformed_notice_is_refused(setup, raw):
 
 def test_ack_is_exactly_once(setup):
     spool, _, ledger, job, rx = setup
-    (spool / "f.safetensors").write_bytes(b"x" * 10)
-    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "f.safetensors"))
+    (spool / "hs-f.safetensors").write_bytes(b"x" * 10)
+    rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "hs-f.safetensors"))
     s = ledger.lease_next(b"t1", None)
     assert s is ledger.job_samples(job.job_id)[0]  # the live object
     assert not ledger.ack(b"t2", s.key)  # another trainer's ack does nothing

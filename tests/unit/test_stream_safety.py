@@ -34,16 +34,16 @@ def test_path_outside_spool_refused_nothing_touched(tmp_path, router, how):
     spool.mkdir()
     outside = tmp_path / "victim.safetensors"
     outside.write_bytes(b"keep me")
-    name = {"dotdot": "../victim.safetensors", "absolute": str(outside), "symlink": "link.safetensors"}[how]
+    name = {"dotdot": "../victim.safetensors", "absolute": str(outside), "symlink": "hs-link.safetensors"}[how]
     if how == "symlink":
-        os.symlink(outside, spool / "link.safetensors")
+        os.symlink(outside, spool / "hs-link.safetensors")
     s = HiddenStateStream(ep, spool_dir=spool, timeout_s=5)
     s._connect()
     assert s._take(deliver(name)) is None
     assert s.stats["invalid"] == 1
     assert outside.read_bytes() == b"keep me"
     if how == "symlink":
-        assert (spool / "link.safetensors").is_symlink()
+        assert (spool / "hs-link.safetensors").is_symlink()
     msgs = []
     while sock.poll(500):
         msgs.append(P.decode_msg(sock.recv_multipart()[1:]))
@@ -73,7 +73,7 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
     key = P.SampleKey(job="j", index=0)
     s = HiddenStateStream(ep, spool_dir=spool, ack="manual", timeout_s=5)
     it = iter(s)
-    first = _real_sample(spool, "a.safetensors", key)
+    first = _real_sample(spool, "hs-a.safetensors", key)
     ident = None
 
     def send(msg):
@@ -86,7 +86,7 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
         assert sock.poll(5000)
         ident = sock.recv_multipart()[0]
         send(first)
-        send(_real_sample(spool, "b.safetensors", key))  # the same key, produced again
+        send(_real_sample(spool, "hs-b.safetensors", key))  # the same key, produced again
         send(P.End())
 
     t = threading.Thread(target=sidecar)
@@ -95,7 +95,7 @@ def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):
     t.join()
     assert [g.key for g in got] == [key]
     assert s.stats["duplicates"] == 1
-    assert not (spool / "a.safetensors").exists() and not (spool / "b.safetensors").exists()
+    assert not (spool / "hs-a.safetensors").exists() and not (spool / "hs-b.safetensors").exists()
     s.close()
 
 
@@ -112,12 +112,12 @@ def test_acked_keys_are_remembered_within_a_bound_and_never_yielded_again(tmp_pa
     s.ack_all_used()
     assert len(s._acked) == 100  # bounded: the oldest 900 are the ledger's to remember
     recent = keys[-1]
-    got = s._take(_real_sample(spool, "r.safetensors", recent))
+    got = s._take(_real_sample(spool, "hs-r.safetensors", recent))
     assert got is None and s.stats["duplicates"] == 1  # acked: never yielded twice
-    assert not (spool / "r.safetensors").exists()  # its copy is freed all the same
+    assert not (spool / "hs-r.safetensors").exists()  # its copy is freed all the same
     first_kept = keys[900]
     s._used = [P.SampleKey(job="j", index=i) for i in range(1000, 1099)]  # 99 newer acks
-    s._take(_real_sample(spool, "k.safetensors", first_kept))  # redelivered: refreshed
+    s._take(_real_sample(spool, "hs-k.safetensors", first_kept))  # redelivered: refreshed
     s.ack_all_used()
     assert first_kept in s._acked and keys[901] not in s._acked
     s.close()
@@ -139,3 +139,26 @@ def test_all_finite_matches_torch_on_the_raw_bits(dtype):
         y = x.clone()
         y[63, 3, 31] = bad
         assert not all_finite(y) and not bool(torch.isfinite(y).all())
+
+
+def test_wrong_spool_dir_stops_at_once_and_fails_no_sample(tmp_path, router):
+    """A trainer pointed at the wrong spool must not turn every delivery into FAIL (which
+    burns the job's attempts): it gets a StreamError at the first delivery, and reports nothing."""
+    from trainer_client.stream import StreamError
+
+    sock, ep = router
+    spool, wrong = tmp_path / "spool", tmp_path / "elsewhere"
+    spool.mkdir()
+    wrong.mkdir()
+    d = _real_sample(spool, "hs-a.safetensors", P.SampleKey(job="j", index=0))
+    s = HiddenStateStream(ep, spool_dir=wrong, timeout_s=5)
+    s._connect()
+    with pytest.raises(StreamError, match=r"cannot read delivered file 'hs-a.safetensors' in spool_dir .*elsewhere"):
+        s._take(d)
+    s.close()
+    msgs = []
+    while sock.poll(300):
+        msgs.append(P.decode_msg(sock.recv_multipart()[1:]))
+    assert not [m for m in msgs if isinstance(m, P.Fail | P.Received | P.Ack)], msgs
+    assert (spool / "hs-a.safetensors").exists()  # still there for the sample's next lease
+    os.unlink(spool / "hs-a.safetensors")

@@ -38,7 +38,11 @@ class ListStream:
             self.used.append(s.key)
             yield s
 
+    def keepalive(self) -> None:
+        self.events = [*getattr(self, "events", []), "keepalive"]
+
     def ack_through(self, key: P.SampleKey) -> None:
+        self.events = [*getattr(self, "events", []), "ack"]
         i = self.used.index(key)
         self.acked.extend(self.used[: i + 1])
         del self.used[: i + 1]
@@ -93,6 +97,8 @@ def test_acks_only_after_a_checkpoint_that_includes_them(tiny_model, samples, tm
         ("unit/0/3", "step-00000004", 4), ("unit/0/7", "step-00000008", 8), ("unit/0/9", "step-00000010", 10),
     ]  # fmt: skip
     assert [p.name for _, p in M.list_checkpoints(out)] == ["step-00000008", "step-00000010"]  # keeps 2
+    # the leases are kept alive around each checkpoint write (before and after), then acked
+    assert stream.events == ["keepalive", "keepalive", "ack"] * 3
 
 
 def test_checkpoint_is_speculators_format_with_layer_ids_and_maps(tiny_model, samples, tmp_path):

@@ -275,7 +275,12 @@ class Eagle3OnlineTrainer:
             "unacked_keys": sorted(set(trained_pending) | self.skip_keys),
             "time": time.time(),
         }
+        keepalive = getattr(stream, "keepalive", None)  # leases must not lapse while we write
+        if keepalive:
+            keepalive()
         path = M.save_checkpoint(self.out, self.step, self.model, state, keep=self.cfg.keep_checkpoints)
+        if keepalive:
+            keepalive()
         if pending and hasattr(stream, "ack_through"):
             stream.ack_through(pending[-1])
         return path
