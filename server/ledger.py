@@ -174,6 +174,7 @@ class Ledger:
         self._migrate()
         self._db.executescript(_INDEXES)
         self.listeners: list[Listener] = []
+        self._deferred: list[tuple] | None = None  # listener events held back by ack_many
 
     def _migrate(self) -> None:
         """Ledgers written before the queue and the job summaries moved into SQLite."""
@@ -215,6 +216,9 @@ class Ledger:
             if old is not None:
                 job.state_counts[old.value] -= 1
             job.state_counts[s.state.value] += 1
+        if self._deferred is not None:  # inside ack_many: heard only once it commits
+            self._deferred.append((s.state, old, 1, len(s.token_ids)))
+            return
         for fn in self.listeners:
             fn(s.state, old, 1, len(s.token_ids))
 
@@ -723,19 +727,28 @@ class Ledger:
         with self._lock:
             samples = [s for k in keys if (s := self.get(k)) is not None]
             jobs = {s.key.job: self.jobs[s.key.job] for s in samples}
-            saved = ([(s, s.state, s.on_disk_bytes, s.lease_owner) for s in samples],
-                     [(j, j.tokens_consumed, j.bytes_consumed, j.n_terminal, j.finished) for j in jobs.values()],
-                     self.reserved_bytes)  # fmt: skip
+            saved = ([(s, s.state, s.saved, s.on_disk_bytes, s.lease_owner) for s in samples],
+                     [(j, j.tokens_consumed, j.bytes_consumed, Counter(j.state_counts), j.finished)
+                      for j in jobs.values()],
+                     self.reserved_bytes, self._n_ready)  # fmt: skip
+            self._deferred = []
             try:
                 with self._tx():
                     acked = sum(self.ack(owner, k) for k in keys)
             except BaseException:
-                for smp, state, on_disk, lease in saved[0]:
-                    smp.state, smp.on_disk_bytes, smp.lease_owner = state, on_disk, lease
-                for j, tok, nb, nt, fin in saved[1]:
-                    j.tokens_consumed, j.bytes_consumed, j.n_terminal, j.finished = tok, nb, nt, fin
-                self.reserved_bytes = saved[2]
+                for smp, state, was_saved, on_disk, lease in saved[0]:
+                    smp.state, smp.saved, smp.on_disk_bytes, smp.lease_owner = state, was_saved, on_disk, lease
+                    if state in IN_FLIGHT:
+                        self._live[smp.key] = smp
+                for j, tok, nb, counts, fin in saved[1]:
+                    j.tokens_consumed, j.bytes_consumed, j.state_counts, j.finished = tok, nb, counts, fin
+                self.reserved_bytes, self._n_ready = saved[2], saved[3]
+                self._deferred = None
                 raise
+            events, self._deferred = self._deferred, None
+            for ev in events:
+                for fn in self.listeners:
+                    fn(*ev)
             return acked, len(keys) - acked
 
     def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:

@@ -149,8 +149,8 @@ class Submitter:
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ limits
-    def _on_transition(self, s: Sample, old: State) -> None:
-        self.in_flight += (s.state == State.submitted) - (old == State.submitted)
+    def _on_transition(self, new: State, old: State | None, n: int, _tokens: int) -> None:
+        self.in_flight += n * ((new == State.submitted) - (old == State.submitted))
 
     def _room(self, s: Sample) -> int:
         """Tokens vLLM generates beyond the prompt: 1, or the regenerated reply."""

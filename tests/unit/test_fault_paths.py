@@ -14,14 +14,15 @@ from server.submitter import Submitter
 
 
 def _ledger(n: int, **kw) -> tuple[Ledger, list]:
+    """A ledger and its samples' keys (queued samples live in SQLite: read them with ``get``)."""
     ledger = Ledger(**kw)
     job = ledger.add_job([NewSample([1, 2, 3], None, f"s{i}", 30) for i in range(n)])
-    return ledger, job.samples
+    return ledger, [s.key for s in ledger.job_samples(job.job_id)]
 
 
 def test_notice_timeout_counts_from_the_response_not_from_submission():
     """A request slower than the notice timeout must not race its own notice."""
-    ledger, (smp,) = _ledger(1)
+    ledger, (key,) = _ledger(1)
     sub = Submitter(ledger, "http://vllm", budget_bytes=10**9, notice_timeout_s=0.3)
 
     async def vllm(request: httpx.Request) -> httpx.Response:
@@ -37,9 +38,11 @@ def test_notice_timeout_counts_from_the_response_not_from_submission():
         await sem.acquire()
         await sub._submit(s, sem)  # returns once vLLM answered: the notice is on its way
         sub._sweep()  # the submit loop's sweep, right after the response
+        smp = ledger.get(key)
         assert smp.state == State.submitted and smp.attempt == 0 and smp.errors == [], smp.errors
         await asyncio.sleep(0.4)  # a notice really overdue (past the timeout after the response)
         sub._sweep()
+        smp = ledger.get(key)
         assert smp.state == State.queued and smp.attempt == 1 and "no notice" in smp.errors[0]
         await sub._client.aclose()
 
@@ -62,9 +65,9 @@ class _FailingDb:
 
 def test_an_ack_list_is_applied_whole_or_not_at_all(tmp_path):
     path = tmp_path / "ledger.sqlite"
-    ledger, samples = _ledger(3, path=path)
+    ledger, keys = _ledger(3, path=path)
     owner = b"Ltrainer"
-    for _ in samples:
+    for _ in keys:
         s = ledger.next_to_submit(10**9)
         ledger.on_notice(_ok(s), 30)
         assert ledger.lease_next(owner, None) is not None
@@ -72,16 +75,16 @@ def test_an_ack_list_is_applied_whole_or_not_at_all(tmp_path):
     real_db = ledger._db
     ledger._db = _FailingDb(real_db, fail_at=2)  # the second key's write fails
     with pytest.raises(sqlite3.OperationalError):
-        ledger.ack_many(owner, [s.key for s in samples])
+        ledger.ack_many(owner, keys)
     ledger._db = real_db
-    assert [s.state for s in samples] == [State.leased] * 3  # none applied, in memory...
-    assert ledger.reserved_bytes == reserved and ledger.jobs[samples[0].key.job].n_terminal == 0
-    assert ledger.jobs[samples[0].key.job].tokens_consumed == 0
+    assert [ledger.get(k).state for k in keys] == [State.leased] * 3  # none applied, in memory...
+    assert ledger.reserved_bytes == reserved and ledger.jobs[keys[0].job].n_terminal == 0
+    assert ledger.jobs[keys[0].job].tokens_consumed == 0
     states = {r[0] for r in real_db.execute("SELECT state FROM samples")}
     assert states == {"leased"}  # ...and on disk
-    assert ledger.ack_many(owner, [s.key for s in samples]) == (3, 0)  # and it applies whole later
-    assert [s.state for s in samples] == [State.consumed] * 3
-    assert ledger.ack_many(owner, [samples[0].key]) == (0, 1)
+    assert ledger.ack_many(owner, keys) == (3, 0)  # and it applies whole later
+    assert [ledger.get(k).state for k in keys] == [State.consumed] * 3
+    assert ledger.ack_many(owner, [keys[0]]) == (0, 1)
 
 
 def test_a_failed_ack_list_returns_the_trainers_leases(tmp_path):
@@ -89,11 +92,11 @@ def test_a_failed_ack_list_returns_the_trainers_leases(tmp_path):
     from connector import protocol as P
     from server.delivery import DeliveryService
 
-    ledger, samples = _ledger(2, path=tmp_path / "l.sqlite")
+    ledger, keys = _ledger(2, path=tmp_path / "l.sqlite")
     spool = tmp_path / "spool"
     P.claim_spool(spool)
     owner = b"Ltrainer"
-    for _ in samples:
+    for _ in keys:
         s = ledger.next_to_submit(10**9)
         (spool / f"hs-{s.key.index}.safetensors").write_bytes(b"x" * 30)
         ledger.on_notice(_ok(s, f"hs-{s.key.index}.safetensors"), 30)
@@ -101,9 +104,10 @@ def test_a_failed_ack_list_returns_the_trainers_leases(tmp_path):
     svc = DeliveryService(f"ipc://{tmp_path}/d.sock", spool, ledger)
     real_db = ledger._db
     ledger._db = _FailingDb(real_db, fail_at=2)
-    svc._on_message(owner, P.encode_msg(P.Ack(keys=[s.key for s in samples])))
+    svc._on_message(owner, P.encode_msg(P.Ack(keys=keys)))
     ledger._db = real_db
     assert svc.stats["ack_errors"] == 1 and svc.stats["acked"] == 0
+    samples = [ledger.get(k) for k in keys]
     assert [s.state for s in samples] == [State.ready] * 2 and all(s.lease_owner is None for s in samples)
 
 

@@ -52,7 +52,7 @@ def test_samples_queued_before_the_engine_limit_fail_at_once_without_an_attempt(
     fake = FakeVllm(512)
     sub = submitter(led, fake, budget_bytes=150)  # one at a time: the others are failed while still queued
     asyncio.run(run_for(sub, 0.5))
-    st = {s.label: s for s in job.samples}
+    st = {s.label: s for s in led.job_samples(job.job_id)}
     assert [len(p) for p in fake.prompts] == [511]  # only the one that fits reached vLLM
     assert st["fits"].state == State.submitted
     for label, n in (("long", 600), ("one-over", 512)):
@@ -104,7 +104,7 @@ def test_unknown_size_one_in_flight_until_the_first_notice_then_by_the_learned_s
         try:
             await asyncio.sleep(0.5)
             assert len(fake.prompts) == 1 and sub.in_flight == 1  # the rest wait for the size
-            first = next(s for s in job.samples if s.state == State.submitted)
+            first = next(s for s in led.job_samples(job.job_id) if s.state == State.submitted)
             n = notice_for(first)
             assert sizer.learn(n)
             led.on_notice(n, per_sample)
@@ -113,10 +113,10 @@ def test_unknown_size_one_in_flight_until_the_first_notice_then_by_the_learned_s
             await sub.stop()
 
     asyncio.run(scenario())
-    states = [s.state for s in job.samples]
+    states = [s.state for s in led.job_samples(job.job_id)]
     # first is READY (its file holds per_sample bytes), two more fit beside it, five wait
     assert states.count(State.ready) == 1 and states.count(State.submitted) == 2 and states.count(State.queued) == 5
-    assert all(s.expected_bytes == per_sample for s in job.samples if s.state != State.ready)
+    assert all(s.expected_bytes == per_sample for s in led.job_samples(job.job_id) if s.state != State.ready)
     assert led.reserved_bytes <= budget
     assert sub.stats["submitted_before_size_known"] == 1 and sub.stats["max_in_flight_before_size_known"] == 1
 
@@ -131,7 +131,7 @@ def test_learned_size_fails_samples_larger_than_the_whole_budget():
         await sub.start()
         try:
             await asyncio.sleep(0.3)
-            first = job.samples[0]
+            first = led.job_samples(job.job_id)[0]
             n = notice_for(first)
             sizer.learn(n)
             led.on_notice(n, 20_000)
@@ -140,7 +140,7 @@ def test_learned_size_fails_samples_larger_than_the_whole_budget():
             await sub.stop()
 
     asyncio.run(scenario())
-    huge = job.samples[1]
+    huge = led.job_samples(job.job_id)[1]
     assert huge.state == State.failed and "more than the whole spool budget of 1,000,000" in huge.errors[0]
     assert huge.attempt == 0
 
@@ -162,7 +162,8 @@ def test_no_readable_config_means_unknown_size(model, tmp_path):
 def test_a_notice_that_disagrees_with_the_config_wins_once():
     sizer = SampleSizer(Shape(4, 128, 4, "config"))  # the config said float32
     led = Ledger()
-    s = led.add_job([NewSample([1] * 10, None, None, 0)]).samples[0]
+    job = led.add_job([NewSample([1] * 10, None, None, 0)])
+    s = led.job_samples(job.job_id)[0]
     assert sizer.learn(notice_for(s)) and sizer.shape.dtype_size == 2 and sizer.version == 1
     assert not sizer.learn(notice_for(s, (2, 64, "bfloat16")))  # the first notice decides
     err = notice_for(s).model_copy(update={"status": P.NoticeStatus.error})
