@@ -37,13 +37,21 @@ HEADER_NOTICE_KEY = "hsstream.notice"
 #: Key under which the sidecar puts the sample identity into vLLM's ``kv_transfer_params``.
 KV_PARAMS_KEY = "hsstream"
 #: Key of the response's ``kv_transfer_params`` that carries the spool path (as vLLM's
-#: Example connector does, so existing clients keep working).
+#: Example connector does, so existing clients keep working). In a request's
+#: ``kv_transfer_params`` it asks for a custom path (only with ``allow_custom_save_path``).
 KV_PARAMS_PATH_KEY = "hidden_states_path"
+#: Key of the response's ``kv_transfer_params`` that says why no file will come.
+KV_PARAMS_ERROR_KEY = "hidden_states_error"
 
 CHECKSUM_ALGO = "blake3"
 FILE_SUFFIX = ".safetensors"
 TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
+#: A file's companion lock, ``<path>.lock`` (vLLM's Example-connector contract since #43805,
+#: which its ``load_hidden_states`` and hs-connectors' ``FileTransfer`` wait on): it exists,
+#: with an exclusive flock held by the writer, before the path is returned to the client;
+#: the flock is released once the file is complete; the reader removes the lock with the file.
+LOCK_SUFFIX = ".lock"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.safetensors$")
 
@@ -281,6 +289,23 @@ def is_tmp_name(name: str) -> bool:
     return name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX)
 
 
+def lock_path_for(path: str | os.PathLike[str]) -> str:
+    """The companion lock of a hidden-state file (same directory, ``.lock`` appended)."""
+    return os.fspath(path) + LOCK_SUFFIX
+
+
+def is_lock_name(name: str) -> bool:
+    """A spool name that is the companion lock of a hidden-state file."""
+    return name.endswith(FILE_SUFFIX + LOCK_SUFFIX) and _SAFE_NAME.fullmatch(name[: -len(LOCK_SUFFIX)]) is not None
+
+
+def data_name_of_lock(name: str) -> str:
+    """The hidden-state file a lock belongs to (the lock's name without ``.lock``)."""
+    if not is_lock_name(name):
+        raise UnsafePathError(f"{name!r} is not a lock file name")
+    return name[: -len(LOCK_SUFFIX)]
+
+
 def resolve_in_spool(spool: str | os.PathLike[str], name: str, *, must_exist: bool = True) -> Path:
     """The path of ``name`` inside ``spool``, or ``UnsafePathError``.
 
@@ -313,13 +338,28 @@ def spool_file_exists(spool: str | os.PathLike[str], name: str | None) -> bool:
 
 
 def remove_from_spool(spool: str | os.PathLike[str], name: str | None) -> bool:
-    """Delete ``name`` from the spool if it is a plain file there; never anything else.
-    Returns whether a file was removed (already gone or unsafe: False)."""
+    """Delete ``name`` from the spool if it is a plain file there, with its companion lock if
+    it has one; never anything else. Returns whether the file was removed (already gone or
+    unsafe: False)."""
     try:
-        resolve_in_spool(spool, name or "").unlink()
-        return True
+        path = resolve_in_spool(spool, name or "")
     except (UnsafePathError, FileNotFoundError):
         return False
+    _remove_lock_of(path)
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _remove_lock_of(path: Path) -> None:
+    lock = Path(lock_path_for(path))
+    try:
+        if stat.S_ISREG(os.lstat(lock).st_mode):
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def checksum(*buffers: Any) -> str:

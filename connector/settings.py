@@ -55,6 +55,9 @@ class Settings(BaseSettings):
 
     # Connector
     num_writer_threads: int = 4
+    # Layer order in the files: "config" (the order of layer_ids) or "sorted" (ascending, as
+    # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
+    layer_order: str = "config"
 
     @field_validator("layer_ids", mode="before")
     @classmethod
