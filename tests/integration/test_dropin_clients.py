@@ -37,18 +37,22 @@ MODEL_NAME = "verifier"
 
 
 class PlainVllm:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, layer_ids: list[int] = CONFIG_LAYERS, layer_order: str = "sorted") -> None:
         self.model = model
         self.spool = Path(tempfile.mkdtemp(prefix="hsstream-dropin-", dir="/dev/shm"))
         self.workdir = Path(tempfile.mkdtemp(prefix="hsstream-dropin-log-"))
         self.port = free_port()
         opts = launch.VllmOptions(
-            model=model, layer_ids=CONFIG_LAYERS, spool_dir=str(self.spool), notice_endpoint="none",
+            model=model, layer_ids=layer_ids, spool_dir=str(self.spool), notice_endpoint="none",
             port=self.port, max_model_len=1024, gpu_memory_utilization=0.2 if launch.is_cpu_build() else None,
-            enforce_eager=True, layer_order="sorted", served_model_name=MODEL_NAME,
+            enforce_eager=True, layer_order=layer_order, served_model_name=MODEL_NAME,
         )  # fmt: skip
         self.child = launch.spawn("vllm", launch.vllm_args(opts), launch.child_env(), self.workdir / "vllm.log")
-        launch.wait_http(f"{self.url}/v1/models", self.child, timeout=600)
+        try:
+            launch.wait_http(f"{self.url}/v1/models", self.child, timeout=600)
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
