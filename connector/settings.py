@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     # request gets a "busy" notice instead of a file; the engine step never waits.
     max_pending_write_bytes: int = 2 * 2**30
     max_queued_notices: int = 4096  # notices waiting for the sidecar; older ones are useless after its restart
+    # Layer order in the files: "config" (the order of layer_ids) or "sorted" (ascending, as
+    # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
+    layer_order: str = "config"
 
     @field_validator("layer_ids", mode="before")
     @classmethod

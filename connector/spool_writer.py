@@ -23,6 +23,7 @@ import zmq
 from safetensors.torch import save_file
 
 from connector import protocol as P
+from connector.file_lock import WriteLock
 
 log = logging.getLogger("hsstream.connector")
 
@@ -36,6 +37,8 @@ class WriteJob:
     hidden_states: torch.Tensor  # host tensor [T, K, H]; may still be filling (see ready)
     ready: Callable[[], None] | None = None  # blocks until the async copy has landed
     nbytes: int = 0  # counted against the writer's bound while it waits
+    path: Path | None = None  # a client's own path (allow_custom_save_path); None: spool / file
+    lock: WriteLock | None = None  # the companion lock a plain client waits on, held until done
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ class SpoolWriter:
         )
 
     def _write(self, job: WriteJob) -> None:
-        tmp = self.spool / P.tmp_name_for(job.file)
+        dest = job.path or self.spool / job.file
+        tmp = dest.parent / P.tmp_name_for(dest.name)
         try:
             if job.ready is not None:
                 job.ready()
@@ -142,7 +146,7 @@ class SpoolWriter:
                 job.request_id,
                 job.tag,
                 status=P.NoticeStatus.ok,
-                file=job.file,
+                file=job.file if job.path is None else None,  # the sidecar reads the spool only
                 num_tokens=int(ids.shape[0]),
                 nbytes=hs.numel() * hs.element_size(),
                 checksum=digest,
@@ -152,7 +156,9 @@ class SpoolWriter:
                 str(tmp),
                 metadata=P.header_metadata(notice),
             )
-            os.rename(tmp, self.spool / job.file)
+            os.rename(tmp, dest)
+            if job.lock is not None:
+                job.lock.release()
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write failed for %s", job.request_id)
             try:
@@ -162,6 +168,8 @@ class SpoolWriter:
             notice = self._notice(job.request_id, job.tag, status=P.NoticeStatus.error, reason=f"write failed: {e!r}")
         finally:
             job.hidden_states = None  # type: ignore[assignment]  # release pinned memory now
+            if job.lock is not None:
+                job.lock.abandon()  # no-op once released; else no file will come
         self._publish(notice)
         with self._lock:
             self._pending -= 1

@@ -10,8 +10,11 @@ nothing but the pickled per-step metadata. Load it with::
                            "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/hsstream",
                                                          "notice_endpoint": "ipc:///run/hsstream/notice.sock"}}'
 
-``shared_storage_path`` and ``num_writer_threads`` mean what they mean for vLLM's
-``ExampleHiddenStatesConnector``; ``include_output_tokens`` per request too.
+``shared_storage_path``, ``num_writer_threads``, ``allow_custom_save_path`` and
+``use_synchronization_lock`` mean what they mean for vLLM's ``ExampleHiddenStatesConnector``;
+``include_output_tokens`` and ``hidden_states_path`` per request too. Ours: ``notice_endpoint``
+(``"none"``: no sidecar), ``layer_ids`` (the order written) and ``layer_order`` (``config``:
+that order; ``sorted``: ascending, as the Example connector writes). See docs/drop-in.md.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
 from connector.settings import Settings
 from connector.spool_writer import ShapeInfo, SpoolWriter
-from connector.worker_side import HiddenStateGatherer, PendingSave, WorkerSide
+from connector.worker_side import HiddenStateGatherer, LockRequest, PendingSave, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +53,25 @@ class ConnectorConfigError(ValueError):
 @dataclass
 class StreamConnectorMetadata(KVConnectorMetadata):
     pending: list[PendingSave] = field(default_factory=list)
+    new_locks: dict[str, LockRequest] = field(default_factory=dict)
+
+
+#: Every kv_connector_extra_config key we read; any other is named in a warning at start-up.
+KNOWN_EXTRA_KEYS = frozenset({
+    "shared_storage_path", "num_writer_threads", "allow_custom_save_path", "use_synchronization_lock",  # Example's
+    "notice_endpoint", "layer_ids", "layer_order",  # ours
+})  # fmt: skip
+LAYER_ORDERS = ("config", "sorted")
+NO_NOTICES = "none"
+
+
+def _flag(extra: dict, key: str, default: bool) -> bool:
+    v = extra.get(key, default)
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0"):
+        return v.lower() in ("true", "1")
+    raise ConnectorConfigError(f"kv_connector_extra_config.{key} must be true or false, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,18 @@ class ConnectorOptions:
     hidden_size: int
     dtype: str
     model: str
+    layer_order: str = "config"
+    allow_custom_save_path: bool = False
+    use_lock: bool = True
+
+    @property
+    def file_layer_ids(self) -> list[int]:
+        """The layer order written into files (and notices)."""
+        return sorted(self.user_layer_ids) if self.layer_order == "sorted" else list(self.user_layer_ids)
+
+    @property
+    def notice_ep(self) -> str | None:
+        return None if self.notice_endpoint == NO_NOTICES else self.notice_endpoint
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorOptions:
@@ -71,6 +105,14 @@ class ConnectorOptions:
         kvt = vllm_config.kv_transfer_config
         extra = dict(getattr(kvt, "kv_connector_extra_config", None) or {})
         env = Settings()
+        unknown = sorted(set(extra) - KNOWN_EXTRA_KEYS)
+        if unknown:
+            log.warning(
+                "kv_connector_extra_config: ignoring unknown key(s) %s (known: %s)", unknown, sorted(KNOWN_EXTRA_KEYS)
+            )
+        order = str(extra.get("layer_order") or env.layer_order)
+        if order not in LAYER_ORDERS:
+            raise ConnectorConfigError(f"kv_connector_extra_config.layer_order {order!r}: use one of {LAYER_ORDERS}")
         spec = vllm_config.speculative_config
         if spec is None or getattr(spec, "method", None) != "extract_hidden_states":
             raise ConnectorConfigError(
@@ -103,6 +145,9 @@ class ConnectorOptions:
             hidden_size=vllm_config.model_config.get_hidden_size(),
             dtype=dtype,
             model=model,
+            layer_order=order,
+            allow_custom_save_path=_flag(extra, "allow_custom_save_path", False),
+            use_lock=_flag(extra, "use_synchronization_lock", True),
         )
 
 
@@ -120,12 +165,22 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         check_spool(self.opts.spool_dir)
         self._group_id = _hidden_state_group(kv_cache_config)
         self._block_size = _group_block_size(vllm_config, kv_cache_config, self._group_id)
-        self._scheduler = SchedulerSide(self.opts.spool_dir) if role == KVConnectorRole.SCHEDULER else None
+        o = self.opts
+        self._scheduler = (
+            SchedulerSide(o.spool_dir, allow_custom_save_path=o.allow_custom_save_path, use_lock=o.use_lock)
+            if role == KVConnectorRole.SCHEDULER
+            else None
+        )
+        if o.allow_custom_save_path and role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                "allow_custom_save_path is on: API clients can have hidden states written to any path this "
+                "server can write. Only enable it with trusted clients."
+            )
         self._writer: SpoolWriter | None = None
         self._worker = WorkerSide(None, None)  # until register_kv_caches; stays inert off rank 0
         log.info(
-            "hsstream connector (%s): spool %s, notices -> %s, layers %s",
-            role.name, self.opts.spool_dir, self.opts.notice_endpoint, self.opts.user_layer_ids,
+            "hsstream connector (%s): spool %s, notices -> %s, layers %s (file order: %s)",
+            role.name, o.spool_dir, o.notice_endpoint, o.user_layer_ids, o.file_layer_ids,
         )
 
     @property
@@ -149,8 +204,8 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         o = self.opts
         self._writer = SpoolWriter(
             o.spool_dir,
-            o.notice_endpoint,
-            ShapeInfo(o.user_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
+            o.notice_ep,
+            ShapeInfo(o.file_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
             num_threads=o.num_writer_threads,
             max_pending_bytes=o.max_pending_write_bytes,
             max_queued_notices=o.max_queued_notices,
@@ -158,8 +213,8 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         gatherer = HiddenStateGatherer(
             kv_caches[names[0]],
             self._block_size,
-            len(o.user_layer_ids),
-            storage_permutation(o.user_layer_ids),
+            len(o.file_layer_ids),
+            storage_permutation(o.file_layer_ids),
             self._writer,
         )
         self._worker = WorkerSide(gatherer, self._writer)
@@ -178,26 +233,29 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         pending: list[PendingSave] = []
+        new_locks: dict[str, LockRequest] = {}
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, StreamConnectorMetadata):
-                pending = meta.pending
-        return self._worker.step(pending, finished_req_ids), None
+                pending, new_locks = meta.pending, meta.new_locks
+        return self._worker.step(pending, finished_req_ids, new_locks), None
 
     def shutdown(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self._worker.close()
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        pass
+        assert self._scheduler is not None
+        self._scheduler.request_scheduled(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return StreamConnectorMetadata(pending=self._scheduler.take_pending())
+        return StreamConnectorMetadata(pending=self._scheduler.take_pending(), new_locks=self._scheduler.take_new_locks())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

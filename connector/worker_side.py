@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from connector import protocol as P
 from connector.cache_layout import block_chunks, gather_rows, token_major_view
+from connector.file_lock import LockError, WriteLock
 from connector.spool_writer import SpoolWriter, WriteJob
 
 log = logging.getLogger("hsstream.connector")
@@ -31,9 +33,18 @@ class PendingSave:
     block_ids: list[int]
     tag: dict | None = None  # RequestTag as JSON-able dict
     error: str | None = None  # set: send an error notice, there is nothing to copy
+    path: str | None = None  # a client's own path (allow_custom_save_path); None: spool / file
 
     def request_tag(self) -> P.RequestTag | None:
         return P.RequestTag.model_validate(self.tag) if self.tag else None
+
+
+@dataclass(frozen=True)
+class LockRequest:
+    """Scheduler → worker: hold ``<data_path>.lock`` for a request scheduled this step."""
+
+    data_path: str
+    make_dirs: bool = False  # a custom path's directory may not exist yet (as the Example connector)
 
 
 @dataclass
@@ -66,19 +77,20 @@ class HiddenStateGatherer:
         """Host bytes a copy of ``num_tokens`` rows takes (what the writer's bound counts)."""
         return num_tokens * self.view.shape[2] * self.view.shape[3] * self.view.element_size()
 
-    def submit(self, p: PendingSave) -> None:
+    def submit(self, p: PendingSave, lock: WriteLock | None = None) -> None:
         tag = p.request_tag()
+        dest = Path(p.path) if p.path else None
         n = len(p.token_ids)
         k, h = self.view.shape[2], self.view.shape[3]
         if self.cuda:
             host, event = self._copy_async(p.block_ids, n)
             self._inflight[p.request_id] = _InFlight(event)
-            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, ready=event.synchronize)
+            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, ready=event.synchronize, path=dest, lock=lock)
         else:
             blocks = torch.tensor(p.block_ids, dtype=torch.long)
             host = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
             self._inflight[p.request_id] = _InFlight(None)
-            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host)
+            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, path=dest, lock=lock)
         self.writer.submit(job)
 
     def _copy_async(self, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -129,23 +141,50 @@ class WorkerSide:
         self.gatherer = gatherer if writer is not None else None
         self.writer = writer
         self._finished: set[str] = set()
+        self._locks: dict[str, WriteLock] = {}
+        self._lock_errors: dict[str, str] = {}
 
-    def step(self, pending: list[PendingSave], finished_req_ids: set[str]) -> set[str] | None:
+    def step(
+        self,
+        pending: list[PendingSave],
+        finished_req_ids: set[str],
+        new_locks: dict[str, LockRequest] | None = None,
+    ) -> set[str] | None:
         if self.gatherer is None or self.writer is None:
             return None
+        # Locks first: a request scheduled in this step may finish in this step's output, and
+        # its client may read the path as soon as the scheduler has seen that output.
+        for rid, lr in (new_locks or {}).items():
+            if rid in self._locks or rid in self._lock_errors:
+                continue  # re-scheduled after a preemption: still held
+            try:
+                self._locks[rid] = WriteLock(lr.data_path, make_dirs=lr.make_dirs)
+            except LockError as e:
+                log.error("request %s: %s", rid, e)
+                self._lock_errors[rid] = str(e)
         for p in pending:
+            lock = self._locks.pop(p.request_id, None)
+            lock_error = self._lock_errors.pop(p.request_id, None)
+            if p.error is None and lock_error is not None:
+                p.error = lock_error  # a file its client cannot wait for safely is not written
             if p.error is not None:
+                if lock is not None:
+                    lock.abandon()
                 self.writer.submit_error(p.request_id, p.request_tag(), p.error)
                 continue
             if not self.writer.has_room(self.gatherer.nbytes_for(len(p.token_ids))):
                 # Writers are behind: refuse before copying anything (nothing to free later).
+                if lock is not None:
+                    lock.abandon()
                 self.gatherer.mark_done(p.request_id)
                 self.writer.refuse_busy(p.request_id, p.request_tag())
                 continue
             try:
-                self.gatherer.submit(p)
+                self.gatherer.submit(p, lock)
             except Exception as e:  # noqa: BLE001 - never take the engine down for one request
                 log.exception("gather failed for %s", p.request_id)
+                if lock is not None:
+                    lock.abandon()
                 self.gatherer.mark_done(p.request_id)
                 self.writer.submit_error(p.request_id, p.request_tag(), f"gather failed: {e!r}")
         self._finished.update(finished_req_ids)
@@ -153,3 +192,10 @@ class WorkerSide:
         # ids we never copied (error notices, requests freed at once) are not ours to report
         self._finished = {r for r in self._finished if self.gatherer.known(r)}
         return done or None
+
+    def close(self) -> None:
+        """Engine shutdown: requests still scheduled will get no file; leave no lock behind."""
+        locks, self._locks = self._locks, {}
+        for lock in locks.values():
+            lock.abandon()
+        self._lock_errors.clear()

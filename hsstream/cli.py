@@ -59,7 +59,7 @@ def vllm(
     opts = launch.VllmOptions(
         model=mdl, layer_ids=ids, spool_dir=str(s.spool_dir), notice_endpoint=s.notice_ep(), port=port, host=host,
         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-        prefix_caching=prefix_caching, num_writer_threads=s.num_writer_threads, extra=list(vllm_args or []),
+        prefix_caching=prefix_caching, num_writer_threads=s.num_writer_threads, layer_order=s.layer_order, extra=list(vllm_args or []),
     )  # fmt: skip
     try:
         args = launch.vllm_args(opts)

@@ -46,6 +46,7 @@ class VllmOptions:
     enforce_eager: bool = False
     prefix_caching: bool = False
     num_writer_threads: int = 4
+    layer_order: str = "config"  # or "sorted": see connector/settings.py
     served_model_name: str | None = None
     extra: list[str] = field(default_factory=list)
 
@@ -68,6 +69,7 @@ def extraction_configs(o: VllmOptions) -> tuple[dict, dict]:
             "notice_endpoint": o.notice_endpoint,
             "num_writer_threads": o.num_writer_threads,
             "layer_ids": ids,
+            "layer_order": o.layer_order,
         },
     }
     return spec, kvt

@@ -75,7 +75,7 @@ class NoticeReceiver(SocketThread):
         path = None
         if n.file is not None:
             try:
-                if not P.is_own_name(n.file) or P.is_tmp_name(n.file):
+                if not P.is_own_name(n.file) or P.is_tmp_name(n.file) or P.is_own_lock_name(n.file):
                     raise P.UnsafePathError(f"refusing {n.file!r}: not a name the connector writes ({P.FILE_PREFIX}…)")
                 path = P.resolve_in_spool(self.spool, n.file)
             except (P.UnsafePathError, FileNotFoundError) as e:

@@ -65,7 +65,19 @@ class SpoolKeeper:
                 st = e.stat(follow_symlinks=False)
                 if not e.is_file(follow_symlinks=False) or now - st.st_mtime < age:
                     continue
-                os.unlink(os.path.join(self.spool, name))
+                if P.is_own_lock_name(name):
+                    # A lock goes with its file (removed with it); alone, it is stray only once
+                    # its writer let go of it (a held flock is a write in progress).
+                    data = name[: -len(P.LOCK_SUFFIX)]
+                    if data in live or os.path.lexists(os.path.join(self.spool, data)):
+                        continue
+                    if not P.lock_is_free(os.path.join(self.spool, name)):
+                        continue
+                    os.unlink(os.path.join(self.spool, name))
+                elif P.is_tmp_name(name):
+                    os.unlink(os.path.join(self.spool, name))
+                elif not P.remove_from_spool(self.spool, name):  # the file and its lock
+                    continue
                 gone += 1
                 log.info("reaped stray spool file %s", name)
             except FileNotFoundError:

@@ -42,7 +42,7 @@ class InvalidSample(ValueError):
 
 @dataclass
 class Sample:
-    key: P.SampleKey
+    key: P.SampleKey | None  # None: a file read directly (a plain vLLM request, no sidecar)
     token_ids: torch.Tensor  # [T] int64
     hidden_states: torch.Tensor  # [T, K, H] in the file's layer order
     layer_ids: list[int]
@@ -81,11 +81,14 @@ def all_finite(t: torch.Tensor) -> bool:
     return not bool(np.any((bits & utype(mask)) == utype(mask)))
 
 
-def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = None) -> Sample:
+def load_and_check(
+    spool: Path | None, d: P.Deliver, payload: bytes | None = None, *, require_key: bool = True
+) -> Sample:
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
-    and check it against its notice and what the sidecar submitted."""
+    and check it against its notice and what the sidecar submitted. ``require_key=False``:
+    a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`."""
     n = d.notice
-    if n.file is None or n.key is None:
+    if n.file is None or (require_key and n.key is None):
         raise InvalidSample("delivery without a file or key")
     if payload is not None:
         try:
@@ -120,6 +123,31 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = Non
     if mask is not None and mask.shape[0] != T:
         raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {T} tokens")
     return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n)
+
+
+def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None) -> Sample:
+    """Read and validate one file our connector wrote, without a sidecar: shapes, dtype,
+    checksum, finite values and token ids against the notice in its header (and against
+    ``expected_token_ids`` if given). Works for plain vLLM requests (no sample key; ``key`` is
+    None). Wait for the file first as for vLLM's Example connector (``<path>.lock``)."""
+    p = Path(path)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure is an invalid file
+        raise InvalidSample(f"{p}: not a readable safetensors file: {e}") from e
+    if P.HEADER_NOTICE_KEY not in meta:
+        raise InvalidSample(f"{p}: no {P.HEADER_NOTICE_KEY} in its header (not written by this connector)")
+    try:
+        n = P.Notice.decode(meta[P.HEADER_NOTICE_KEY])
+    except P.ProtocolError as e:
+        raise InvalidSample(f"{p}: bad header notice: {e}") from e
+    if n.status != P.NoticeStatus.ok:
+        raise InvalidSample(f"{p}: header notice has status {n.status.value}")
+    d = P.Deliver(notice=n.model_copy(update={"file": p.name}), expected_token_ids=expected_token_ids)
+    return load_and_check(p.parent, d, require_key=False)
 
 
 class HiddenStateStream:

@@ -62,3 +62,36 @@ def test_missing_or_unwritable_spool_refused(tmp_path):
     else:
         with pytest.raises(plugin.ConnectorConfigError, match="not writable"):
             plugin.check_spool(str(ro))
+
+
+def test_unknown_extra_config_keys_are_named_in_a_warning(tmp_path, caplog):
+    extra = {"shared_storage_path": str(tmp_path), "notice_endpoint": "none", "num_writer_thread": 2, "use_lock": True}
+    with caplog.at_level("WARNING", logger="hsstream.connector"):
+        o = plugin.ConnectorOptions.from_vllm(vllm_config([2, 5], extra))
+    (rec,) = [r for r in caplog.records if "unknown key" in r.getMessage()]
+    assert "['num_writer_thread', 'use_lock']" in rec.getMessage()
+    assert o.notice_ep is None  # "none": no sidecar, no notices queued for nobody
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hsstream.connector"):
+        plugin.ConnectorOptions.from_vllm(vllm_config([2, 5], {"shared_storage_path": str(tmp_path), "allow_custom_save_path": False, "use_synchronization_lock": True, "layer_order": "sorted"}))
+    assert not [r for r in caplog.records if "unknown key" in r.getMessage()]
+
+
+def test_layer_order_option(tmp_path):
+    base = {"shared_storage_path": str(tmp_path), "notice_endpoint": "ipc:///tmp/x", "layer_ids": [10, 2, 5]}
+    o = plugin.ConnectorOptions.from_vllm(vllm_config([2, 5, 10], base))
+    assert o.layer_order == "config" and o.file_layer_ids == [10, 2, 5]
+    o = plugin.ConnectorOptions.from_vllm(vllm_config([2, 5, 10], {**base, "layer_order": "sorted"}))
+    assert o.file_layer_ids == [2, 5, 10]  # the Example connector's order
+    with pytest.raises(plugin.ConnectorConfigError, match="layer_order 'ascending'"):
+        plugin.ConnectorOptions.from_vllm(vllm_config([2, 5, 10], {**base, "layer_order": "ascending"}))
+
+
+def test_lock_and_custom_path_flags(tmp_path):
+    base = {"shared_storage_path": str(tmp_path), "notice_endpoint": "ipc:///tmp/x"}
+    o = plugin.ConnectorOptions.from_vllm(vllm_config([2], base))
+    assert (o.allow_custom_save_path, o.use_lock) == (False, True)  # the Example connector's defaults
+    o = plugin.ConnectorOptions.from_vllm(vllm_config([2], {**base, "allow_custom_save_path": True, "use_synchronization_lock": "false"}))
+    assert (o.allow_custom_save_path, o.use_lock) == (True, False)
+    with pytest.raises(plugin.ConnectorConfigError, match="allow_custom_save_path must be true or false"):
+        plugin.ConnectorOptions.from_vllm(vllm_config([2], {**base, "allow_custom_save_path": "yes please"}))

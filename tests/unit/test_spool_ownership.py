@@ -91,3 +91,26 @@ def test_reaper_sweeps_only_own_names_in_a_marked_spool(tmp_path):
     time.sleep(0.01)
     assert keeper.sweep(min_age_s=0) == 0 and (spool / ours[0]).exists()
     os.unlink(spool / ours[0])
+
+
+def test_reaper_handles_locks_with_their_files_and_keeps_held_ones(tmp_path):
+    """A companion lock goes with its stray file; alone, it is reaped only once its writer let
+    go of it (a held flock is a write in progress, whatever its age); a live file's lock stays."""
+    from connector.file_lock import WriteLock
+
+    spool = tmp_path / "spool"
+    P.claim_spool(spool)
+    keeper = SpoolKeeper(spool, Ledger(), grace_s=0)
+    (spool / "hs-stray.safetensors").write_bytes(b"x")
+    (spool / "hs-stray.safetensors.lock").write_bytes(b"")
+    (spool / "hs-orphan.safetensors.lock").write_bytes(b"")  # its writer released and went away
+    held = WriteLock(spool / "hs-writing.safetensors")  # a write in progress holds its flock
+    (spool / "other.safetensors.lock").write_bytes(b"")  # not a name we write: never touched
+    old = time.time() - 3600
+    for n in os.listdir(spool):
+        os.utime(spool / n, (old, old))
+    assert keeper.sweep(min_age_s=0) == 2
+    assert sorted(os.listdir(spool)) == [P.SPOOL_MARKER, "hs-writing.safetensors.lock", "other.safetensors.lock"]
+    held.abandon()
+    assert not (spool / "hs-writing.safetensors.lock").exists()
+    assert P.is_own_name("hs-a.safetensors.lock") and not P.is_own_name("a.safetensors.lock")
