@@ -87,7 +87,7 @@ def _vllm_style_load(path):
 def test_plain_request_lock_exists_and_is_held_before_the_path_is_returned(engine, spool):
     req = _request("cmpl-1")
     engine.schedule(req)
-    path = f"{spool}/cmpl-1.safetensors"
+    path = f"{spool}/hs-cmpl-1.safetensors"
     assert os.path.exists(path + ".lock") and _held(path + ".lock")  # before request_finished
     ok, params = engine.side.request_finished(req, [3, 5])
     assert ok and params[P.KV_PARAMS_PATH_KEY] == path
@@ -103,8 +103,8 @@ def test_plain_request_lock_exists_and_is_held_before_the_path_is_returned(engin
     assert got["t"][P.TOKEN_IDS_KEY].tolist() == [1, 2, 3, 4, 5, 6]
     assert torch.equal(got["t"][P.HIDDEN_STATES_KEY], torch.cat([engine.phys[3], engine.phys[5]])[:6])
     assert not _held(path + ".lock")  # released; the reader removes it with the file (vLLM's cleanup)
-    assert sorted(os.listdir(spool)) == ["cmpl-1.safetensors", "cmpl-1.safetensors.lock"]
-    assert P.remove_from_spool(spool, "cmpl-1.safetensors")
+    assert sorted(os.listdir(spool)) == ["hs-cmpl-1.safetensors", "hs-cmpl-1.safetensors.lock"]
+    assert P.remove_from_spool(spool, "hs-cmpl-1.safetensors")
     assert os.listdir(spool) == []  # the companion lock goes with the file
 
 
@@ -115,14 +115,14 @@ def test_sidecar_requests_take_no_lock(engine, spool):
     engine.side.request_finished(req, [1, 2])
     engine.step({"cmpl-2"})
     assert engine.writer.flush(5)
-    assert os.listdir(spool) == ["cmpl-2.safetensors"]
+    assert os.listdir(spool) == ["hs-cmpl-2.safetensors"]
 
 
 @pytest.mark.parametrize("computed", [0, 3])
 def test_aborted_request_leaves_no_lock(engine, spool, computed):
     req = _request("cmpl-3", computed=computed)
     engine.schedule(req)
-    assert os.path.exists(f"{spool}/cmpl-3.safetensors.lock")
+    assert os.path.exists(f"{spool}/hs-cmpl-3.safetensors.lock")
     ok, params = engine.side.request_finished(req, [] if computed == 0 else [2])
     assert (ok, params) == (False, None)
     engine.step({"cmpl-3"})
@@ -144,7 +144,7 @@ def test_request_aborted_after_prefill_writes_nothing(engine, spool):
 def test_waiting_reader_wakes_to_a_missing_file_when_the_write_fails(engine, spool, monkeypatch):
     req = _request("cmpl-4")
     engine.schedule(req)
-    path = f"{spool}/cmpl-4.safetensors"
+    path = f"{spool}/hs-cmpl-4.safetensors"
     engine.side.request_finished(req, [1, 2])
     errors: list = []
 
@@ -179,7 +179,7 @@ def test_gather_failure_leaves_no_lock(engine, spool):
 def test_shutdown_releases_and_removes_held_locks(spool):
     e = Engine(spool)
     e.schedule(_request("cmpl-6"))
-    assert os.listdir(spool) == ["cmpl-6.safetensors.lock"]
+    assert os.listdir(spool) == ["hs-cmpl-6.safetensors.lock"]
     e.close()
     assert os.listdir(spool) == []
 
@@ -191,12 +191,12 @@ def test_preempted_and_rescheduled_request_keeps_one_lock(engine, spool):
     engine.side.request_finished(req, [1, 2])
     engine.step({"cmpl-7"})
     assert engine.writer.flush(5)
-    assert sorted(os.listdir(spool)) == ["cmpl-7.safetensors", "cmpl-7.safetensors.lock"]
-    assert not _held(f"{spool}/cmpl-7.safetensors.lock")
+    assert sorted(os.listdir(spool)) == ["hs-cmpl-7.safetensors", "hs-cmpl-7.safetensors.lock"]
+    assert not _held(f"{spool}/hs-cmpl-7.safetensors.lock")
 
 
 def test_lock_held_by_someone_else_fails_the_request_cleanly(engine, spool):
-    path = f"{spool}/cmpl-8.safetensors"
+    path = f"{spool}/hs-cmpl-8.safetensors"
     fd = os.open(path + ".lock", os.O_CREAT | os.O_RDONLY, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)  # a stale reader of an earlier file of the same name
     try:
@@ -205,7 +205,7 @@ def test_lock_held_by_someone_else_fails_the_request_cleanly(engine, spool):
         engine.side.request_finished(req, [1, 2])
         engine.step({"cmpl-8"})
         assert engine.writer.flush(5)
-        assert os.listdir(spool) == ["cmpl-8.safetensors.lock"]  # not ours to delete; no data file
+        assert os.listdir(spool) == ["hs-cmpl-8.safetensors.lock"]  # not ours to delete; no data file
         with pytest.raises(LockError, match="held by another process"):
             WriteLock(path)
     finally:
@@ -222,7 +222,7 @@ def test_use_synchronization_lock_off(spool):
         e.side.request_finished(req, [1, 2])
         e.step({"cmpl-9"})
         assert e.writer.flush(5)
-        assert os.listdir(spool) == ["cmpl-9.safetensors"]
+        assert os.listdir(spool) == ["hs-cmpl-9.safetensors"]
     finally:
         e.close()
 
@@ -296,7 +296,7 @@ def test_lock_names():
 def test_remove_from_spool_never_follows_a_lock_symlink(spool, tmp_path):
     victim = tmp_path / "victim"
     victim.write_text("keep")
-    (spool / "a.safetensors").write_bytes(b"x")
-    os.symlink(victim, spool / "a.safetensors.lock")
-    assert P.remove_from_spool(spool, "a.safetensors")
-    assert victim.read_text() == "keep" and os.path.islink(spool / "a.safetensors.lock")
+    (spool / "hs-a.safetensors").write_bytes(b"x")
+    os.symlink(victim, spool / "hs-a.safetensors.lock")
+    assert P.remove_from_spool(spool, "hs-a.safetensors")
+    assert victim.read_text() == "keep" and os.path.islink(spool / "hs-a.safetensors.lock")

@@ -307,7 +307,7 @@ def test_writer_rank_refuses_busy_before_copying_when_writers_are_behind(spool, 
     g = HiddenStateGatherer(phys, bs, K, None, writer)
     copied = []
     real_submit = g.submit
-    g.submit = lambda p: (copied.append(p.request_id), real_submit(p))
+    g.submit = lambda p, lock=None: (copied.append(p.request_id), real_submit(p, lock))
     try:
         w = WorkerSide(g, writer)
         first = PendingSave("a", "a.safetensors", list(range(4)), [0], P.RequestTag(key=P.SampleKey(job="j", index=0)))
