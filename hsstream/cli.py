@@ -19,9 +19,13 @@ def serve(
     import uvicorn
 
     from connector.settings import Settings
+    from hsstream import launch
     from server.app import create_app
 
     s = Settings()
+    # uvicorn stops gracefully on SIGTERM, then re-raises it to the handler it found, to die by
+    # it (exit 143) although the stop was clean: this handler makes that exit status 0.
+    launch.exit_0_on_stop()
     uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_level="warning")
 
 
@@ -197,6 +201,9 @@ def train(
     from trainer_client.eagle3.run import run_train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from hsstream.launch import exit_0_on_stop
+
+    exit_0_on_stop()  # a stop asked for (up's Ctrl-C): leases go back, unacked samples come again
     s = Settings()
     mdl = model or s.model
     if not mdl:

@@ -218,18 +218,38 @@ def test_vllm_killed_mid_job_is_restarted_and_the_job_completes(stack):
     assert spool_files(stack) == []
 
 
-def test_sigterm_stops_every_process_and_empties_the_spool(stack):
+def test_ctrl_c_stops_every_process_cleanly_and_empties_the_spool(stack):
+    """Ctrl-C (SIGINT; SIGTERM takes the same path, see test_readme) reads as a clean stop:
+    every child exits 0, the supervisor says "stopped cleanly", and nothing it prints from the
+    signal on is a warning (vLLM's "leaked shared_memory" ones were, before the ordered stop)."""
     stack.note_processes()
     assert len(stack.seen) >= 4  # sidecar, vLLM (+ engine, worker), trainer
-    stack.proc.send_signal(signal.SIGTERM)
+    mark = len(stack.output().splitlines())
+    stack.proc.send_signal(signal.SIGINT)
     try:
         rc = stack.proc.wait(180)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"`hsstream up` still running 180 s after SIGTERM:\n{stack.tail()}")
+        pytest.fail(f"`hsstream up` still running 180 s after SIGINT:\n{stack.tail()}")
     assert rc == 0, stack.tail()
-    assert "SIGTERM received: stopping the stack" in "\n".join(stack.up_lines())
+    assert_stopped_cleanly(stack.output().splitlines()[mark:], "SIGINT")
     assert stack.survivors() == []
     assert not stack.spool.exists(), f"spool left: {spool_files(stack)}"
+
+
+#: What must not appear in the output of a clean stop.
+NOT_CLEAN = ("warn", "leaked", "traceback", "error", "killed by")
+
+
+def assert_stopped_cleanly(lines: list[str], signame: str, children=("trainer", "vllm", "sidecar")) -> None:  # noqa: ANN001
+    """The output of ``hsstream up`` from the stop signal on reads as a clean stop."""
+    text = "\n".join(lines)
+    up = [ln for ln in lines if ln.startswith("up ")]
+    assert f"{signame} received: stopping the stack" in "\n".join(up), text
+    for name in children:
+        assert any(f"stopped {name} (exit code 0)" in ln for ln in up), f"{name} did not exit 0:\n{text}"
+    assert any("stopped cleanly (every child exited 0)" in ln for ln in up), text
+    bad = [ln for ln in lines if any(w in ln.lower() for w in NOT_CLEAN)]
+    assert bad == [], "warnings in a clean stop:\n" + "\n".join(bad)
 
 
 # ----------------------------------------------------------------------------- no restart left
@@ -270,6 +290,9 @@ def _trainer_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--log", required=True)
     a = ap.parse_args(argv)
+    from hsstream.launch import exit_0_on_stop
+
+    exit_0_on_stop()  # as `hsstream train` does: a stop asked for is a clean exit
     with open(a.log, "a", buffering=1) as out, HiddenStateStream(follow=True, timeout_s=3600) as stream:
         for s in stream:
             out.write(json.dumps({"key": str(s.key), "job": s.key.job, "tokens": int(s.token_ids.shape[0])}) + "\n")
