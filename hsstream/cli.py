@@ -111,6 +111,20 @@ def status(
 
 
 @app.command()
+def top(
+    url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
+    interval: float = typer.Option(1.0, min=0.2, help="seconds between refreshes"),
+    once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+) -> None:
+    """Live view: jobs, samples/s, spool fill, trainers' wait share.
+
+    Refreshed every second from the sidecar's GET /v1/overview; Ctrl-C quits."""
+    from hsstream.top import run_top
+
+    raise typer.Exit(run_top(url, interval, once))
+
+
+@app.command()
 def up(
     env_file: str = typer.Option(None, help="compose's .env (e.g. deploy/.env); the shell's environment wins"),
     model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL or MODEL_DIR, else the tiny model)"),

@@ -9,6 +9,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from server.dependencies import ServicesDep, require_token
+from server.overview import overview
+from server.schemas import Overview
 
 router = APIRouter(tags=["observability"], dependencies=[Depends(require_token)])
 
@@ -33,3 +35,10 @@ async def stats(svc: ServicesDep) -> dict:
         "submitter": sub.stats,
         "states": dict(Counter(x.state.value for j in ledger.jobs.values() for x in j.samples)),
     }
+
+
+@router.get("/v1/overview", response_model=Overview)
+async def get_overview(svc: ServicesDep) -> Overview:
+    """Jobs, consumption rates, spool against budget and connected trainers, in one snapshot
+    (what ``hsstream top`` shows)."""
+    return overview(svc)
