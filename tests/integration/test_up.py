@@ -34,7 +34,9 @@ START_TIMEOUT = 900  # one engine start is ~40 s alone on 2 cores, minutes when 
 class Up:
     """A running ``hsstream up`` and what it printed."""
 
-    def __init__(self, tmp: Path, model: str, *args: str) -> None:
+    def __init__(self, tmp: Path, model: str, *args: str, command: list[str] | None = None, cwd: Path = ROOT) -> None:
+        """``command``: the whole command line (default ``python -m hsstream up --max-model-len
+        1024 ARGS``), run in ``cwd``; the stack's ports and folders come from the environment."""
         self.tmp = tmp
         self.spool = Path("/dev/shm") / f"hsstream-up-test-{uuid.uuid4().hex[:8]}"  # up creates and removes it
         self.run_dir = tmp / "run"
@@ -49,10 +51,12 @@ class Up:
             # a sample whose notice died with vLLM is retried after this long
             "HSSTREAM_NOTICE_TIMEOUT_S": "20",
         })  # fmt: skip
+        env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever `hsstream` runs it
+        self.env = env
         self._out = open(self.out_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hsstream", "up", "--max-model-len", "1024", *args],
-            env=env, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+            command or [sys.executable, "-m", "hsstream", "up", "--max-model-len", "1024", *args],
+            env=env, cwd=cwd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.seen: dict[int, psutil.Process] = {}
 
