@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -166,6 +167,7 @@ def samples(n: int, seed: int) -> list[dict]:
 
 def test_top_shows_what_the_api_says_while_a_trainer_streams(stack):
     term = Terminal("top", "--url", stack.api)
+    job = stream = it = None
     try:
         first = term.pump(3)
         assert "no jobs yet" in first and "no trainer connected" in first, first
@@ -213,17 +215,24 @@ def test_top_shows_what_the_api_says_while_a_trainer_streams(stack):
         term.child.expect(pexpect.EOF, timeout=10)
         term.child.close()
         assert term.child.exitstatus == 0, term.text()
-        it.close()
-        stream.close()
     finally:
         term.close()
+        if it is not None:
+            it.close()
+        if stream is not None:
+            stream.close()
+        if job is not None:  # the trainer left with leases: cancelling the job frees the spool
+            httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30)
+        t0 = time.monotonic()
+        while stack.spool_files() and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
 
 
 def test_top_when_the_sidecar_is_not_there():
     url = f"http://127.0.0.1:{free_port()}"
-    once = pexpect.run(f"{sys.executable} -m hsstream top --once --url {url}", withexitstatus=True, timeout=60,
-                       cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    out, rc = once[0].decode(), once[1]
+    once = subprocess.run([sys.executable, "-m", "hsstream", "top", "--once", "--url", url], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    out, rc = once.stdout + once.stderr, once.returncode
     assert rc == 3 and f"sidecar not reachable at {url}" in out and "Connection refused" in out, out
     term = Terminal("top", "--url", url)
     try:
