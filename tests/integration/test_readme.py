@@ -160,6 +160,11 @@ def test_every_readme_command_runs_against_the_stack(stack):
     loop_out = next(outputs[i] for i, (c, _) in enumerate(run) if "loop.py" in c)
     assert len([ln for ln in loop_out.splitlines() if ln.strip()]) == sum(j["counts"]["consumed"] for j in jobs)
     assert "hsstream_samples_total" in "".join(outputs.values())
+    # the links README gives into the running stack (/docs) answer
+    links = set(re.findall(rf"<http://{DEFAULT_API}(/[^>]*)>", README.read_text()))
+    assert "/docs" in links
+    for path in links:
+        assert httpx.get(f"{up.api}{path}", timeout=30).status_code == 200, path
     # README's Ctrl-C note: the stack stops cleanly (SIGTERM here; test_up sends SIGINT)
     mark = len(up.output().splitlines())
     up.proc.send_signal(signal.SIGTERM)
