@@ -40,29 +40,29 @@ def render(ov: dict, url: str, interval: float) -> Group:
         Text(f"samples  {samples}"),
         Text(f"rate  {rt['samples_per_s']:,.2f} samples/s  {rt['tokens_per_s']:,.1f} tokens/s  "
              f"(consumed, last {rt['window_s']:g} s)"),  # fmt: skip
-        Text(f"spool  {sp['file_bytes']:,} B of {sp['budget_bytes']:,} B budget ({100 * fill:.1f} %)  "
-             f"reserved {sp['reserved_bytes']:,} B  ready {ov['ready']:,} samples",
+        Text(f"spool  {sp['file_bytes']:,} of {sp['budget_bytes']:,} B ({100 * fill:.1f} %)  "
+             f"reserved {sp['reserved_bytes']:,} B  ready {ov['ready']:,}",
              style="red" if fill > 0.9 else ""),  # fmt: skip
     ]
     if ov.get("vllm_down_since_s") is not None:
         lines.append(Text(f"vLLM unreachable for {ov['vllm_down_since_s']:.0f} s", style="bold red"))
-    jobs = Table(title=None, box=None, header_style="bold", pad_edge=False)
-    jobs.add_column("job")
-    jobs.add_column("state")
-    jobs.add_column("samples", justify="right")
+    jobs = Table(box=None, header_style="bold", pad_edge=False, collapse_padding=True)
+    jobs.add_column("job", no_wrap=True, min_width=16)  # ids whole: they are what users copy
+    jobs.add_column("state", no_wrap=True)
     for k in states:
-        jobs.add_column(k, justify="right")
+        jobs.add_column(k, justify="right", no_wrap=True)
+    jobs.add_column("of", justify="right", no_wrap=True)
     for j in ov["jobs"]:
-        jobs.add_row(j["job_id"], "done" if j["done"] else "running", f"{j['num_samples']:,}",
-                     *(f"{j['counts'].get(k, 0):,}" for k in states))  # fmt: skip
-    trainers = Table(box=None, header_style="bold", pad_edge=False)
-    for col, right in (("trainer", False), ("jobs", False), ("credit", True), ("delivered", True), ("acked", True),
-                       ("wait now", True), ("wait all", True), ("seen", True)):  # fmt: skip
-        trainers.add_column(col, justify="right" if right else "left")
+        jobs.add_row(j["job_id"], "done" if j["done"] else "running",
+                     *(f"{j['counts'].get(k, 0):,}" for k in states), f"{j['num_samples']:,}")  # fmt: skip
+    trainers = Table(box=None, header_style="bold", pad_edge=False, collapse_padding=True)
+    for col in ("trainer", "credit", "delivered", "acked", "wait now", "wait all", "seen"):
+        trainers.add_column(col, justify="left" if col == "trainer" else "right", no_wrap=True)
+    trainers.add_column("jobs", overflow="fold")  # last: a long list folds, the figures stay put
     for t in ov["trainers"]:
-        trainers.add_row(t["id"], "all" if t["jobs"] is None else ",".join(t["jobs"]), f"{t['credit']:,}",
-                         f"{t['delivered']:,}", f"{t['acked']:,}", share(t["wait_share_recent"]),
-                         share(t["wait_share"]), f"{t['last_seen_s']:.0f} s ago")  # fmt: skip
+        trainers.add_row(t["id"], f"{t['credit']:,}", f"{t['delivered']:,}", f"{t['acked']:,}",
+                         share(t["wait_share_recent"]), share(t["wait_share"]), f"{t['last_seen_s']:.0f} s ago",
+                         "all" if t["jobs"] is None else " ".join(t["jobs"]))  # fmt: skip
     return Group(
         *lines,
         Text(""),
