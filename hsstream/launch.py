@@ -149,8 +149,8 @@ class Child:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM to the leader only: vLLM's API server then stops its engine and workers in
         order, and they unlink their shared memory (a SIGTERM to the whole group kills them
-        mid-teardown: "leaked shared_memory" warnings). What is left after it exits, or after
-        ``timeout``, is the caller's to reap as a group."""
+        mid-teardown: "leaked shared_memory" warnings). The rest of the group gets its SIGTERM
+        once the leader is gone, SIGKILL after ``timeout``."""
         if self.proc.poll() is None:
             try:
                 os.kill(self.proc.pid, signal.SIGTERM)
@@ -158,6 +158,9 @@ class Child:
                 pass
             try:
                 self.proc.wait(timeout)
+                os.killpg(self.proc.pid, signal.SIGTERM)  # whatever the leader left behind
+            except ProcessLookupError:
+                pass
             except subprocess.TimeoutExpired:
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
