@@ -207,6 +207,9 @@ def train(
     """Train an Eagle-3 draft online from the stream.
 
     Speculators' format; checkpoints, resumes from --out."""
+    from hsstream.launch import exit_0_on_stop
+
+    exit_0_on_stop()  # first, before torch loads: a stop asked for (up's Ctrl-C) is a clean exit
     import json
     import logging
 
@@ -215,9 +218,6 @@ def train(
     from trainer_client.eagle3.run import run_train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from hsstream.launch import exit_0_on_stop
-
-    exit_0_on_stop()  # a stop asked for (up's Ctrl-C): leases go back, unacked samples come again
     s = Settings()
     mdl = model or s.model
     if not mdl:

@@ -226,6 +226,10 @@ def test_ctrl_c_stops_every_process_cleanly_and_empties_the_spool(stack):
     """Ctrl-C (SIGINT; SIGTERM takes the same path, see test_readme) reads as a clean stop:
     every child exits 0, the supervisor says "stopped cleanly", and nothing it prints from the
     signal on is a warning (vLLM's "leaked shared_memory" ones were, before the ordered stop)."""
+    t0 = time.monotonic()  # the trainer is up and streaming (run alone, this test comes right after start)
+    while not httpx.get(f"{stack.api}/v1/overview", timeout=10).json()["trainers"]:
+        assert time.monotonic() - t0 < 120, f"the trainer never connected:\n{stack.tail()}"
+        time.sleep(0.5)
     stack.note_processes()
     assert len(stack.seen) >= 4  # sidecar, vLLM (+ engine, worker), trainer
     mark = len(stack.output().splitlines())
@@ -289,14 +293,14 @@ def _trainer_main(argv: list[str]) -> int:
     """
     import argparse
 
+    from hsstream.launch import exit_0_on_stop
+
+    exit_0_on_stop()  # as `hsstream train` does (first thing): a stop asked for is a clean exit
     from trainer_client import HiddenStateStream
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--log", required=True)
     a = ap.parse_args(argv)
-    from hsstream.launch import exit_0_on_stop
-
-    exit_0_on_stop()  # as `hsstream train` does: a stop asked for is a clean exit
     with open(a.log, "a", buffering=1) as out, HiddenStateStream(follow=True, timeout_s=3600) as stream:
         for s in stream:
             out.write(json.dumps({"key": str(s.key), "job": s.key.job, "tokens": int(s.token_ids.shape[0])}) + "\n")
