@@ -57,7 +57,9 @@ DEPLOY_KEYS = (
 
 #: Triton's nanobind extension lists the objects still alive when an interpreter exits (vLLM's
 #: processes import triton even on CPU): two dozen lines that read like a leak on the host.
-NANOBIND_EXIT_REPORT = re.compile(r"^(nanobind: |\s+- (leaked |\.\.\. skipped remainder)|See https://nanobind\.readthedocs)")
+NANOBIND_EXIT_REPORT = re.compile(
+    r"^(nanobind: |\s+- (leaked |\.\.\. skipped remainder)|See https://nanobind\.readthedocs)"
+)
 NANOBIND_EXPLAINED = (
     "(triton's nanobind listed Python objects alive at interpreter exit: its known exit message, "
     "nothing is left on the host; full text in the log)"

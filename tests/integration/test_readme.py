@@ -42,8 +42,8 @@ EXCLUDED = {
     r"^make test\b": "`make` (re)installs .venv, and runs this very test",
     r"^\.venv/bin/hsstream up --env-file deploy/\.env": "needs deploy/.env edited for a GPU host's model and GPUs",
     r"^docker compose ": "Docker and (but for --profile cpu) GPUs; compose's file is checked by test_deploy_compose.py",
-    r"^HSSTREAM_MODEL=/models/Qwen3-8B ": "a GPU host's model; the same `hsstream vllm` / `serve` run inside `hsstream up`",
-    r"^hsstream submit data\.jsonl .*--follow": "the stack of the block above (a GPU host's); `hsstream submit` runs above",
+    r"^HSSTREAM_MODEL=/models/Qwen3-8B ": "a GPU host's model; `hsstream vllm` and `serve` run inside `hsstream up`",
+    r"^hsstream submit data\.jsonl .*--follow": "the GPU stack of its block; `hsstream submit` runs above",
     r"^\.venv/bin/hsstream top\s*(#.*)?$": "interactive until Ctrl-C; test_top.py drives it in a pseudo-terminal",
 }
 

@@ -117,7 +117,8 @@ def check_frame(screen: str, before: dict, after: dict, settled: bool) -> dict:
     # the jobs table: one row per job, its counts under the header's state columns
     header = next(ln for ln in screen.splitlines() if ln.startswith("job ") and "consumed" in ln)
     cols = header.split()
-    for b, a in zip(sorted(before["jobs"], key=lambda j: j["job_id"]), sorted(after["jobs"], key=lambda j: j["job_id"])):
+    by_id = lambda jobs: sorted(jobs, key=lambda j: j["job_id"])  # noqa: E731
+    for b, a in zip(by_id(before["jobs"]), by_id(after["jobs"]), strict=True):
         row = next((ln.split() for ln in screen.splitlines() if ln.startswith(b["job_id"] + " ")), None)
         assert row, f"no row for job {b['job_id']}\n{screen}"
         cells = dict(zip(cols, row))

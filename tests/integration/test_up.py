@@ -248,7 +248,9 @@ def test_ctrl_c_stops_every_process_cleanly_and_empties_the_spool(stack):
 NOT_CLEAN = ("warn", "leaked", "traceback", "error", "killed by")
 
 
-def assert_stopped_cleanly(lines: list[str], signame: str, children=("trainer", "vllm", "sidecar")) -> None:  # noqa: ANN001
+def assert_stopped_cleanly(
+    lines: list[str], signame: str, children: tuple[str, ...] = ("trainer", "vllm", "sidecar")
+) -> None:
     """The output of ``hsstream up`` from the stop signal on reads as a clean stop."""
     text = "\n".join(lines)
     up = [ln for ln in lines if ln.startswith("up ")]
