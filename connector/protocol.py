@@ -228,6 +228,11 @@ class Heartbeat(_Model):
     v: int = PROTOCOL_VERSION
     hello: Hello | None = None
     window: int = 0
+    #: Seconds since the stream started iterating, and of them the seconds the loop spent
+    #: inside the stream waiting for a sample: the trainer's wait share (waited / alive), so
+    #: an operator sees whether training is starved by production (``hsstream top``).
+    alive_s: float = Field(default=0.0, ge=0)
+    waited_s: float = Field(default=0.0, ge=0)
 
 
 class End(_Model):

@@ -7,19 +7,26 @@ import sys
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hidden-state streaming for online Eagle-3 training.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Hidden-state streaming for online Eagle-3 training.")
 
 
 @app.command()
-def serve(host: str = typer.Option(None), port: int = typer.Option(None)) -> None:
-    """Run the sidecar (REST + notice + delivery endpoints)."""
+def serve(
+    host: str = typer.Option(None, help="address to bind the REST API (default HSSTREAM_HOST)"),
+    port: int = typer.Option(None, help="REST API port (default HSSTREAM_PORT)"),
+) -> None:
+    """Run the sidecar: REST API, notice and delivery endpoints."""
     import uvicorn
 
     from connector import protocol as P
     from connector.settings import Settings
+    from hsstream import launch
     from server.app import create_app
 
     s = Settings()
+    # uvicorn stops gracefully on SIGTERM, then re-raises it to the handler it found, to die by
+    # it (exit 143) although the stop was clean: this handler makes that exit status 0.
+    launch.exit_0_on_stop()
     try:
         app_ = create_app(s)
     except P.SpoolNotOurs as e:
@@ -32,16 +39,18 @@ def serve(host: str = typer.Option(None), port: int = typer.Option(None)) -> Non
 def vllm(
     model: str = typer.Option(None, help="verifier checkpoint (default HSSTREAM_MODEL)"),
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS)"),
-    port: int = typer.Option(8000),
-    host: str = typer.Option("0.0.0.0"),
-    max_model_len: int = typer.Option(None),
-    gpu_memory_utilization: float = typer.Option(None),
-    enforce_eager: bool = typer.Option(False),
-    prefix_caching: bool = typer.Option(False),
+    port: int = typer.Option(8000, help="vLLM's HTTP port"),
+    host: str = typer.Option("0.0.0.0", help="address vLLM binds"),
+    max_model_len: int = typer.Option(None, help="context length (default: the model's)"),
+    gpu_memory_utilization: float = typer.Option(None, help="share of GPU memory vLLM may use (0.2 on CPU)"),
+    enforce_eager: bool = typer.Option(False, help="no CUDA graphs / compilation", show_default=False),
+    prefix_caching: bool = typer.Option(False, help="off by default: see docs/prefix-caching.md", show_default=False),
     dry_run: bool = typer.Option(False, help="print the command instead of running it"),
-    vllm_args: list[str] = typer.Argument(None, help="more vLLM arguments after `--`, e.g. -- --tensor-parallel-size 2"),
+    vllm_args: list[str] = typer.Argument(None, help="more vLLM arguments after `--` (see `vllm serve --help`)"),
 ) -> None:
-    """Exec `vllm serve` with the extraction method and our connector (what compose runs)."""
+    """Run vLLM with the extraction method and our connector.
+
+    It execs `vllm serve` with the command line compose runs too."""
     from connector.layers import LayerIdError
     from connector.settings import Settings
     from hsstream import launch
@@ -74,8 +83,10 @@ def vllm(
 
 
 @app.command()
-def demo(prompts: int = typer.Option(32, help="number of samples to stream"), workdir: str = typer.Option(None)) -> None:
-    """Run the whole loop on the embedded tiny model (CPU): vLLM → spool → sidecar → stream."""
+def demo(prompts: int = typer.Option(32, help="number of samples to stream"), workdir: str = typer.Option(None, help="keep files here (default: a temp dir)")) -> None:
+    """Stream samples from the tiny model on CPU, end to end.
+
+    vLLM → spool → sidecar → HiddenStateStream, with a summary."""
     from hsstream.demo import run_demo
 
     raise typer.Exit(run_demo(prompts, workdir))
@@ -95,11 +106,28 @@ def submit(
 
 
 @app.command()
-def status(job: str = typer.Argument(None), url: str = typer.Option(None)) -> None:
+def status(
+    job: str = typer.Argument(None, help="job id (default: list all jobs)"),
+    url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
+) -> None:
     """Show one job's progress, or list all jobs."""
     from hsstream.rest_client import status as _status
 
     raise typer.Exit(_status(job, url))
+
+
+@app.command()
+def top(
+    url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
+    interval: float = typer.Option(1.0, min=0.2, help="seconds between refreshes"),
+    once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+) -> None:
+    """Live view: jobs, samples/s, spool fill, trainers' wait share.
+
+    Refreshed every second from the sidecar's GET /v1/overview; Ctrl-C quits."""
+    from hsstream.top import run_top
+
+    raise typer.Exit(run_top(url, interval, once))
 
 
 @app.command()
@@ -113,12 +141,14 @@ def up(
     max_model_len: int = typer.Option(None, help="default MAX_MODEL_LEN, else the model's"),
     gpu_memory_utilization: float = typer.Option(None, help="default GPU_MEMORY_UTILIZATION; 0.2 on the CPU build"),
     enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="default: eager on CPU"),
-    prefix_caching: bool = typer.Option(False, help="see docs/prefix-caching.md"),
+    prefix_caching: bool = typer.Option(False, help="off by default: see docs/prefix-caching.md", show_default=False),
     ready_timeout: float = typer.Option(900.0, help="seconds vLLM may take to load the model"),
     log_dir: str = typer.Option(None, help="also write each child's log to DIR/NAME.log"),
     vllm_args: list[str] = typer.Argument(None, help="more vLLM arguments after `--`"),
 ) -> None:
-    """Start vLLM, the sidecar and optionally a trainer; supervise them until Ctrl-C or SIGTERM."""
+    """Start vLLM, the sidecar and a trainer; stop all on Ctrl-C.
+
+    Supervises them (restarts a dead vLLM) until Ctrl-C or SIGTERM."""
     import shlex
 
     from hsstream import up as _up
@@ -166,21 +196,26 @@ def train(
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
     aux_layers: str = typer.Option(None, help="three aux layer ids, comma-separated (default 2, N//2, N-3)"),
     steps: int = typer.Option(None, help="stop after this many steps (default: when the jobs are complete)"),
-    samples_per_step: int = typer.Option(1),
-    lr: float = typer.Option(1e-3),
-    warmup: int = typer.Option(20),
+    samples_per_step: int = typer.Option(1, help="samples per optimiser step"),
+    lr: float = typer.Option(1e-3, help="peak learning rate"),
+    warmup: int = typer.Option(20, help="linear warm-up steps"),
     schedule: str = typer.Option("cosine", help="cosine | linear | constant"),
     schedule_steps: int = typer.Option(None, help="length of the LR decay (default --steps)"),
-    grad_clip: float = typer.Option(1.0),
-    ttt_steps: int = typer.Option(3),
-    checkpoint_every: int = typer.Option(100),
+    grad_clip: float = typer.Option(1.0, help="gradient norm clip"),
+    ttt_steps: int = typer.Option(3, help="test-time-training steps (draft tokens unrolled)"),
+    checkpoint_every: int = typer.Option(100, help="steps between checkpoints"),
     threads: int = typer.Option(1, help="torch CPU threads (1 is fastest beside vLLM on a small machine)"),
     timeout: float = typer.Option(600.0, help="seconds without a sample before giving up"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, help="random seed"),
     control: str = typer.Option("none", help="'swap-hidden': negative control, aux states from another sample"),
-    progress: bool = typer.Option(True),
+    progress: bool = typer.Option(True, help="progress bar on stderr"),
 ) -> None:
-    """Train an Eagle-3 draft online on the stream (speculators' format; checkpoints, resume)."""
+    """Train an Eagle-3 draft online from the stream.
+
+    Speculators' format; checkpoints, resumes from --out."""
+    from hsstream.launch import exit_0_on_stop
+
+    exit_0_on_stop()  # first, before torch loads: a stop asked for (up's Ctrl-C) is a clean exit
     import json
     import logging
 
@@ -214,8 +249,10 @@ def train(
 
 
 @app.command()
-def keys(directory: str = typer.Argument(..., help="where to write the key pair"), name: str = typer.Option("trainer")) -> None:
-    """Make a CURVE key pair for remote delivery (NAME.key public, NAME.key_secret secret).
+def keys(directory: str = typer.Argument(..., help="where to write the key pair"), name: str = typer.Option("trainer", help="file name stem")) -> None:
+    """Make a CURVE key pair for remote delivery.
+
+    NAME.key is the public key, NAME.key_secret the secret one.
 
     The sidecar's pair goes to HSSTREAM_CURVE_SERVER_SECRET_FILE; each trainer's public
     NAME.key goes into the sidecar's HSSTREAM_CURVE_CLIENTS_DIR."""

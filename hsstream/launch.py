@@ -48,6 +48,10 @@ class VllmOptions:
     num_writer_threads: int = 4
     layer_order: str = "config"  # or "sorted": see connector/settings.py
     served_model_name: str | None = None
+    #: vLLM's --shutdown-timeout. Its default, 0, force-kills the engine at once on SIGTERM,
+    #: before it unlinks its shared memory ("leaked shared_memory" warnings, RAM held in
+    #: /dev/shm); with a few seconds it drains and tears down in order (~5 s on CPU).
+    shutdown_timeout_s: int = 15
     extra: list[str] = field(default_factory=list)
 
 
@@ -86,6 +90,7 @@ def vllm_args(o: VllmOptions) -> list[str]:
         "--kv-transfer-config", json.dumps(kvt),
         # Prefix caching is off unless asked for: see docs/prefix-caching.md.
         "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
+        "--shutdown-timeout", str(o.shutdown_timeout_s),
     ]  # fmt: skip
     if o.max_model_len:
         args += ["--max-model-len", str(o.max_model_len)]
@@ -138,14 +143,21 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout: float = 20.0) -> int | None:
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM to the leader only: vLLM's API server then stops its engine and workers in
+        order, and they unlink their shared memory (a SIGTERM to the whole group kills them
+        mid-teardown: "leaked shared_memory" warnings). The rest of the group gets its SIGTERM
+        once the leader is gone, SIGKILL after ``timeout``."""
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.kill(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             try:
                 self.proc.wait(timeout)
+                os.killpg(self.proc.pid, signal.SIGTERM)  # whatever the leader left behind
+            except ProcessLookupError:
+                pass
             except subprocess.TimeoutExpired:
                 try:
                     os.killpg(self.proc.pid, signal.SIGKILL)
@@ -189,6 +201,18 @@ def wait_http(url: str, child: Child | None, timeout: float, on_tick=None) -> No
         if on_tick:
             on_tick(time.monotonic() - t0)
         time.sleep(0.5)
+
+
+def exit_0_on_stop() -> None:
+    """SIGTERM and SIGINT end this process with status 0 (``SystemExit``, so ``finally`` blocks
+    and context managers run): a stop that was asked for is not a failure, and a supervisor
+    (``hsstream up``, compose) should read it as clean. Called by ``serve`` and ``train``."""
+
+    def stop(_sig: int, _frame: object) -> None:
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 def repo_root() -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import re
 import shlex
 import signal
 import socket
@@ -51,6 +52,16 @@ DEPLOY_KEYS = (
     "DATA_PARALLEL_SIZE",
     "VLLM_GPUS",
     "TRAINER_GPUS",
+)
+
+#: Triton's nanobind extension lists the objects still alive when an interpreter exits (vLLM's
+#: processes import triton even on CPU): two dozen lines that read like a leak on the host.
+NANOBIND_EXIT_REPORT = re.compile(
+    r"^(nanobind: |\s+- (leaked |\.\.\. skipped remainder)|See https://nanobind\.readthedocs)"
+)
+NANOBIND_EXPLAINED = (
+    "(triton's nanobind listed Python objects alive at interpreter exit: its known exit message, "
+    "nothing is left on the host; full text in the log)"
 )
 
 #: Order in which children are stopped: the trainer first (it returns its leases while the
@@ -443,11 +454,17 @@ class Supervisor:
         self._made_spool = False
         self._vllm_shm: set[str] = set()
         self._stopped = False
+        self._nanobind_told: set[str] = set()
 
     # ---------------------------------------------------------------- output
     _COLORS = {"up": "1", "vllm": "36", "sidecar": "35", "trainer": "33"}
 
     def _emit(self, name: str, line: str) -> None:
+        if NANOBIND_EXIT_REPORT.match(line):  # kept whole in the child's log; one line here
+            if name in self._nanobind_told:
+                return
+            self._nanobind_told.add(name)
+            line = NANOBIND_EXPLAINED
         tag = f"{name:<7} |"
         if self._color:
             tag = f"\x1b[{self._COLORS.get(name, '0')}m{tag}\x1b[0m"
@@ -683,6 +700,7 @@ class Supervisor:
         for ch in sorted(self.children, key=lambda c: order.get(c.name, -1)):
             if ch.alive():
                 self.say(f"stopped {ch.name} ({describe_exit(ch.stop())})")
+        unclean = [f"{c.name} ({describe_exit(c.proc.returncode)})" for c in self.children if c.proc.returncode != 0]
         for ch in self.children:
             _reap_group(ch.proc.pid)
             if isinstance(ch, Proc):
@@ -712,4 +730,5 @@ class Supervisor:
             os.close(self._lock_fd)
             self._lock_fd = None
         gone = f", spool {self.cfg.spool_dir} removed" if self._made_spool else ""
-        self.say(f"stopped; {removed} spool file(s) removed{gone}")
+        how = f"not cleanly: {', '.join(unclean)}" if unclean else "cleanly (every child exited 0)"
+        self.say(f"stopped {how}; {removed} spool file(s) removed{gone}")

@@ -25,6 +25,7 @@ import zmq
 from connector import protocol as P
 from server.ledger import Ledger
 from server.notices import prepare_ipc
+from server.schemas import TrainerInfo
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
@@ -49,6 +50,32 @@ class Peer:
     last_sent: float = field(default_factory=time.monotonic)
     ended: bool = False
     greeted: bool = False
+    delivered: int = 0
+    acked: int = 0
+    #: The stream's own figures from its heartbeats: (alive_s, waited_s) now and one beat before.
+    beat: tuple[float, float] | None = None
+    prev_beat: tuple[float, float] | None = None
+
+    def on_heartbeat(self, alive_s: float, waited_s: float) -> None:
+        if alive_s <= 0:
+            return  # an older stream, or one that has not started iterating
+        if self.beat is not None and alive_s > self.beat[0]:
+            self.prev_beat = self.beat
+        self.beat = (alive_s, waited_s)
+
+    def info(self, owner: bytes, now: float) -> TrainerInfo:
+        share = recent = None
+        if self.beat is not None:
+            share = self.beat[1] / self.beat[0]
+            if self.prev_beat is not None:
+                recent = (self.beat[1] - self.prev_beat[1]) / (self.beat[0] - self.prev_beat[0])
+        return TrainerInfo(
+            id=owner.hex(), remote=self.remote, jobs=self.jobs, credit=self.credit, delivered=self.delivered,
+            acked=self.acked, last_seen_s=round(now - self.last_seen, 3),
+            alive_s=self.beat[0] if self.beat else None,
+            wait_share=None if share is None else round(min(max(share, 0.0), 1.0), 4),
+            wait_share_recent=None if recent is None else round(min(max(recent, 0.0), 1.0), 4),
+        )  # fmt: skip
 
 
 class DeliveryService(SocketThread):
@@ -79,6 +106,11 @@ class DeliveryService(SocketThread):
         self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
                       "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
+
+    def trainers(self) -> list[TrainerInfo]:
+        """The connected trainers, for the REST overview (read from another thread: a snapshot)."""
+        now = time.monotonic()
+        return [p.info(owner, now) for owner, p in list(self.peers.items()) if p.greeted]
 
     def _file_exists(self, name: str) -> bool:
         return P.spool_file_exists(self.spool, name)
@@ -150,6 +182,8 @@ class DeliveryService(SocketThread):
             # A trainer we do not know (we restarted, it did not): resume from its heartbeat.
             peer.jobs, peer.follow, peer.credit, peer.greeted = msg.hello.jobs, msg.hello.follow, msg.window, True
             log.info("trainer %s resumed from its heartbeat (window %d)", owner.hex(), msg.window)
+        if isinstance(msg, P.Heartbeat):
+            peer.on_heartbeat(msg.alive_s, msg.waited_s)
         if isinstance(msg, P.Hello):
             peer.jobs, peer.follow, peer.greeted = msg.jobs, msg.follow, True
         elif isinstance(msg, P.Credit):
@@ -171,6 +205,7 @@ class DeliveryService(SocketThread):
                 self.ledger.release_owner(owner, self._file_exists)
                 return
             self.stats["acked"] += acked
+            peer.acked += acked
             self.stats["duplicate_acks"] += dup
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
@@ -219,6 +254,7 @@ class DeliveryService(SocketThread):
                         self.stats["delivered_remote"] += 1
                     self._send(owner, P.encode_msg(d, payload))
                     peer.credit -= 1
+                    peer.delivered += 1
                     self.stats["delivered"] += 1
                 if not peer.follow and not peer.ended and self.ledger.jobs_done(peer.jobs):
                     self._send(owner, P.encode_msg(P.End(jobs=peer.jobs)))

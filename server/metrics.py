@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,12 +25,14 @@ class SidecarMetrics:
         self.states = Gauge("hsstream_samples_in_state", "Samples per state now", ["state"], registry=r)
         self.reserved = Gauge("hsstream_spool_reserved_bytes", "Spool bytes reserved (files + in flight)", registry=r)
         self.tmpfs_used = Gauge("hsstream_spool_fs_used_bytes", "Used bytes of the spool's filesystem", registry=r)
+        self.consumed = RateMeter()
         ledger.listeners.append(self._on_transition)
 
     def _on_transition(self, state: State, old: State | None, n: int, tokens: int) -> None:
         self.transitions.labels(state.value).inc(n)
         if state == State.consumed:
             self.tokens.inc(tokens)
+            self.consumed.add(n, tokens)
 
     def render(self, spool: Path) -> tuple[bytes, str]:
         counts = {st.value: 0 for st in State}
@@ -43,3 +47,31 @@ class SidecarMetrics:
         except OSError:
             pass
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RateMeter:
+    """Samples and tokens per second over the last ``window_s`` seconds, in one-second buckets
+    (memory bounded by the window, not the rate). Prometheus users take ``rate()`` of the
+    counters; this is the same figure for the REST overview and ``hsstream top``."""
+
+    def __init__(self, window_s: int = 10, clock=time.monotonic) -> None:  # noqa: ANN001
+        self.window_s = window_s
+        self._clock = clock
+        self._buckets: dict[int, list[int]] = {}  # whole second -> [samples, tokens]
+        self._lock = threading.Lock()  # ledger transitions come from several threads
+
+    def add(self, samples: int, tokens: int) -> None:
+        now = int(self._clock())
+        with self._lock:
+            b = self._buckets.setdefault(now, [0, 0])
+            b[0] += samples
+            b[1] += tokens
+            for sec in [k for k in self._buckets if k < now - self.window_s]:
+                del self._buckets[sec]
+
+    def rates(self) -> tuple[float, float]:
+        """(samples/s, tokens/s) over the last full ``window_s`` seconds before this one."""
+        now = int(self._clock())
+        with self._lock:
+            recent = [b for sec, b in self._buckets.items() if now - self.window_s <= sec < now]
+        return sum(b[0] for b in recent) / self.window_s, sum(b[1] for b in recent) / self.window_s

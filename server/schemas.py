@@ -119,3 +119,55 @@ class TokenCounts(BaseModel):
     vocab_size: int | None
     total_tokens: int
     counts: dict[int, int]
+
+
+class TrainerInfo(BaseModel):
+    """A connected trainer as the delivery endpoint sees it (``GET /v1/overview``)."""
+
+    id: str = Field(description="its socket identity (hex), as the sidecar log names it")
+    remote: bool
+    jobs: list[str] | None = Field(description="jobs it follows; null: every job")
+    credit: int = Field(description="samples it can take now")
+    delivered: int
+    acked: int
+    last_seen_s: float = Field(description="seconds since its last message")
+    alive_s: float | None = Field(description="seconds since its stream started (from its heartbeats)")
+    wait_share: float | None = Field(
+        description="share of its time spent waiting for samples, over the stream's life (0..1)"
+    )
+    wait_share_recent: float | None = Field(description="the same between its last two heartbeats")
+
+
+class Rates(BaseModel):
+    """Consumption (trainers' acks) over the last ``window_s`` seconds."""
+
+    window_s: float
+    samples_per_s: float
+    tokens_per_s: float
+
+
+class SpoolUsage(BaseModel):
+    file_bytes: int = Field(description="bytes of the sample files in the spool now")
+    reserved_bytes: int = Field(description="files plus requests in flight: what admission counts")
+    budget_bytes: int = Field(description="HSSTREAM_SPOOL_BUDGET_BYTES")
+
+
+class JobSummary(BaseModel):
+    job_id: str
+    done: bool
+    num_samples: int
+    counts: dict[str, int]
+
+
+class Overview(BaseModel):
+    """One consistent snapshot of the whole sidecar for a live view (``hsstream top``)."""
+
+    jobs_total: int
+    jobs_done: int
+    jobs: list[JobSummary] = Field(description="the most recent jobs first (at most 20)")
+    samples: dict[str, int] = Field(description="samples per state over all jobs")
+    ready: int = Field(description="samples produced and waiting for a trainer")
+    rates: Rates
+    spool: SpoolUsage
+    trainers: list[TrainerInfo]
+    vllm_down_since_s: float | None

@@ -202,6 +202,10 @@ class HiddenStateStream:
         self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
         self._used_set: set[P.SampleKey] = set()
         self._last_send = 0.0
+        self._last_beat = 0.0
+        self._started: float | None = None  # first __iter__
+        self._waited = 0.0  # seconds the loop spent in the stream waiting for a sample
+        self._waiting_since: float | None = None  # inside __iter__, not yet yielded
         self._outbox: deque[list[bytes]] = deque()
         self.remote = self.endpoint.startswith("tcp://")
         if self.remote and not (curve_server_key and curve_client_cert):
@@ -209,6 +213,17 @@ class HiddenStateStream:
         self._curve = (curve_server_key, curve_client_cert)
         self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote)
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0}
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the loop has spent in the stream waiting for samples (the wait under way too)."""
+        now = time.monotonic()
+        return self._waited + (now - self._waiting_since if self._waiting_since is not None else 0.0)
+
+    def _heartbeat(self) -> P.Heartbeat:
+        alive = time.monotonic() - self._started if self._started is not None else 0.0
+        return P.Heartbeat(hello=self._hello, window=self.credit, alive_s=round(alive, 3),
+                           waited_s=round(min(self.waited_s, alive), 3))  # fmt: skip
 
     # -- socket -------------------------------------------------------------------------------
     def _connect(self) -> zmq.Socket:
@@ -294,12 +309,17 @@ class HiddenStateStream:
     def __iter__(self) -> Iterator[Sample]:
         sock = self._connect()
         deadline = time.monotonic() + self.timeout_s
+        if self._started is None:
+            self._started = time.monotonic()
+        self._waiting_since = time.monotonic()  # from here to the yield, the loop waits on us
         while True:
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
             self._flush()
-            if time.monotonic() - self._last_send > self.heartbeat_s and not self._outbox:
-                self._send(P.Heartbeat(hello=self._hello, window=self.credit))
+            # Every heartbeat_s, busy or not: it carries the wait share, not only liveness.
+            if time.monotonic() - self._last_beat > self.heartbeat_s and not self._outbox:
+                self._last_beat = time.monotonic()
+                self._send(self._heartbeat())
             if not sock.poll(int(min(self.heartbeat_s, 0.5) * 1000)):
                 if time.monotonic() - self._last_recv > self.sidecar_silence_s:
                     sock = self._reconnect()
@@ -312,6 +332,7 @@ class HiddenStateStream:
             self._last_recv = time.monotonic()
             msg = P.decode_msg(frames)
             if isinstance(msg, P.End):
+                self._waited, self._waiting_since = self.waited_s, None
                 return
             if not isinstance(msg, P.Deliver):
                 continue  # a heartbeat: the sidecar is alive, but it is no sample (timeout_s runs on)
@@ -324,7 +345,10 @@ class HiddenStateStream:
             self._used.append(sample.key)
             self._used_set.add(sample.key)
             self.stats["yielded"] += 1
+            self._waited += time.monotonic() - self._waiting_since
+            self._waiting_since = None
             yield sample
+            self._waiting_since = time.monotonic()
 
     def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
         key = d.notice.key
@@ -380,7 +404,8 @@ class HiddenStateStream:
         HSSTREAM_TRAINER_TIMEOUT_S of silence and the samples are produced again."""
         if self._sock is not None:
             self._flush()
-            self._send(P.Heartbeat(hello=self._hello, window=self.credit))
+            self._last_beat = time.monotonic()
+            self._send(self._heartbeat())
 
     def close(self, *, failed: bool = False) -> None:
         """Return leases and send pending acks. ``failed``: the loop stopped on an error, so the

@@ -9,6 +9,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from server.dependencies import ServicesDep, require_token
+from server.overview import overview
+from server.schemas import Overview
 
 router = APIRouter(tags=["observability"], dependencies=[Depends(require_token)])
 
@@ -36,3 +38,10 @@ async def stats(svc: ServicesDep) -> dict:
         "states": dict(sum((Counter(j.counts()) for j in list(ledger.jobs.values())), Counter())),
         "in_flight": ledger.in_flight(),
     }
+
+
+@router.get("/v1/overview", response_model=Overview)
+async def get_overview(svc: ServicesDep) -> Overview:
+    """Jobs, consumption rates, spool against budget and connected trainers, in one snapshot
+    (what ``hsstream top`` shows)."""
+    return overview(svc)

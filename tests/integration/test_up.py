@@ -35,7 +35,9 @@ START_TIMEOUT = 900  # one engine start is ~40 s alone on 2 cores, minutes when 
 class Up:
     """A running ``hsstream up`` and what it printed."""
 
-    def __init__(self, tmp: Path, model: str, *args: str) -> None:
+    def __init__(self, tmp: Path, model: str, *args: str, command: list[str] | None = None, cwd: Path = ROOT) -> None:
+        """``command``: the whole command line (default ``python -m hsstream up --max-model-len
+        1024 ARGS``), run in ``cwd``; the stack's ports and folders come from the environment."""
         self.tmp = tmp
         self.spool = Path("/dev/shm") / f"hsstream-up-test-{uuid.uuid4().hex[:8]}"  # up creates and removes it
         self.run_dir = tmp / "run"
@@ -50,10 +52,12 @@ class Up:
             # a sample whose notice died with vLLM is retried after this long
             "HSSTREAM_NOTICE_TIMEOUT_S": "20",
         })  # fmt: skip
+        env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever `hsstream` runs it
+        self.env = env
         self._out = open(self.out_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hsstream", "up", "--max-model-len", "1024", *args],
-            env=env, cwd=ROOT, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
+            command or [sys.executable, "-m", "hsstream", "up", "--max-model-len", "1024", *args],
+            env=env, cwd=cwd, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self.seen: dict[int, psutil.Process] = {}
 
@@ -220,18 +224,44 @@ def test_vllm_killed_mid_job_is_restarted_and_the_job_completes(stack):
     assert spool_files(stack) == []
 
 
-def test_sigterm_stops_every_process_and_empties_the_spool(stack):
+def test_ctrl_c_stops_every_process_cleanly_and_empties_the_spool(stack):
+    """Ctrl-C (SIGINT; SIGTERM takes the same path, see test_readme) reads as a clean stop:
+    every child exits 0, the supervisor says "stopped cleanly", and nothing it prints from the
+    signal on is a warning (vLLM's "leaked shared_memory" ones were, before the ordered stop)."""
+    t0 = time.monotonic()  # the trainer is up and streaming (run alone, this test comes right after start)
+    while not httpx.get(f"{stack.api}/v1/overview", timeout=10).json()["trainers"]:
+        assert time.monotonic() - t0 < 120, f"the trainer never connected:\n{stack.tail()}"
+        time.sleep(0.5)
     stack.note_processes()
     assert len(stack.seen) >= 4  # sidecar, vLLM (+ engine, worker), trainer
-    stack.proc.send_signal(signal.SIGTERM)
+    mark = len(stack.output().splitlines())
+    stack.proc.send_signal(signal.SIGINT)
     try:
         rc = stack.proc.wait(180)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"`hsstream up` still running 180 s after SIGTERM:\n{stack.tail()}")
+        pytest.fail(f"`hsstream up` still running 180 s after SIGINT:\n{stack.tail()}")
     assert rc == 0, stack.tail()
-    assert "SIGTERM received: stopping the stack" in "\n".join(stack.up_lines())
+    assert_stopped_cleanly(stack.output().splitlines()[mark:], "SIGINT")
     assert stack.survivors() == []
     assert not stack.spool.exists(), f"spool left: {spool_files(stack)}"
+
+
+#: What must not appear in the output of a clean stop.
+NOT_CLEAN = ("warn", "leaked", "traceback", "error", "killed by")
+
+
+def assert_stopped_cleanly(
+    lines: list[str], signame: str, children: tuple[str, ...] = ("trainer", "vllm", "sidecar")
+) -> None:
+    """The output of ``hsstream up`` from the stop signal on reads as a clean stop."""
+    text = "\n".join(lines)
+    up = [ln for ln in lines if ln.startswith("up ")]
+    assert f"{signame} received: stopping the stack" in "\n".join(up), text
+    for name in children:
+        assert any(f"stopped {name} (exit code 0)" in ln for ln in up), f"{name} did not exit 0:\n{text}"
+    assert any("stopped cleanly (every child exited 0)" in ln for ln in up), text
+    bad = [ln for ln in lines if any(w in ln.lower() for w in NOT_CLEAN)]
+    assert bad == [], "warnings in a clean stop:\n" + "\n".join(bad)
 
 
 # ----------------------------------------------------------------------------- no restart left
@@ -267,6 +297,9 @@ def _trainer_main(argv: list[str]) -> int:
     """
     import argparse
 
+    from hsstream.launch import exit_0_on_stop
+
+    exit_0_on_stop()  # as `hsstream train` does (first thing): a stop asked for is a clean exit
     from trainer_client import HiddenStateStream
 
     ap = argparse.ArgumentParser()

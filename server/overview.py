@@ -1,0 +1,43 @@
+"""``GET /v1/overview``: the whole sidecar in one snapshot, for ``hsstream top``.
+
+One call per refresh instead of one per job: a live view polls every second, and figures
+taken from one snapshot add up (the states of the samples, the spool against its budget).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from server.dependencies import Services
+from server.ledger import State
+from server.schemas import JobSummary, Overview, Rates, SpoolUsage
+
+MAX_JOBS = 20
+
+
+def overview(svc: Services) -> Overview:
+    ledger, metrics = svc.ledger, svc.metrics
+    with ledger._lock:  # noqa: SLF001 - one consistent view of the jobs, not torn by a transition
+        jobs = list(ledger.jobs.values())
+        summaries = [JobSummary(job_id=j.job_id, done=j.done, num_samples=len(j.samples), counts=j.counts())
+                     for j in jobs]  # fmt: skip
+        ready = ledger.ready_count()
+        reserved = ledger.reserved_bytes
+    states: Counter[str] = Counter({st.value: 0 for st in State})
+    for js in summaries:
+        states.update(js.counts)
+    sps, tps = metrics.consumed.rates()
+    down = svc.submitter.down_since
+    return Overview(
+        jobs_total=len(summaries),
+        jobs_done=sum(js.done for js in summaries),
+        jobs=summaries[::-1][:MAX_JOBS],
+        samples=dict(states),
+        ready=ready,
+        rates=Rates(window_s=metrics.consumed.window_s, samples_per_s=round(sps, 2), tokens_per_s=round(tps, 1)),
+        spool=SpoolUsage(file_bytes=svc.keeper.file_bytes(), reserved_bytes=reserved,
+                         budget_bytes=svc.settings.spool_budget_bytes),
+        trainers=svc.delivery.trainers(),
+        vllm_down_since_s=None if down is None else round(time.monotonic() - down, 1),
+    )
