@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class WriteJob:
     token_ids: list[int]
     hidden_states: torch.Tensor  # host tensor [T, K, H]; may still be filling (see ready)
     ready: Callable[[], None] | None = None  # blocks until the async copy has landed
+    gather_s: float = 0.0  # time the engine's step spent enqueuing this sample's gather
 
 
 @dataclass(frozen=True)
@@ -95,14 +97,17 @@ class SpoolWriter:
 
     def _write(self, job: WriteJob) -> None:
         tmp = self.spool / P.tmp_name_for(job.file)
+        t0 = time.perf_counter()
         try:
             if job.ready is not None:
                 job.ready()
+            t1 = time.perf_counter()
             hs = job.hidden_states
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if hs.shape[0] != ids.shape[0]:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
             digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+            t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
                 job.tag,
@@ -118,6 +123,9 @@ class SpoolWriter:
                 metadata=P.header_metadata(notice),
             )
             os.rename(tmp, self.spool / job.file)
+            t3 = time.perf_counter()
+            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write failed for %s", job.request_id)
             try:
@@ -134,7 +142,7 @@ class SpoolWriter:
 
     def _publish(self, notice: P.Notice) -> None:
         if self._sender is not None:
-            self._notices.put(notice.encode())
+            self._notices.put(notice.model_copy(update={"sent_at": time.time()}).encode())
 
     # -- the socket's owner thread -----------------------------------------------------------
     def _send_loop(self) -> None:
