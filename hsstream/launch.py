@@ -52,6 +52,8 @@ class VllmOptions:
     prefix_caching: bool = False
     num_writer_threads: int = 4
     served_model_name: str | None = None
+    #: False: plain vLLM (no extraction method, no connector), the baseline benchmarks compare with.
+    extraction: bool = True
     extra: list[str] = field(default_factory=list)
 
 
@@ -79,17 +81,13 @@ def extraction_configs(o: VllmOptions) -> tuple[dict, dict]:
 
 
 def vllm_args(o: VllmOptions) -> list[str]:
-    spec, kvt = extraction_configs(o)
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", o.model,
-        "--host", o.host,
-        "--port", str(o.port),
-        "--speculative-config", json.dumps(spec),
-        "--kv-transfer-config", json.dumps(kvt),
-        # Prefix caching is off unless asked for: see docs/prefix-caching.md.
-        "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
-    ]  # fmt: skip
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", o.model, "--host", o.host,
+            "--port", str(o.port)]  # fmt: skip
+    if o.extraction:
+        spec, kvt = extraction_configs(o)
+        args += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kvt)]
+    # Prefix caching is off unless asked for: see docs/prefix-caching.md.
+    args.append("--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching")
     if o.max_model_len:
         args += ["--max-model-len", str(o.max_model_len)]
     if o.gpu_memory_utilization:
@@ -99,6 +97,20 @@ def vllm_args(o: VllmOptions) -> list[str]:
     if o.served_model_name:
         args += ["--served-model-name", o.served_model_name]
     return args + list(o.extra)
+
+
+def parallel_args(num_gpus: int, tensor_parallel_size: int = 1) -> list[str]:
+    """vLLM's TP/DP flags for ``num_gpus`` GPUs: TP groups of ``tensor_parallel_size``, one
+    data-parallel engine per group (2 GPUs, TP 1: DP 2; 4 GPUs, TP 2: DP 2)."""
+    tp = max(1, tensor_parallel_size)
+    if num_gpus < 1 or num_gpus % tp:
+        raise ValueError(f"{num_gpus} GPU(s) cannot be split into tensor-parallel groups of {tp}")
+    args = []
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    if num_gpus // tp > 1:
+        args += ["--data-parallel-size", str(num_gpus // tp)]
+    return args
 
 
 def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
