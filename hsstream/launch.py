@@ -113,16 +113,24 @@ def parallel_args(num_gpus: int, tensor_parallel_size: int = 1) -> list[str]:
     return args
 
 
-def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def cpu_env(base: dict[str, str] | None = None, ranks: int = 1) -> dict[str, str]:
     """Environment for vLLM's CPU build: bind OpenMP threads explicitly.
 
     vLLM's default binding reserves a core without a speculative config and not with one, so
-    unbound runs are not comparable; we always bind every core we may use.
+    unbound runs are not comparable; we always bind every core we may use. With ``ranks``
+    tensor-parallel workers the cores are split between them (vLLM's ``a-b|c-d`` syntax).
     """
     env = dict(base if base is not None else os.environ)
     if "VLLM_CPU_OMP_THREADS_BIND" not in env:
         cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+        if ranks > 1:
+            if len(cores) < ranks:
+                raise ValueError(f"{ranks} CPU ranks need at least {ranks} cores, this process may use {len(cores)}")
+            per = len(cores) // ranks
+            groups = [cores[i * per : (i + 1) * per] for i in range(ranks)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
