@@ -75,6 +75,7 @@ class NoticeConsumer:
         self.spool = spool
         self.count = self.errors = self.nbytes = 0
         self.keep = False  # True: leave the files (for checks that read them afterwards)
+        self.notices: list = []  # with keep: every notice received, to check each file came once
         self.stop = threading.Event()
         self.t = threading.Thread(target=self.run, daemon=True)
         self.t.start()
@@ -91,7 +92,9 @@ class NoticeConsumer:
                 continue
             p = P.resolve_in_spool(self.spool, n.file)
             self.nbytes += p.stat().st_size
-            if not self.keep:
+            if self.keep:
+                self.notices.append(n)
+            else:
                 p.unlink()
             self.count += 1
 
@@ -112,13 +115,14 @@ def run_one(args: argparse.Namespace) -> dict:
     from hsstream import launch
 
     mdir, layers, dummy = model_dir(args)
-    res: dict = {"mode": args.mode, "round": args.round, "vllm": vllm.__version__, "layers": layers}
+    res: dict = {"mode": args.mode, "round": args.round, "vllm": vllm.__version__, "layers": layers, "tp": args.tp}
     spool = Path(args.spool) / args.mode
     shutil.rmtree(spool, ignore_errors=True)
     kw: dict = dict(
         model=mdir, dtype="bfloat16", max_model_len=args.max_model_len, enable_prefix_caching=False,
         enforce_eager=not args.compile, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, seed=0, gpu_memory_utilization=args.gpu_mem_util,
+        tensor_parallel_size=args.tp,
     )  # fmt: skip
     if dummy:
         kw.update(load_format="dummy", skip_tokenizer_init=True)
@@ -202,7 +206,7 @@ def parent(args: argparse.Namespace) -> int:
     from hsstream import launch
 
     # CPU build: bind OpenMP threads explicitly, else plain and extraction bind differently.
-    env = launch.cpu_env() if args.tiny else dict(os.environ)
+    env = launch.cpu_env(ranks=args.tp) if args.tiny else dict(os.environ)
     results = []
     for r in range(args.rounds):
         for mode in args.modes:
@@ -299,6 +303,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-mem-util", type=float, default=None, help="default 0.85 (GPU), 0.2 (--tiny, CPU)")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
     ap.add_argument("--spool", default="/dev/shm/hsstream-bench")
     ap.add_argument("--model-dir", default="/tmp/qwen3_8b_dummy")
     ap.add_argument("--warm-shm-mib", type=int, default=20480)

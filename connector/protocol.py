@@ -139,6 +139,13 @@ class Notice(_Model):
     checksum: str | None = None
     checksum_algo: str = CHECKSUM_ALGO
     model: str = ""
+    #: ``time.time()`` when the connector published the notice (file complete and renamed).
+    #: Additive and optional: benchmarks measure notice-to-trainer latency on one host's clock.
+    sent_at: float | None = None
+    #: Seconds the connector spent on this sample, per stage (``gather`` on the engine's step,
+    #: ``copy_wait`` for the device-to-host copy, ``checksum``, ``write`` incl. rename): cheap
+    #: counters that let a benchmark say where time goes without profiling vLLM.
+    timings: dict[str, float] = Field(default_factory=dict)
 
     def encode(self) -> bytes:
         return self.model_dump_json().encode()

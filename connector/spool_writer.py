@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class WriteJob:
     nbytes: int = 0  # counted against the writer's bound while it waits
     path: Path | None = None  # a client's own path (allow_custom_save_path); None: spool / file
     lock: WriteLock | None = None  # the companion lock a plain client waits on, held until done
+    gather_s: float = 0.0  # time the engine's step spent enqueuing this sample's gather
 
 
 @dataclass(frozen=True)
@@ -134,14 +136,17 @@ class SpoolWriter:
     def _write(self, job: WriteJob) -> None:
         dest = job.path or self.spool / job.file
         tmp = dest.parent / P.tmp_name_for(dest.name)
+        t0 = time.perf_counter()
         try:
             if job.ready is not None:
                 job.ready()
+            t1 = time.perf_counter()
             hs = job.hidden_states
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if hs.shape[0] != ids.shape[0]:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
             digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+            t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
                 job.tag,
@@ -159,6 +164,9 @@ class SpoolWriter:
             os.rename(tmp, dest)
             if job.lock is not None:
                 job.lock.release()
+            t3 = time.perf_counter()
+            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write failed for %s", job.request_id)
             try:
@@ -180,7 +188,7 @@ class SpoolWriter:
         if self._sender is None:
             return
         try:
-            self._notices.put_nowait(notice.encode())
+            self._notices.put_nowait(notice.model_copy(update={"sent_at": time.time()}).encode())
         except queue.Full:
             with self._lock:
                 self.stats["notices_dropped"] += 1

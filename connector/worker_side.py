@@ -10,6 +10,7 @@ stay allocated (vLLM's delayed free) until the copy has landed; ``poll`` reports
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,7 @@ class HiddenStateGatherer:
         dest = Path(p.path) if p.path else None
         n = len(p.token_ids)
         k, h = self.view.shape[2], self.view.shape[3]
+        t0 = time.perf_counter()
         if self.cuda:
             host, event = self._copy_async(p.block_ids, n)
             self._inflight[p.request_id] = _InFlight(event)
@@ -91,6 +93,7 @@ class HiddenStateGatherer:
             host = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
             self._inflight[p.request_id] = _InFlight(None)
             job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, path=dest, lock=lock)
+        job.gather_s = time.perf_counter() - t0
         self.writer.submit(job)
 
     def _copy_async(self, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.cuda.Event]:

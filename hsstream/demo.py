@@ -59,10 +59,11 @@ class Stack:
     """
 
     def __init__(
-        self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False, max_model_len: int = 1024
-    ) -> None:
+        self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False,
+        max_model_len: int = 1024, gpu_memory_utilization: float | None = None, vllm_extra: list[str] | None = None,
+        vllm_gpus: str | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
-        self.max_model_len = max_model_len
         self.layer_ids = layer_ids
         self.workdir = workdir
         self.spool = Path(tempfile.mkdtemp(prefix="hsstream-", dir="/dev/shm"))
@@ -78,6 +79,10 @@ class Stack:
             "PYTHONUNBUFFERED": "1",
         }
         self.prefix_caching = prefix_caching
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.vllm_extra = list(vllm_extra or [])  # more vLLM flags (benchmarks: --load-format dummy, TP)
+        self.vllm_gpus = vllm_gpus  # CUDA_VISIBLE_DEVICES of vLLM
         self.children: list[launch.Child] = []
         self._sup: Supervisor | None = None
 
@@ -92,14 +97,15 @@ class Stack:
     def start(self, on_tick=None) -> None:  # noqa: ANN001
         cli = hsstream_vllm_cli(
             self.model, self.layer_ids, "127.0.0.1", self.vllm_port, max_model_len=self.max_model_len,
-            gpu_memory_utilization=0.2 if launch.is_cpu_build() else None, enforce_eager=True,
-            prefix_caching=self.prefix_caching, extra=["--served-model-name", "verifier"],
+            gpu_memory_utilization=self.gpu_memory_utilization or (0.2 if launch.is_cpu_build() else None),
+            enforce_eager=True, prefix_caching=self.prefix_caching,
+            extra=["--served-model-name", "verifier", *self.vllm_extra],
         )  # fmt: skip
         cfg = UpConfig(
             model=self.model, layer_ids=self.layer_ids, spool_dir=self.spool, run_dir=self.run_dir,
             api_host="127.0.0.1", api_port=self.api_port, vllm_host="127.0.0.1", vllm_port=self.vllm_port,
             vllm_cli=cli, env=self.env, max_restarts=0, ready_timeout_s=600, log_dir=self.workdir,
-            cwd=launch.repo_root(),
+            cwd=launch.repo_root(), vllm_gpus=self.vllm_gpus,
         )  # fmt: skip
         self._sup = Supervisor(cfg, echo=False)
         self._sup.children = self.children

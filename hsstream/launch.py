@@ -52,6 +52,8 @@ class VllmOptions:
     #: before it unlinks its shared memory ("leaked shared_memory" warnings, RAM held in
     #: /dev/shm); with a few seconds it drains and tears down in order (~5 s on CPU).
     shutdown_timeout_s: int = 15
+    #: False: plain vLLM (no extraction method, no connector), the baseline benchmarks compare with.
+    extraction: bool = True
     extra: list[str] = field(default_factory=list)
 
 
@@ -80,18 +82,14 @@ def extraction_configs(o: VllmOptions) -> tuple[dict, dict]:
 
 
 def vllm_args(o: VllmOptions) -> list[str]:
-    spec, kvt = extraction_configs(o)
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", o.model,
-        "--host", o.host,
-        "--port", str(o.port),
-        "--speculative-config", json.dumps(spec),
-        "--kv-transfer-config", json.dumps(kvt),
-        # Prefix caching is off unless asked for: see docs/prefix-caching.md.
-        "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
-        "--shutdown-timeout", str(o.shutdown_timeout_s),
-    ]  # fmt: skip
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", o.model, "--host", o.host,
+            "--port", str(o.port)]  # fmt: skip
+    if o.extraction:
+        spec, kvt = extraction_configs(o)
+        args += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kvt)]
+    # Prefix caching is off unless asked for: see docs/prefix-caching.md.
+    args.append("--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching")
+    args += ["--shutdown-timeout", str(o.shutdown_timeout_s)]
     if o.max_model_len:
         args += ["--max-model-len", str(o.max_model_len)]
     if o.gpu_memory_utilization:
@@ -103,16 +101,38 @@ def vllm_args(o: VllmOptions) -> list[str]:
     return args + list(o.extra)
 
 
-def cpu_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def parallel_args(num_gpus: int, tensor_parallel_size: int = 1) -> list[str]:
+    """vLLM's TP/DP flags for ``num_gpus`` GPUs: TP groups of ``tensor_parallel_size``, one
+    data-parallel engine per group (2 GPUs, TP 1: DP 2; 4 GPUs, TP 2: DP 2)."""
+    tp = max(1, tensor_parallel_size)
+    if num_gpus < 1 or num_gpus % tp:
+        raise ValueError(f"{num_gpus} GPU(s) cannot be split into tensor-parallel groups of {tp}")
+    args = []
+    if tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
+    if num_gpus // tp > 1:
+        args += ["--data-parallel-size", str(num_gpus // tp)]
+    return args
+
+
+def cpu_env(base: dict[str, str] | None = None, ranks: int = 1) -> dict[str, str]:
     """Environment for vLLM's CPU build: bind OpenMP threads explicitly.
 
     vLLM's default binding reserves a core without a speculative config and not with one, so
-    unbound runs are not comparable; we always bind every core we may use.
+    unbound runs are not comparable; we always bind every core we may use. With ``ranks``
+    tensor-parallel workers the cores are split between them (vLLM's ``a-b|c-d`` syntax).
     """
     env = dict(base if base is not None else os.environ)
     if "VLLM_CPU_OMP_THREADS_BIND" not in env:
         cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+        if ranks > 1:
+            if len(cores) < ranks:
+                raise ValueError(f"{ranks} CPU ranks need at least {ranks} cores, this process may use {len(cores)}")
+            per = len(cores) // ranks
+            groups = [cores[i * per : (i + 1) * per] for i in range(ranks)]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")

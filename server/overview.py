@@ -20,7 +20,7 @@ def overview(svc: Services) -> Overview:
     ledger, metrics = svc.ledger, svc.metrics
     with ledger._lock:  # noqa: SLF001 - one consistent view of the jobs, not torn by a transition
         jobs = list(ledger.jobs.values())
-        summaries = [JobSummary(job_id=j.job_id, done=j.done, num_samples=len(j.samples), counts=j.counts())
+        summaries = [JobSummary(job_id=j.job_id, done=j.done, num_samples=j.num_samples, counts=j.counts())
                      for j in jobs]  # fmt: skip
         ready = ledger.ready_count()
         reserved = ledger.reserved_bytes

@@ -58,3 +58,28 @@ def test_cli_dry_run_prints_the_command(model_dir):
     )
     assert p.returncode == 0, p.stderr
     assert "vllm.entrypoints.openai.api_server" in p.stdout and "[2, 6, 9, 12]" in p.stdout
+
+
+def test_plain_args_have_no_extraction_but_same_server(model_dir):
+    o = opts(model_dir, [5, 2, 10])
+    o.extraction = False
+    args = launch.vllm_args(o)
+    assert "--speculative-config" not in args and "--kv-transfer-config" not in args
+    assert args[:3] == launch.vllm_args(opts(model_dir, [5, 2, 10]))[:3]
+    assert "--no-enable-prefix-caching" in args
+
+
+@pytest.mark.parametrize(("gpus", "tp", "want"), [
+    (1, 1, []),
+    (2, 2, ["--tensor-parallel-size", "2"]),
+    (2, 1, ["--data-parallel-size", "2"]),
+    (4, 2, ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]),
+    (7, 1, ["--data-parallel-size", "7"]),
+])  # fmt: skip
+def test_parallel_args_split_gpus_into_tp_groups(gpus, tp, want):
+    assert launch.parallel_args(gpus, tp) == want
+
+
+def test_parallel_args_refuse_an_uneven_split():
+    with pytest.raises(ValueError, match="3 GPU"):
+        launch.parallel_args(3, 2)
