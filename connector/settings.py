@@ -55,6 +55,7 @@ class Settings(BaseSettings):
 
     # Connector
     num_writer_threads: int = 4
+    checksum: str = "blake3"  # one of protocol.CHECKSUM_ALGOS, named in every notice
 
     @field_validator("layer_ids", mode="before")
     @classmethod

@@ -55,8 +55,10 @@ class SpoolWriter:
         notice_endpoint: str | None,
         shape: ShapeInfo,
         num_threads: int = 4,
+        checksum_algo: str = P.CHECKSUM_ALGO,
     ) -> None:
         self.spool = Path(spool_dir)
+        self.checksum_algo = checksum_algo
         self.shape = shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="hsstream-write")
         self._notices: queue.Queue[bytes | None] = queue.Queue()
@@ -102,7 +104,7 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if hs.shape[0] != ids.shape[0]:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
-            digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+            digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy(), algo=self.checksum_algo)
             notice = self._notice(
                 job.request_id,
                 job.tag,
@@ -111,6 +113,7 @@ class SpoolWriter:
                 num_tokens=int(ids.shape[0]),
                 nbytes=hs.numel() * hs.element_size(),
                 checksum=digest,
+                checksum_algo=self.checksum_algo,
             )
             save_file(
                 {P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids},

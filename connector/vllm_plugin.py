@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from connector import protocol as P
 from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
 from connector.settings import Settings
@@ -57,6 +58,7 @@ class ConnectorOptions:
     spool_dir: str
     notice_endpoint: str
     num_writer_threads: int
+    checksum_algo: str
     user_layer_ids: list[int]
     num_hidden_layers: int
     hidden_size: int
@@ -89,11 +91,15 @@ class ConnectorOptions:
         if not endpoint:
             raise ConnectorConfigError("no notice endpoint: set kv_connector_extra_config.notice_endpoint")
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        algo = str(extra.get("checksum") or env.checksum)
+        if algo not in P.CHECKSUM_ALGOS:
+            raise ConnectorConfigError(f"checksum {algo!r} is not one of {list(P.CHECKSUM_ALGOS)} (HSSTREAM_CHECKSUM)")
         model = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
         return cls(
             spool_dir=spool,
             notice_endpoint=endpoint,
             num_writer_threads=int(extra.get("num_writer_threads", env.num_writer_threads)),
+            checksum_algo=algo,
             user_layer_ids=user_ids,
             num_hidden_layers=n_layers,
             hidden_size=vllm_config.model_config.get_hidden_size(),
@@ -148,6 +154,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             o.notice_endpoint,
             ShapeInfo(o.user_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
             num_threads=o.num_writer_threads,
+            checksum_algo=o.checksum_algo,
         )
         gatherer = HiddenStateGatherer(
             kv_caches[names[0]],
