@@ -64,6 +64,7 @@ class Settings(BaseSettings):
     # Layer order in the files: "config" (the order of layer_ids) or "sorted" (ascending, as
     # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
     layer_order: str = "config"
+    checksum: str = "blake3"  # one of protocol.CHECKSUM_ALGOS, named in every notice
 
     @field_validator("layer_ids", mode="before")
     @classmethod

@@ -64,6 +64,7 @@ class SpoolWriter:
         *,
         max_pending_bytes: int = 2 * 2**30,
         max_queued_notices: int = 4096,
+        checksum_algo: str = P.CHECKSUM_ALGO,
     ) -> None:
         """Both queues are bounded, and neither bound ever blocks the engine step: over
         ``max_pending_bytes`` of hidden states waiting for a writer, a request gets a "busy"
@@ -71,6 +72,7 @@ class SpoolWriter:
         sidecar (none connected), notices are dropped and counted — the sidecar's notice
         timeout resubmits those samples, and its reaper removes their files."""
         self.spool = Path(spool_dir)
+        self.checksum_algo = checksum_algo
         self.shape = shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="hsstream-write")
         self._notices: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, max_queued_notices))
@@ -145,7 +147,7 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if hs.shape[0] != ids.shape[0]:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
-            digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+            digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy(), algo=self.checksum_algo)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
@@ -155,6 +157,7 @@ class SpoolWriter:
                 num_tokens=int(ids.shape[0]),
                 nbytes=hs.numel() * hs.element_size(),
                 checksum=digest,
+                checksum_algo=self.checksum_algo,
             )
             save_file(
                 {P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids},

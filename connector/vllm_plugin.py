@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from connector import protocol as P
 from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
 from connector.settings import Settings
@@ -81,6 +82,7 @@ class ConnectorOptions:
     num_writer_threads: int
     max_pending_write_bytes: int
     max_queued_notices: int
+    checksum_algo: str
     user_layer_ids: list[int]
     num_hidden_layers: int
     hidden_size: int
@@ -133,6 +135,9 @@ class ConnectorOptions:
         if not endpoint:
             raise ConnectorConfigError("no notice endpoint: set kv_connector_extra_config.notice_endpoint")
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        algo = str(extra.get("checksum") or env.checksum)
+        if algo not in P.CHECKSUM_ALGOS:
+            raise ConnectorConfigError(f"checksum {algo!r} is not one of {list(P.CHECKSUM_ALGOS)} (HSSTREAM_CHECKSUM)")
         model = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
         return cls(
             spool_dir=spool,
@@ -140,6 +145,7 @@ class ConnectorOptions:
             num_writer_threads=int(extra.get("num_writer_threads", env.num_writer_threads)),
             max_pending_write_bytes=int(extra.get("max_pending_write_bytes", env.max_pending_write_bytes)),
             max_queued_notices=int(extra.get("max_queued_notices", env.max_queued_notices)),
+            checksum_algo=algo,
             user_layer_ids=user_ids,
             num_hidden_layers=n_layers,
             hidden_size=vllm_config.model_config.get_hidden_size(),
@@ -209,6 +215,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             num_threads=o.num_writer_threads,
             max_pending_bytes=o.max_pending_write_bytes,
             max_queued_notices=o.max_queued_notices,
+            checksum_algo=o.checksum_algo,
         )
         gatherer = HiddenStateGatherer(
             kv_caches[names[0]],

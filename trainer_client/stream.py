@@ -11,7 +11,9 @@ socket.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import time
 from collections import OrderedDict, deque
@@ -65,42 +67,143 @@ class Sample:
         return self.hidden_states[:, self.layer_ids.index(self.num_hidden_layers)]
 
 
-# Exponent bits per float dtype: a value is inf or NaN exactly when all of them are set.
-_EXPONENT_MASKS = {torch.bfloat16: (np.uint16, 0x7F80), torch.float16: (np.uint16, 0x7C00),
-                   torch.float32: (np.uint32, 0x7F800000), torch.float64: (np.uint64, 0x7FF0000000000000)}  # fmt: skip
+#: safetensors dtype names of the tensors a sample file may hold.
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+              "I32": torch.int32}  # fmt: skip
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """``torch.isfinite(t).all()`` without torch's thread pool: a parallel op in the training
-    process, on cores vLLM keeps busy, waited for its second thread on every sample and was
-    most of the stream's time (bench/sidecar_overhead.py); numpy on the raw bits is one thread."""
-    if t.dtype not in _EXPONENT_MASKS:
-        return bool(torch.isfinite(t).all())
-    utype, mask = _EXPONENT_MASKS[t.dtype]
-    bits = t.contiguous().view(torch.uint8).numpy().view(utype)
-    return not bool(np.any((bits & utype(mask)) == utype(mask)))
+def read_sample_file(path: Path | None = None, payload: bytes | None = None, *, pin_memory: bool = False) -> dict:
+    """A sample file's tensors (from the spool, or the bytes a remote sidecar sent).
+
+    Unpinned, safetensors maps the file: no copy at all, the checks read the pages in place.
+    Pinned (the trainer copies to a GPU): the file goes straight into one page-locked buffer
+    with one read — safetensors has no way to read into a caller's buffer, and pinning its
+    tensors afterwards would copy the 33.5 MB of a Qwen3-8B-shape sample once more; torch's
+    pinned allocator hands the same buffers back sample after sample, so they are not faulted
+    in again each time (a fresh 33.5 MB buffer costs ~20 ms of page faults alone).
+    """
+    if not pin_memory:
+        try:
+            if payload is not None:
+                return safetensors_load(payload)
+            with safe_open(str(path), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, OSError) is an invalid sample
+            raise InvalidSample(f"unreadable safetensors: {e}") from e
+    return read_into_buffer(path, payload, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
 
 
-def load_and_check(
-    spool: Path | None, d: P.Deliver, payload: bytes | None = None, *, require_key: bool = True
-) -> Sample:
+def read_into_buffer(path: Path | None, payload: bytes | None, alloc) -> dict:  # noqa: ANN001
+    """safetensors' layout (8-byte little-endian header length, JSON header, data) read into
+    ``alloc(size)``; the tensors are views of it at the header's offsets, which are checked."""
+    if payload is not None:
+        size = len(payload)
+    else:
+        assert path is not None
+        size = os.stat(path).st_size
+    if size < 8:
+        raise InvalidSample(f"{size}-byte file: not safetensors")
+    buf = alloc(size)
+    view = buf.numpy()
+    if payload is not None:
+        view[:] = np.frombuffer(payload, dtype=np.uint8)
+    else:
+        with open(path, "rb", buffering=0) as fh:  # type: ignore[arg-type]
+            got = fh.readinto(memoryview(view))
+            if got != size:
+                raise InvalidSample(f"short read: {got} of {size} bytes")
+    hlen = int.from_bytes(view[:8].tobytes(), "little")
+    if hlen > size - 8:
+        raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file")
+    try:
+        header = json.loads(view[8 : 8 + hlen].tobytes())
+    except ValueError as e:
+        raise InvalidSample(f"unreadable safetensors header: {e}") from e
+    base = 8 + hlen
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[meta["dtype"]]
+            shape = [int(x) for x in meta["shape"]]
+            start, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidSample(f"tensor {name!r}: bad header entry {meta!r}") from e
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if not 0 <= start <= end <= size - base or end - start != math.prod(shape) * itemsize:
+            raise InvalidSample(f"tensor {name!r}: offsets {start}..{end} do not fit its shape or the file")
+        raw = buf[base + start : base + end]
+        if (base + start) % itemsize:  # never with safetensors' own writer (it aligns); copy to be safe
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(shape)
+    return out
+
+
+#: Non-finite floats are the ones whose exponent bits are all ones: test the bits (an integer
+#: AND and a max over the raw words) instead of ``torch.isfinite``, which converts every bf16
+#: to float first (122 ms for a 33.5 MB sample on one core; this takes a few ms).
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+             torch.float32: (torch.int32, 0x7F800000)}  # fmt: skip
+_CHUNK = 1 << 18  # words per pass: the scratch stays in cache
+_pool = None
+
+
+def _exponent_max_ok(words: np.ndarray, mask: int) -> bool:
+    scratch = np.empty(min(_CHUNK, words.size), dtype=words.dtype)
+    for i in range(0, words.size, _CHUNK):
+        part = words[i : i + _CHUNK]
+        s = scratch[: part.size]
+        np.bitwise_and(part, mask, out=s)
+        if s.max() == mask:
+            return False
+    return True
+
+
+def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
+    """True unless ``t`` holds a NaN or an infinity; exact, for any float dtype.
+
+    CPU float tensors are checked on their bits, split over ``threads`` threads (default: up
+    to 8, numpy releases the GIL); others fall back to ``torch.isfinite``.
+    """
+    spec = _EXPONENT.get(t.dtype)
+    if spec is None or t.device.type != "cpu" or t.numel() == 0:
+        return bool(torch.isfinite(t).all()) if t.is_floating_point() else True
+    itype, mask = spec
+    words = t.contiguous().view(itype).numpy().reshape(-1)
+    n = threads if threads is not None else min(8, os.cpu_count() or 1)
+    if n <= 1 or words.size < 4 * _CHUNK:
+        return _exponent_max_ok(words, mask)
+    global _pool
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hsstream-finite")
+    step = -(-words.size // n)
+    parts = [words[i : i + step] for i in range(0, words.size, step)]
+    return all(_pool.map(_exponent_max_ok, parts, [mask] * len(parts)))
+
+
+def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = None, *, require_key: bool = True,
+                   pin_memory: bool = False, checksum_threads: int = 0) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
-    a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`."""
+    a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`.
+
+    ``pin_memory``: the tensors live in page-locked memory, ready for a non-blocking copy to
+    a GPU. ``checksum_threads`` (0: all useful) does not change the digest.
+    """
     n = d.notice
     if n.file is None or (require_key and n.key is None):
         raise InvalidSample("delivery without a file or key")
+    if n.checksum_algo not in P.CHECKSUM_ALGOS:
+        raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
     if payload is not None:
-        try:
-            tensors = safetensors_load(payload)
-        except Exception as e:  # noqa: BLE001 - any parse failure is an invalid sample
-            raise InvalidSample(f"unreadable safetensors bytes: {e}") from e
+        tensors = read_sample_file(payload=payload, pin_memory=pin_memory)
     else:
         if spool is None:
             raise InvalidSample("delivery without bytes, and no spool to read from")
-        path = P.resolve_in_spool(spool, n.file)
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        tensors = read_sample_file(P.resolve_in_spool(spool, n.file), pin_memory=pin_memory)
     if set(tensors) != {P.HIDDEN_STATES_KEY, P.TOKEN_IDS_KEY}:
         raise InvalidSample(f"unexpected tensors {sorted(tensors)}")
     hs, ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
@@ -111,9 +214,8 @@ def load_and_check(
         raise InvalidSample(f"hidden_states shape {tuple(hs.shape)} != {(T, len(n.layer_ids), n.hidden_size)}")
     if str(hs.dtype).removeprefix("torch.") != n.dtype:
         raise InvalidSample(f"dtype {hs.dtype} != notice {n.dtype}")
-    if n.checksum_algo != P.CHECKSUM_ALGO:
-        raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
-    if P.checksum(hs.contiguous().view(torch.uint8).numpy(), ids.numpy()) != n.checksum:
+    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy(), algo=n.checksum_algo, threads=checksum_threads)
+    if digest != n.checksum:
         raise InvalidSample("checksum mismatch")
     if not all_finite(hs):
         raise InvalidSample("non-finite hidden states")
@@ -172,6 +274,8 @@ class HiddenStateStream:
         curve_server_key: str | bytes | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
         acked_memory: int = 65536,
+        pin_memory: bool = False,
+        idle_s: float | None = None,
     ) -> None:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar that sends the bytes, authenticated with CURVE: ``curve_server_key`` is the
@@ -181,7 +285,14 @@ class HiddenStateStream:
         ``acked_memory``: how many of the latest acked keys the stream remembers, so that a
         sample redelivered before the sidecar saw our ack (ack still queued, lease lapsed, sidecar
         restarted) is dropped, never yielded twice. Older keys are the ledger's to remember: once
-        the sidecar has the ack the sample is CONSUMED and never delivered again."""
+        the sidecar has the ack the sample is CONSUMED and never delivered again.
+
+
+        ``pin_memory``: samples are read into page-locked memory (for ``non_blocking`` copies
+        to a GPU). ``idle_s``: the iterator yields ``None`` after that long without a sample,
+        so a loop on the socket's thread can do other work (a collective with other ranks, a
+        checkpoint and its acks) instead of blocking while it holds unacknowledged samples.
+        """
         s = Settings()
         self.endpoint = endpoint or s.delivery_ep()
         self.spool = Path(spool_dir or s.spool_dir)
@@ -212,7 +323,12 @@ class HiddenStateStream:
             raise ValueError(f"{self.endpoint} is remote: pass curve_server_key and curve_client_cert")
         self._curve = (curve_server_key, curve_client_cert)
         self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote)
-        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0}
+        self.pin_memory = pin_memory
+        self.idle_s = idle_s
+        # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
+        # load_s: reading and validating samples.
+        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0,
+                      "wait_s": 0.0, "load_s": 0.0}  # fmt: skip
 
     @property
     def waited_s(self) -> float:
@@ -312,6 +428,7 @@ class HiddenStateStream:
         if self._started is None:
             self._started = time.monotonic()
         self._waiting_since = time.monotonic()  # from here to the yield, the loop waits on us
+        idle_since = time.monotonic()
         while True:
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
@@ -320,13 +437,20 @@ class HiddenStateStream:
             if time.monotonic() - self._last_beat > self.heartbeat_s and not self._outbox:
                 self._last_beat = time.monotonic()
                 self._send(self._heartbeat())
-            if not sock.poll(int(min(self.heartbeat_s, 0.5) * 1000)):
+            t0 = time.perf_counter()
+            got = sock.poll(int(min(self.heartbeat_s, 0.5, self.idle_s or 0.5) * 1000))
+            self.stats["wait_s"] += time.perf_counter() - t0
+            if not got:
                 if time.monotonic() - self._last_recv > self.sidecar_silence_s:
                     sock = self._reconnect()
                 if time.monotonic() > deadline:
                     why = (" (nothing could be sent: no connection; for tcp:// check the CURVE keys)"
                            if self._outbox else " (is it running, and is the job producing?)")  # fmt: skip
                     raise StreamError(f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s{why}")
+                if self.idle_s is not None and time.monotonic() - idle_since >= self.idle_s:
+                    self._waited, self._waiting_since = self.waited_s, None  # the loop's own time
+                    yield None  # type: ignore[misc]
+                    self._waiting_since = idle_since = time.monotonic()
                 continue
             frames = sock.recv_multipart()
             self._last_recv = time.monotonic()
@@ -349,6 +473,7 @@ class HiddenStateStream:
             self._waiting_since = None
             yield sample
             self._waiting_since = time.monotonic()
+            idle_since = time.monotonic()
 
     def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
         key = d.notice.key
@@ -370,8 +495,9 @@ class HiddenStateStream:
             self.stats["invalid"] += 1
             self._send(P.Fail(key=key, reason="remote delivery without the file's bytes"))
             return None
+        t0 = time.perf_counter()
         try:
-            sample = load_and_check(None if self.remote else self.spool, d, payload)
+            sample = load_and_check(None if self.remote else self.spool, d, payload, pin_memory=self.pin_memory)
         except OSError as e:
             # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
             # it failed would burn every sample's attempts. Stop at once instead; nothing is
@@ -385,6 +511,8 @@ class HiddenStateStream:
             log.warning("sample %s rejected: %s", key, e)
             self._send(P.Fail(key=key, reason=str(e)[:500]))
             return None
+        finally:
+            self.stats["load_s"] += time.perf_counter() - t0
         # The tensors are in memory (safetensors copied them out): the file can go now.
         self.stats["bytes"] += d.notice.nbytes
         self._drop_copy(d)

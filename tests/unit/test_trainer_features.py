@@ -72,3 +72,27 @@ def test_swap_aux_keeps_tokens_and_targets_but_not_inputs():
     assert s.key == a.key and s.num_tokens == 4
     assert torch.equal(s.input_ids, a.input_ids[:4]) and torch.equal(s.last, a.last[:4])
     assert torch.equal(s.aux, b.aux) and not torch.equal(s.aux, a.aux[:4])
+
+
+def test_pack_equals_speculators_shift_batch_and_collate_on_the_same_samples():
+    # issue 12 item 3: ours against speculators' own shift_batch + CollateFn, not hand-written values
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    items = [
+        features(sample([2, 6, 9, 12], t=t, index=i, mask=[(i + p) % 3 != 0 for p in range(t)]), [2, 6, 9])
+        for i, t in enumerate((7, 4, 9))
+    ]
+    ours = pack(items)
+    raw = [
+        {"input_ids": f.input_ids, "hidden_states": f.aux, "verifier_last_hidden_states": f.last,
+         "loss_mask": f.loss_mask, "lengths": torch.tensor([f.num_tokens]),
+         "position_ids": torch.arange(f.num_tokens)}  # fmt: skip
+        for f in items
+    ]
+    total = sum(f.num_tokens - 1 for f in items)
+    theirs = CollateFn(max_len=total, hidden_size=H, dtype=torch.float32, preprocess=shift_batch)(raw)
+    for k in ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids",
+              "document_ids"):  # fmt: skip
+        assert ours[k].dtype == theirs[k].dtype, k
+        assert torch.equal(ours[k], theirs[k]), k
