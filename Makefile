@@ -5,12 +5,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
-.PHONY: demo test test-unit test-integration soak install clean compat-matrix
+.PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,server,trainer,test]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,server,trainer,test,mooncake]'
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch, vllm, connector.protocol, trainer_client; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
@@ -24,18 +24,24 @@ demo: $(STAMP)
 	$(PY) -m hsstream demo
 	$(PY) bench/acceptance.py --workdir .demo/acceptance --out .demo/acceptance.json
 
+# The Mooncake Transfer Engine's library loads libibverbs.so.1 (also without RDMA hardware), and the
+# two-host test (tests/integration/test_two_hosts.py) joins network namespaces with `ip`: Debian's.
+os-deps:
+	@{ ldconfig -p | grep -q libibverbs.so.1 && command -v ip >/dev/null; } || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
+	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 iproute2; }
+
 # tests/unit/test_deploy_compose.py validates deploy/compose.yaml with a real Compose: Debian's.
 compose-tool:
 	@command -v docker-compose >/dev/null || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }
 
-test: $(STAMP) compose-tool
+test: $(STAMP) compose-tool os-deps
 	$(PY) -m pytest tests
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) os-deps
 	$(PY) -m pytest tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) os-deps
 	$(PY) -m pytest tests/integration
 
 # Not part of `make test`: 20,000 samples through vLLM (CPU), the sidecar and the stream, with a

@@ -23,7 +23,7 @@ import re
 import stat
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -195,11 +195,33 @@ class MsgType(str, Enum):
     end = "END"  # sidecar -> trainer: the followed jobs are complete
 
 
+#: How a delivered sample's bytes reach a trainer (``Hello.transport``; ``connector/transport/``):
+#: ``spool`` the trainer reads the file itself (same host), ``zmq`` the bytes ride in the DELIVER,
+#: ``mooncake`` the trainer reads them from the producing host with the Mooncake Transfer Engine.
+Transport = Literal["spool", "zmq", "mooncake"]
+TRANSPORTS: tuple[str, ...] = ("spool", "zmq", "mooncake")
+
+
 class Hello(_Model):
     v: int = PROTOCOL_VERSION
     jobs: list[str] | None = None  # None: every job
     follow: bool = False  # keep waiting after the jobs complete
     same_host: bool = True  # reads the spool itself; else wants the bytes
+    #: None: ``spool`` when ``same_host``, else ``zmq`` (what a stream without the setting wants).
+    transport: Transport | None = None
+
+    def wanted_transport(self) -> str:
+        return self.transport or ("spool" if self.same_host else "zmq")
+
+
+class Transfer(_Model):
+    """Where a transfer-engine reader finds a sample's bytes on the producing host: the engine's
+    session (``host:port`` of its P2P handshake), the registered address and the length. Only
+    the bytes travel through the engine; this descriptor rides in the DELIVER."""
+
+    session: str = Field(min_length=3, max_length=300)
+    addr: int = Field(gt=0)
+    nbytes: int = Field(ge=8)
 
 
 class Credit(_Model):
@@ -216,6 +238,7 @@ class Deliver(_Model):
     loss_mask: list[int] | None = None
     label: str | None = None  # the user's own id, if any
     lease_s: float = 60.0
+    transfer: Transfer | None = None  # transport "mooncake": where to read the bytes
 
 
 class Ack(_Model):
@@ -249,6 +272,9 @@ class Heartbeat(_Model):
 
 
 class End(_Model):
+    """The followed jobs are complete (``reason`` "complete"); any other reason is a refusal the
+    stream raises, e.g. a transport this sidecar does not offer."""
+
     v: int = PROTOCOL_VERSION
     jobs: list[str] | None = None
     reason: str = "complete"

@@ -54,6 +54,15 @@ class Settings(BaseSettings):
     curve_server_secret_file: Path | None = None
     curve_clients_dir: Path | None = None
     api_token: str | None = None
+    # How a sample's bytes reach a trainer (connector/transport/). Trainer: "spool", "zmq" or
+    # "mooncake" (empty: spool for an ipc:// endpoint, zmq for tcp://). Sidecar: with
+    # mooncake_hostname set it also serves "mooncake", its engine advertised at that address
+    # (one the trainers' hosts reach); a trainer's own address defaults to the one on its route
+    # to the sidecar. Mooncake's engines meet point to point (no metadata service).
+    transport: str = ""
+    mooncake_hostname: str | None = None
+    mooncake_protocol: str = "tcp"  # or "rdma" where the hosts have it (untested here)
+    mooncake_device: str = ""  # RDMA device names; empty: Mooncake picks
 
     # Connector
     num_writer_threads: int = 4

@@ -50,6 +50,16 @@ def _curve(s: Settings) -> CurveServer | None:
     return CurveServer(public, secret, str(s.curve_clients_dir))
 
 
+def _mooncake(s: Settings):  # noqa: ANN202
+    """The Mooncake sender when HSSTREAM_MOONCAKE_HOSTNAME is set: its engine starts here, so a
+    missing package or an address it cannot use stops the sidecar at start-up with the reason."""
+    if not s.mooncake_hostname:
+        return None
+    from connector.transport.mooncake import MooncakeSender
+
+    return MooncakeSender(s.mooncake_hostname, s.mooncake_protocol, s.mooncake_device)
+
+
 async def compact_finished_jobs(ledger: Ledger, retention_s: float) -> None:
     """Finished jobs keep their rows for the retention, then only a summary (bounded disk)."""
     while True:
@@ -76,7 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         notices=NoticeReceiver(s.notice_ep(), spool, ledger),
         delivery=DeliveryService(
             s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s,
-            remote_endpoint=s.remote_endpoint, curve=_curve(s),
+            remote_endpoint=s.remote_endpoint, curve=_curve(s), mooncake=_mooncake(s),
         ),
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,

@@ -7,10 +7,11 @@ the file is still there, else QUEUED to be produced again), so nothing is lost. 
 both ways: the sidecar sends one to each trainer it has not sent anything to for
 ``heartbeat_s``, and a trainer that hears nothing reconnects (``HiddenStateStream``).
 
-Two sockets, one thread: the local one (``ipc://``) for trainers on this host, which read
-the spool themselves; and optionally a TCP one with CURVE authentication for trainers on
-other hosts, which receive the file's bytes in the DELIVER and confirm with RECEIVED, after
-which the sidecar deletes the file.
+Two sockets, one thread: the local one (``ipc://``) for trainers on this host, and optionally
+a TCP one with CURVE authentication for trainers on other hosts. How each trainer gets the
+bytes is its own choice, said in its HELLO (``connector/transport/``): it reads the spool
+itself, or gets the bytes in the DELIVER (zmq), or reads them with the Mooncake Transfer Engine
+from a registered mapping of the file; for the last two the sidecar deletes the file on RECEIVED.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import zmq
 
 from connector import protocol as P
+from connector.transport import Sender, TransportError, make_sender
 from server.ledger import Ledger
 from server.notices import prepare_ipc
 from server.schemas import TrainerInfo
@@ -43,6 +45,7 @@ class CurveServer:
 @dataclass
 class Peer:
     remote: bool
+    transport: str = "spool"
     jobs: list[str] | None = None
     follow: bool = False
     credit: int = 0
@@ -91,6 +94,7 @@ class DeliveryService(SocketThread):
         heartbeat_s: float = 1.0,
         remote_endpoint: str | None = None,
         curve: CurveServer | None = None,
+        mooncake: Sender | None = None,
     ) -> None:
         super().__init__()
         if remote_endpoint and curve is None:
@@ -106,6 +110,10 @@ class DeliveryService(SocketThread):
         self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
                       "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
+        # One sender per transport this sidecar offers; Mooncake only when configured.
+        self.senders: dict[str, Sender] = {"spool": make_sender("spool"), "zmq": make_sender("zmq")}
+        if mooncake is not None:
+            self.senders["mooncake"] = mooncake
 
     def trainers(self) -> list[TrainerInfo]:
         """The connected trainers, for the REST overview (read from another thread: a snapshot)."""
@@ -165,6 +173,8 @@ class DeliveryService(SocketThread):
         finally:
             for s in self._socks.values():
                 s.close()
+            for sender in self.senders.values():
+                sender.close()
             if auth is not None:
                 auth.stop()  # type: ignore[attr-defined]
 
@@ -181,18 +191,22 @@ class DeliveryService(SocketThread):
         if isinstance(msg, P.Heartbeat) and msg.hello is not None and not peer.greeted:
             # A trainer we do not know (we restarted, it did not): resume from its heartbeat.
             peer.jobs, peer.follow, peer.credit, peer.greeted = msg.hello.jobs, msg.hello.follow, msg.window, True
+            self._set_transport(owner, peer, msg.hello)
             log.info("trainer %s resumed from its heartbeat (window %d)", owner.hex(), msg.window)
         if isinstance(msg, P.Heartbeat):
             peer.on_heartbeat(msg.alive_s, msg.waited_s)
         if isinstance(msg, P.Hello):
             peer.jobs, peer.follow, peer.greeted = msg.jobs, msg.follow, True
+            self._set_transport(owner, peer, msg)
         elif isinstance(msg, P.Credit):
             peer.credit += msg.n
         elif isinstance(msg, P.Received):
+            sender = self.senders.get(peer.transport)
             for k in msg.keys:
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
-                if self.ledger.received(owner, k) and peer.remote:
+                if self.ledger.received(owner, k) and sender is not None and sender.sidecar_deletes:
+                    sender.release(k)
                     P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             try:
@@ -202,14 +216,32 @@ class DeliveryService(SocketThread):
                 # acked is acked again by the stream on sight, so the ack is not lost.
                 log.exception("ACK of %d key(s) from trainer %s failed: returning its leases", len(msg.keys), owner.hex())
                 self.stats["ack_errors"] += 1
-                self.ledger.release_owner(owner, self._file_exists)
+                self._release_owner(owner)
                 return
             self.stats["acked"] += acked
             peer.acked += acked
             self.stats["duplicate_acks"] += dup
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
+            if (sender := self.senders.get(peer.transport)) is not None:
+                sender.release(msg.key)
             P.remove_from_spool(self.spool, self.ledger.trainer_failed(owner, msg.key, msg.reason))
+
+    def _set_transport(self, owner: bytes, peer: Peer, hello: P.Hello) -> None:
+        peer.transport = hello.wanted_transport()
+        if peer.transport not in self.senders:
+            # Refused with a reason the stream raises, rather than bytes it could not read.
+            why = (f"this sidecar does not offer transport {peer.transport!r} (it offers {', '.join(self.senders)}; "
+                   "Mooncake needs HSSTREAM_MOONCAKE_HOSTNAME on the sidecar)")  # fmt: skip
+            log.warning("trainer %s: %s", owner.hex(), why)
+            self._send(owner, P.encode_msg(P.End(jobs=peer.jobs, reason=why)))
+            peer.ended = True
+
+    def _release_owner(self, owner: bytes) -> None:
+        """A trainer's leases go back (lost, or its ACK list failed); what was offered to it is freed."""
+        for sender in self.senders.values():
+            sender.release_owner(owner)
+        self.ledger.release_owner(owner, self._file_exists)
 
     def _send(self, owner: bytes, frames: list) -> None:
         self._socks[owner[:1]].send_multipart([owner[1:], *frames], copy=False)
@@ -222,7 +254,7 @@ class DeliveryService(SocketThread):
             if now - peer.last_seen > self.peer_timeout_s:
                 log.warning("trainer %s silent for %.0f s: returning its leases", owner.hex(), now - peer.last_seen)
                 self.stats["peers_lost"] += 1
-                self.ledger.release_owner(owner, self._file_exists)
+                self._release_owner(owner)
                 del self.peers[owner]
                 continue
             if not peer.greeted or peer.ended:
@@ -244,13 +276,19 @@ class DeliveryService(SocketThread):
                     assert s.notice is not None
                     d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask,
                                   label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
-                    payload = None
-                    if peer.remote:
-                        try:
-                            payload = P.resolve_in_spool(self.spool, s.notice.file or "").read_bytes()
-                        except (OSError, P.UnsafePathError):
-                            self.ledger.file_lost(s.key)  # produce it again
-                            continue
+                    sender = self.senders[peer.transport]
+                    try:
+                        # Only a sender that moves the bytes opens the file (the spool's trainer does itself).
+                        path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None
+                        transfer, payload = sender.offer(owner, s.key, path)
+                    except (OSError, P.UnsafePathError, TransportError) as e:
+                        if isinstance(e, TransportError):
+                            log.error("%s: %s", peer.transport, e)
+                        self.ledger.file_lost(s.key)  # produce it again
+                        continue
+                    if transfer is not None:
+                        d = d.model_copy(update={"transfer": transfer})
+                    if sender.sidecar_deletes:
                         self.stats["delivered_remote"] += 1
                     self._send(owner, P.encode_msg(d, payload))
                     peer.credit -= 1
@@ -261,5 +299,5 @@ class DeliveryService(SocketThread):
                     peer.ended = True
             except zmq.ZMQError as e:  # peer vanished (ROUTER_MANDATORY): treat as lost
                 log.warning("trainer %s unreachable (%s): returning its leases", owner.hex(), e)
-                self.ledger.release_owner(owner, self._file_exists)
+                self._release_owner(owner)
                 del self.peers[owner]

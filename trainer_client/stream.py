@@ -30,6 +30,7 @@ from safetensors.torch import load as safetensors_load
 
 from connector import protocol as P
 from connector.settings import Settings
+from connector.transport import Receiver, TransportError, make_receiver
 
 log = logging.getLogger("hsstream.trainer")
 
@@ -72,7 +73,8 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
               "I32": torch.int32}  # fmt: skip
 
 
-def read_sample_file(path: Path | None = None, payload: bytes | None = None, *, pin_memory: bool = False) -> dict:
+def read_sample_file(path: Path | None = None, payload: bytes | memoryview | None = None, *,
+                     pin_memory: bool = False) -> dict:  # fmt: skip
     """A sample file's tensors (from the spool, or the bytes a remote sidecar sent).
 
     Unpinned, safetensors maps the file: no copy at all, the checks read the pages in place.
@@ -83,6 +85,8 @@ def read_sample_file(path: Path | None = None, payload: bytes | None = None, *, 
     in again each time (a fresh 33.5 MB buffer costs ~20 ms of page faults alone).
     """
     if not pin_memory:
+        if isinstance(payload, memoryview):  # a transport's reused buffer: copy out once, views of it
+            return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8))
         try:
             if payload is not None:
                 return safetensors_load(payload)
@@ -93,7 +97,7 @@ def read_sample_file(path: Path | None = None, payload: bytes | None = None, *, 
     return read_into_buffer(path, payload, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
 
 
-def read_into_buffer(path: Path | None, payload: bytes | None, alloc) -> dict:  # noqa: ANN001
+def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, alloc) -> dict:  # noqa: ANN001
     """safetensors' layout (8-byte little-endian header length, JSON header, data) read into
     ``alloc(size)``; the tensors are views of it at the header's offsets, which are checked."""
     if payload is not None:
@@ -184,7 +188,7 @@ def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
     return all(_pool.map(_exponent_max_ok, parts, [mask] * len(parts)))
 
 
-def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | None = None, *, require_key: bool = True,
+def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
                    pin_memory: bool = False, checksum_threads: int = 0) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
@@ -276,11 +280,19 @@ class HiddenStateStream:
         acked_memory: int = 65536,
         pin_memory: bool = False,
         idle_s: float | None = None,
+        transport: str | None = None,
     ) -> None:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
-        sidecar that sends the bytes, authenticated with CURVE: ``curve_server_key`` is the
-        sidecar's public key (or its ``.key`` file), ``curve_client_cert`` this trainer's
-        ``.key_secret`` file, whose public half must be in the sidecar's clients directory.
+        sidecar, authenticated with CURVE: ``curve_server_key`` is the sidecar's public key (or
+        its ``.key`` file), ``curve_client_cert`` this trainer's ``.key_secret`` file, whose
+        public half must be in the sidecar's clients directory.
+
+        ``transport`` (default ``HSSTREAM_TRANSPORT``, else ``spool`` for ``ipc://`` and ``zmq``
+        for ``tcp://``): how the bytes come (``connector/transport/``). ``spool`` reads the
+        file on this host; ``zmq`` gets them in the sidecar's message; ``mooncake`` reads them
+        from the sidecar's host with the Mooncake Transfer Engine (the sidecar needs
+        ``HSSTREAM_MOONCAKE_HOSTNAME``; this host's address is ``HSSTREAM_MOONCAKE_HOSTNAME``
+        here, else the one on the route to the sidecar).
 
         ``acked_memory``: how many of the latest acked keys the stream remembers, so that a
         sample redelivered before the sidecar saw our ack (ack still queued, lease lapsed, sidecar
@@ -322,7 +334,14 @@ class HiddenStateStream:
         if self.remote and not (curve_server_key and curve_client_cert):
             raise ValueError(f"{self.endpoint} is remote: pass curve_server_key and curve_client_cert")
         self._curve = (curve_server_key, curve_client_cert)
-        self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote)
+        self.transport = transport or s.transport or ("zmq" if self.remote else "spool")
+        if self.transport not in P.TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r}: one of {', '.join(P.TRANSPORTS)}")
+        if self.remote and self.transport == "spool":
+            raise ValueError(f"{self.endpoint} is remote: its spool is on another host (transport zmq or mooncake)")
+        self._settings = s
+        self._receiver: Receiver | None = None  # built at the first connection (Mooncake starts an engine)
+        self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote, transport=self.transport)
         self.pin_memory = pin_memory
         self.idle_s = idle_s
         # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
@@ -343,6 +362,18 @@ class HiddenStateStream:
 
     # -- socket -------------------------------------------------------------------------------
     def _connect(self) -> zmq.Socket:
+        if self._receiver is None:
+            kw: dict = {}
+            if self.transport == "mooncake":
+                from connector.transport.mooncake import local_address_towards
+
+                s = self._settings
+                kw = {"hostname": s.mooncake_hostname or local_address_towards(self.endpoint),
+                      "protocol": s.mooncake_protocol, "device": s.mooncake_device}  # fmt: skip
+            try:
+                self._receiver = make_receiver(self.transport, **kw)
+            except TransportError as e:
+                raise StreamError(str(e)) from e
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
@@ -457,6 +488,8 @@ class HiddenStateStream:
             msg = P.decode_msg(frames)
             if isinstance(msg, P.End):
                 self._waited, self._waiting_since = self.waited_s, None
+                if msg.reason != "complete":
+                    raise StreamError(f"the sidecar at {self.endpoint} refused this stream: {msg.reason}")
                 return
             if not isinstance(msg, P.Deliver):
                 continue  # a heartbeat: the sidecar is alive, but it is no sample (timeout_s runs on)
@@ -491,13 +524,17 @@ class HiddenStateStream:
             self.stats["duplicates"] += 1
             self._drop_copy(d)
             return None
-        if self.remote and payload is None:
-            self.stats["invalid"] += 1
-            self._send(P.Fail(key=key, reason="remote delivery without the file's bytes"))
-            return None
+        assert self._receiver is not None
         t0 = time.perf_counter()
         try:
-            sample = load_and_check(None if self.remote else self.spool, d, payload, pin_memory=self.pin_memory)
+            try:
+                data = self._receiver.fetch(d, payload)
+            except TransportError as e:
+                # Not the sample's fault: stop with the reason; nothing is reported failed and
+                # the lease goes back to the sidecar.
+                raise StreamError(f"sample {key}: {e} (no sample was reported failed)") from e
+            spool = self.spool if self._receiver.reads_spool else None
+            sample = load_and_check(spool, d, data, pin_memory=self.pin_memory)
         except OSError as e:
             # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
             # it failed would burn every sample's attempts. Stop at once instead; nothing is
@@ -519,9 +556,9 @@ class HiddenStateStream:
         return sample
 
     def _drop_copy(self, d: P.Deliver) -> None:
-        """Free the delivered file (ours to delete on this host; a remote sidecar deletes its
-        own on RECEIVED) and tell the sidecar its spool bytes are free."""
-        if not self.remote:
+        """Free the delivered file (ours to delete when we read the spool; else the sidecar
+        deletes its own on RECEIVED) and tell the sidecar its spool bytes are free."""
+        if self._receiver is not None and self._receiver.reads_spool:
             P.remove_from_spool(self.spool, d.notice.file)
         if d.notice.key is not None:
             self._send(P.Received(keys=[d.notice.key]))
@@ -549,6 +586,9 @@ class HiddenStateStream:
                 time.sleep(0.01)
             self._sock.close(linger=0 if self._outbox else 2000)
             self._sock = None
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
     def __enter__(self) -> HiddenStateStream:
         return self

@@ -16,6 +16,7 @@ BLOCK = "import sys\nfor m in ('vllm', 'fastapi', 'uvicorn', 'transformers'):\n 
         "connector.protocol, connector.settings, connector.layers",
         "trainer_client",
         "trainer_client.stream",
+        "connector.transport, connector.transport.spool, connector.transport.zmq_bytes, connector.transport.mooncake",
         "connector.sample_tokens",  # the masks' code: transformers only when a tokenizer is loaded
     ],
 )
