@@ -107,8 +107,9 @@ class DeliveryService(SocketThread):
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_s = heartbeat_s
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
-        self.stats = {"delivered": 0, "delivered_remote": 0, "acked": 0, "duplicate_acks": 0,
-                      "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
+        # delivered_remote: the bytes left through us (zmq or mooncake), also counted per transport.
+        self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
+                      "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
         # One sender per transport this sidecar offers; Mooncake only when configured.
         self.senders: dict[str, Sender] = {"spool": make_sender("spool"), "zmq": make_sender("zmq")}
@@ -290,6 +291,7 @@ class DeliveryService(SocketThread):
                         d = d.model_copy(update={"transfer": transfer})
                     if sender.sidecar_deletes:
                         self.stats["delivered_remote"] += 1
+                        self.stats[f"delivered_{sender.name}"] += 1
                     self._send(owner, P.encode_msg(d, payload))
                     peer.credit -= 1
                     peer.delivered += 1

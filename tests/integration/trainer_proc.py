@@ -20,14 +20,21 @@ def main() -> int:
     ap.add_argument("--log", required=True)
     ap.add_argument("--hang-after", type=int, default=0, help="stop consuming after N samples")
     ap.add_argument("--sleep-per-sample", type=float, default=0.0)
+    ap.add_argument("--transport", default=None, help="spool | zmq | mooncake (default: by endpoint)")
+    ap.add_argument("--server-key", default=None, help="tcp://: the sidecar's public CURVE key file")
+    ap.add_argument("--client-cert", default=None, help="tcp://: this trainer's .key_secret file")
     a = ap.parse_args()
     out = open(a.log, "a", buffering=1)  # noqa: SIM115
     n = 0
     with HiddenStateStream(a.endpoint, jobs=a.jobs or None, spool_dir=a.spool, ack="manual", timeout_s=300,
-                           heartbeat_s=0.5) as s:  # fmt: skip
+                           heartbeat_s=0.5, transport=a.transport, curve_server_key=a.server_key,
+                           curve_client_cert=a.client_cert) as s:  # fmt: skip
         for smp in s:
             n += 1
-            out.write(json.dumps({"used": str(smp.key), "tokens": int(smp.token_ids.shape[0])}) + "\n")
+            out.write(json.dumps({"used": str(smp.key), "tokens": int(smp.token_ids.shape[0]),
+                                  "label": smp.label, "ids": smp.token_ids.tolist(),
+                                  "hs": [float(smp.hidden_states.float().sum()), list(smp.hidden_states.shape)]})
+                      + "\n")  # fmt: skip
             if a.hang_after and n >= a.hang_after:
                 out.write(json.dumps({"hang": n}) + "\n")
                 while True:  # used but never acked: must be produced again after we die
@@ -36,7 +43,8 @@ def main() -> int:
             out.write(json.dumps({"acked": str(smp.key)}) + "\n")
             if a.sleep_per_sample:
                 time.sleep(a.sleep_per_sample)
-    out.write(json.dumps({"end": n}) + "\n")
+        stats = dict(s.stats)
+    out.write(json.dumps({"end": n, "stats": stats}) + "\n")
     return 0
 
 

@@ -63,6 +63,8 @@ def test_every_sample_once_intact_and_the_spool_emptied(tmp_path, transport):
         assert P.own_spool_entries(spool) == []
         assert ledger.job_view(job).counts()["consumed"] == 12
         assert svc.stats["delivered_remote"] == (0 if transport == "spool" else 12)
+        if transport != "spool":
+            assert svc.stats[f"delivered_{transport}"] == 12
         if mooncake is not None:
             assert mooncake.registered == 0  # every region let go on RECEIVED
     finally:

@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Samples/s through the sidecar alone: is the control plane ever the bottleneck?
+
+Three processes on this machine, as in production minus vLLM's work:
+
+* a stand-in for vLLM (a bare ASGI app under uvicorn) that answers each ``/v1/completions`` at
+  once and, as our connector would, writes the sample's small safetensors file into the spool
+  (temporary name, then rename) and pushes its notice to the sidecar;
+* the real sidecar (``python -m hsstream serve``: uvicorn, the SQLite ledger, the notice and
+  delivery threads), profiled with py-spy while it runs;
+* a trainer: ``HiddenStateStream`` over ``ipc://``, checking every sample and acking it.
+
+One job of ``--samples`` samples goes through; the rate is taken over the middle 80 % of the
+yields (start-up and drain left out) and over the whole job. The profile's top frames (self and
+inclusive, in the sidecar process) say where the sidecar's time goes.
+
+    python bench/sidecar_throughput.py [--samples 3000] [--out bench/results/sidecar_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from connector import protocol as P  # noqa: E402
+from hsstream.demo import free_port  # noqa: E402
+
+TOKENS, LAYERS, HIDDEN = 16, 4, 128  # a 16 KiB sample: the control plane's cost, not the bytes'
+
+
+def sample_bytes(token_ids: list[int]) -> tuple[bytes, str]:
+    """One sample's file as the connector writes it (fixed content: the stand-in must be cheap)."""
+    import torch
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn((TOKENS, LAYERS, HIDDEN), generator=g).to(torch.bfloat16)
+    ids = torch.tensor(token_ids)
+    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+    return save({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}), digest
+
+
+def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> None:
+    """The vLLM stand-in and fake producer (run in its own process)."""
+    import uvicorn
+    import zmq
+
+    data, digest = sample_bytes(token_ids)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(notice_ep)
+    models = json.dumps({"data": [{"id": "stand-in", "max_model_len": 4096}]}).encode()
+
+    async def app(scope, receive, send):  # noqa: ANN001, ANN202
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        out = models
+        if scope["path"] == "/v1/completions":
+            req = json.loads(body)
+            tag = P.tag_from_kv_params(req.get("kv_transfer_params"))
+            rid = f"cmpl-{tag.key.job}-{tag.key.epoch}-{tag.key.index}-{tag.attempt}"
+            name = P.file_name_for_request(rid)
+            tmp = os.path.join(spool, P.tmp_name_for(name))
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.rename(tmp, os.path.join(spool, name))
+            n = P.Notice(status=P.NoticeStatus.ok, request_id=rid, key=tag.key, attempt=tag.attempt, file=name,
+                         num_tokens=TOKENS, layer_ids=list(range(LAYERS)), num_hidden_layers=LAYERS,
+                         hidden_size=HIDDEN, dtype="bfloat16", nbytes=TOKENS * LAYERS * HIDDEN * 2, checksum=digest,
+                         model="stand-in", sent_at=time.time())  # fmt: skip
+            push.send(n.encode())
+            out = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {P.KV_PARAMS_PATH_KEY: name}}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": out})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def profile_summary(raw: Path, top: int = 15) -> dict:
+    """py-spy's collapsed stacks → the frames with the most samples: self (where the CPU is) and
+    inclusive for this project's and the HTTP client's functions (which part of the work)."""
+    self_c: collections.Counter = collections.Counter()
+    incl: collections.Counter = collections.Counter()
+    total = 0
+    root = str(ROOT) + "/"
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        k = int(n)
+        frames = []
+        for f in stack.split(";"):
+            if f.startswith(("process ", "thread ")) or " (" not in f:
+                continue
+            func, where = f.split(" (", 1)
+            path = where.split(":")[0]
+            ours = path.startswith(root) or (
+                "site-packages" not in path and path.split("/")[0] in ("server", "connector", "trainer_client", "hsstream"))
+            short = path[len(root):] if path.startswith(root) else "/".join(path.split("/")[-2:])
+            frames.append((f"{func} ({short})", ours or "/httpx/" in path or "/httpcore/" in path))
+        if not frames:
+            continue
+        total += k
+        self_c[frames[-1][0]] += k
+        for f in {f for f, keep in frames if keep}:
+            incl[f] += k
+
+    def share(c: collections.Counter) -> list:
+        return [[f, round(v / total, 4)] for f, v in c.most_common(top)]
+
+    return {"samples": total, "self": share(self_c), "inclusive_ours_and_http_client": share(incl)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--credit", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16, help="the sidecar's HSSTREAM_MAX_CONCURRENCY")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--spool-parent", default="/dev/shm", help="a tmpfs for the spool (default /dev/shm)")
+    ap.add_argument("--stand-in", nargs=4, metavar=("PORT", "SPOOL", "NOTICE_EP", "IDS"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.stand_in:
+        stand_in(int(a.stand_in[0]), a.stand_in[1], a.stand_in[2], json.loads(a.stand_in[3]))
+        return 0
+
+    from trainer_client import HiddenStateStream
+
+    spool = Path(tempfile.mkdtemp(prefix="hsstream-tput-", dir=a.spool_parent))
+    run = Path(tempfile.mkdtemp(prefix="hsstream-tput-run-"))
+    vport, aport = free_port(), free_port()
+    token_ids = list(range(1, TOKENS + 1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run),
+           "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{vport}", "HSSTREAM_PORT": str(aport),
+           "HSSTREAM_MAX_CONCURRENCY": str(a.concurrency), "HSSTREAM_LOG_LEVEL": "warning"}  # fmt: skip
+    procs: list[subprocess.Popen] = []
+    log = open(run / "sidecar.log", "w")  # noqa: SIM115
+    try:
+        sidecar = subprocess.Popen([sys.executable, "-m", "hsstream", "serve"], env=env, stdout=log, stderr=log,
+                                   cwd=ROOT, start_new_session=True)  # fmt: skip
+        procs.append(sidecar)
+        api = f"http://127.0.0.1:{aport}"
+        for _ in range(300):
+            try:
+                if httpx.get(f"{api}/healthz", timeout=1).status_code < 500:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--stand-in", str(vport), str(spool), f"ipc://{run}/notice.sock",
+             json.dumps(token_ids)], env=env, cwd=ROOT, start_new_session=True))  # fmt: skip
+        for _ in range(300):
+            try:
+                httpx.get(f"http://127.0.0.1:{vport}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        prof = None
+        raw = run / "profile.txt"
+        if not a.no_profile and shutil.which("py-spy", path=str(Path(sys.executable).parent) + ":" + os.environ["PATH"]):
+            spy = shutil.which("py-spy", path=str(Path(sys.executable).parent) + ":" + os.environ["PATH"])
+            prof = subprocess.Popen([spy, "record", "--pid", str(sidecar.pid), "--rate", "200", "--format", "raw",
+                                     "--output", str(raw), "--nonblocking", "--threads"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            time.sleep(1.0)
+        t_submit = time.perf_counter()
+        r = httpx.post(f"{api}/v1/jobs", json={"samples": [{"token_ids": token_ids}] * a.samples}, timeout=120)
+        r.raise_for_status()
+        job = r.json()["job_id"]
+        stamps = []
+        with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[job], spool_dir=spool, credit=a.credit,
+                               timeout_s=60) as s:  # fmt: skip
+            for _ in s:
+                stamps.append(time.perf_counter())
+            stream_stats = dict(s.stats)
+        t_end = time.perf_counter()
+        cpu = {}
+        try:
+            import psutil
+
+            for name, p in (("sidecar", sidecar), ("stand_in", procs[1])):
+                ct = psutil.Process(p.pid).cpu_times()
+                cpu[name] = round(ct.user + ct.system, 2)
+            ct = psutil.Process().cpu_times()
+            cpu["trainer_and_bench"] = round(ct.user + ct.system, 2)
+        except (ImportError, OSError):
+            pass
+        if prof is not None:
+            prof.send_signal(signal.SIGINT)
+            prof.wait(60)
+        status = httpx.get(f"{api}/v1/jobs/{job}", timeout=10).json()
+        left = P.own_spool_entries(spool)
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+        shutil.rmtree(spool, ignore_errors=True)
+    n = len(stamps)
+    lo, hi = int(n * 0.1), int(n * 0.9) - 1
+    steady = (hi - lo) / (stamps[hi] - stamps[lo]) if n > 20 else float("nan")
+    whole = n / (t_end - t_submit)
+    res = {
+        "what": "samples/s through the real sidecar with a stand-in vLLM that answers at once and writes "
+                f"{TOKENS}-token files (+ notices) as the connector would, and a HiddenStateStream checking and acking",
+        "machine": {"cpus": os.cpu_count()},
+        "samples": a.samples, "yielded": n, "consumed": status["counts"].get("consumed"),
+        "failed": status["counts"].get("failed"), "left_in_spool": len(left),
+        "file_bytes": len(sample_bytes(token_ids)[0]), "credit": a.credit, "concurrency": a.concurrency,
+        "samples_per_s_steady": round(steady, 1), "samples_per_s_whole_job": round(whole, 1),
+        "target_samples_per_s": 500, "cpu_s_whole_run": cpu, "stream": {k: round(v, 3) if isinstance(v, float) else v for k, v in stream_stats.items()},
+    }  # fmt: skip
+    if raw.exists() and raw.stat().st_size:
+        res["sidecar_profile"] = profile_summary(raw)
+    shutil.rmtree(run, ignore_errors=True)
+    print(f"| samples | yielded | consumed | left in spool | steady samples/s | whole job samples/s |")
+    print(f"|---|---|---|---|---|---|")
+    print(f"| {a.samples} | {n} | {res['consumed']} | {len(left)} | {res['samples_per_s_steady']} | {res['samples_per_s_whole_job']} |")
+    if "sidecar_profile" in res:
+        print("\nsidecar, inclusive share of py-spy samples (all threads; this project's and httpx's frames):")
+        for f, v in res["sidecar_profile"]["inclusive_ours_and_http_client"]:
+            print(f"  {v:6.1%}  {f}")
+        print("sidecar, self share:")
+        for f, v in res["sidecar_profile"]["self"]:
+            print(f"  {v:6.1%}  {f}")
+    print("CPU seconds over the whole run (start-up included):", cpu)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    return 0 if n == a.samples and not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
