@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
     layer_order: str = "config"
     checksum: str = "blake3"  # one of protocol.CHECKSUM_ALGOS, named in every notice
+    # How hidden states are stored (connector/payload.py): "model" (the verifier's dtype) or
+    # "fp8_e4m3" (hs-connectors' FP8 layout, per-token scales: ~0.5x the bytes). Read by the
+    # connector (writes it) and the sidecar (prices samples by it before the first notice).
+    payload_dtype: str = "model"
 
     @field_validator("layer_ids", mode="before")
     @classmethod
