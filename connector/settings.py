@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     # Sidecar
     host: str = "127.0.0.1"
     port: int = 8100
+    # One engine, or several separated by commas (each with our connector, the same spool and
+    # notice endpoint): the sidecar sends each sample to the least-loaded engine that is up.
     vllm_url: str = "http://127.0.0.1:8000"
     model: str = ""  # verifier checkpoint dir / name (tokenizer + shapes)
     layer_ids: Annotated[list[int], NoDecode] = Field(default_factory=list)
