@@ -134,7 +134,7 @@ class Submitter:
         ledger.listeners.append(self._on_transition)
         self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0,
                       "submitted_before_size_known": 0, "max_in_flight_before_size_known": 0,
-                      "failed_over_engine_limit": 0}  # fmt: skip
+                      "failed_over_engine_limit": 0, "requeued_engine_lost": 0}  # fmt: skip
         self.latency: list[float] = []  # observed by /metrics
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
@@ -257,6 +257,10 @@ class Submitter:
                         f"sending to the {others} other engine(s)" if others else "holding submissions until it is back")  # fmt: skip
         lost, e.answered = e.answered, {}
         for key, attempt in lost.items():
+            smp = self.ledger.get(key)
+            if smp is None or smp.state != State.submitted or smp.attempt != attempt or smp.notice is not None:
+                continue  # its file came after all
+            self.stats["requeued_engine_lost"] += 1
             self.ledger.requeue(key, attempt, f"vLLM at {e.url} went away before the sample's file arrived",
                                 count_attempt=False)  # fmt: skip
         if e.url not in self._probes or self._probes[e.url].done():

@@ -175,7 +175,7 @@ def test_an_engine_killed_mid_request_and_after_answering_loses_nothing():
         if s.key in lost:
             # re-queued without an attempt spent (the attempt number moves on so a late file is refused)
             assert s.attempt >= 1 and not s.errors, s
-    assert sub.engines[1].answered == {}
+    assert sub.engines[1].answered == {} and sub.stats["requeued_engine_lost"] == len(lost)
 
 
 def test_every_engine_down_past_the_deadline_fails_with_the_reason():
