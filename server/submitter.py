@@ -291,11 +291,15 @@ class Submitter:
                 self._checks[e.url] = asyncio.create_task(self._check_alive(e))
 
     async def _check_alive(self, e: Engine) -> None:
+        """Only a refused or broken connection counts as death here: a slow answer from a busy
+        engine does not (its requests have their own timeout)."""
         assert self._client is not None
         try:
-            await self._client.get(f"{e.url}/health", timeout=5.0)
-        except httpx.TransportError as exc:
+            await self._client.get(f"{e.url}/health", timeout=10.0)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
             self._engine_down(e, exc)
+        except httpx.HTTPError:
+            pass
 
     # ------------------------------------------------------------------ limits
     def _on_transition(self, new: State, old: State | None, n: int, _tokens: int) -> None:
