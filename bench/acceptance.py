@@ -21,6 +21,7 @@ Writes bench/results/acceptance_cpu.json (and $OUT/ if set) and exits non-zero i
 
     python bench/acceptance.py                                  # ~10 min on 2 busy cores
     python bench/acceptance.py --train-samples 400 --steps 400  # shorter training
+    python bench/acceptance.py --payload-dtype fp8_e4m3 --seed 1 --no-untrained  # one arm of fp8_acceptance.py
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--show-bug", action="store_true", help="also serve at T=1 without the CPU fix")
+    ap.add_argument("--payload-dtype", default="model", help="HSSTREAM_PAYLOAD_DTYPE of the stack (model, fp8_e4m3)")
+    ap.add_argument("--seed", type=int, default=0, help="the trainer's seed (draft init, order)")
+    ap.add_argument("--no-untrained", action="store_true",
+                    help="skip serving the untrained draft (its margin checks are then not made)")  # fmt: skip
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "acceptance_cpu.json"))
     ap.add_argument("--serve-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     # -- 2. stream + train -------------------------------------------------------------------
     run_dir = wd / "draft-run"
     stack = Stack(verifier, LAYERS, wd)
+    stack.env["HSSTREAM_PAYLOAD_DTYPE"] = a.payload_dtype
     t0 = time.perf_counter()
     try:
         stack.start()
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             *[x for j in jobs for x in ("--job", j)], "--api", stack.api,
             "--endpoint", stack.delivery_endpoint, "--spool", str(stack.spool),
             "--draft-vocab-size", str(a.draft_vocab_size), "--steps", str(a.steps), "--lr", str(a.lr),
-            "--checkpoint-every", "200", "--no-progress",
+            "--checkpoint-every", "200", "--no-progress", "--seed", str(a.seed),
         ]  # fmt: skip
         log("training: " + " ".join(cmd[1:]))
         t0 = time.perf_counter()
@@ -222,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"training failed ({p.returncode}):\n" + "\n".join(p.stderr.splitlines()[-30:]))
             return 1
         train = json.loads(p.stdout[p.stdout.index("{") :])
+        import httpx
+
+        consumed = [httpx.get(f"{stack.api}/v1/jobs/{j}", timeout=30).json() for j in jobs]
+        payload = {"payload_dtype": a.payload_dtype, "tokens_consumed": sum(c["tokens_consumed"] for c in consumed),
+                   "bytes_consumed": sum(c["bytes_consumed"] for c in consumed)}  # fmt: skip
+        payload["bytes_per_token"] = round(payload["bytes_consumed"] / max(1, payload["tokens_consumed"]), 2)
+        log(f"payload {a.payload_dtype}: {payload['bytes_per_token']} bytes per token (hidden states + scales)")
         log(f"trained {train['steps']} steps on {train['samples']} samples ({train['tokens']} tokens) in {t_train:.0f} s; "
             f"top-1 per TTT step {[round(x, 3) for x in train['top1']]}, waiting for data {train['wait_s']:.0f} s")  # fmt: skip
     finally:
@@ -242,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     # -- 3. serve ------------------------------------------------------------------------------
     prompts = PV.held_out_prompts(a.eval_prompts)
     serving = {}
-    for name, d in (("trained", draft), ("untrained", str(untrained_dir))):
+    arms = (("trained", draft),) if a.no_untrained else (("trained", draft), ("untrained", str(untrained_dir)))
+    for name, d in arms:
         log(f"serving the verifier with the {name} draft (T=0 and T=1, {len(prompts)} prompts x {a.max_tokens} tokens)")
         serving[name] = run_serving(verifier, d, prompts, a.max_tokens, [0.0, 1.0], wd, name)
         log(f"  {name}: " + ", ".join(f"T={t}: {v['acceptance_rate'] or 0:.3f} ({v['accepted']:.0f}/{v['drafted']:.0f})"
@@ -253,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                                                          fix=False)  # fmt: skip
 
     def rate(name: str, t: str) -> float:
-        return serving[name][t]["acceptance_rate"] or 0.0
+        return (serving[name][t]["acceptance_rate"] or 0.0) if name in serving else float("nan")
 
     tr0, tr1, un0, un1 = rate("trained", "0.0"), rate("trained", "1.0"), rate("untrained", "0.0"), rate("untrained", "1.0")
     checks = {
         "trained_t0_ge_0.7": tr0 >= TARGETS["t0_min"],
         "trained_t1_ge_0.3": tr1 >= TARGETS["t1_min"],
-        "margin_t0_ge_0.15": tr0 - un0 >= TARGETS["margin_min"],
-        "margin_t1_ge_0.15": tr1 - un1 >= TARGETS["margin_min"],
+        **({} if a.no_untrained else {"margin_t0_ge_0.15": tr0 - un0 >= TARGETS["margin_min"],
+                                      "margin_t1_ge_0.15": tr1 - un1 >= TARGETS["margin_min"]}),
         "verifier_repeat_lt_0.3": repeat < 0.3,
     }
     result = {
@@ -277,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             "draft_vocab_coverage_of_training_tokens": cov,
             "jobs": job_specs,
         },
+        "payload": payload,
         "serving": {"num_speculative_tokens": SPEC_TOKENS, "prompts": len(prompts), "max_tokens": a.max_tokens, **serving},
-        "acceptance": {"trained": {"T0": tr0, "T1": tr1}, "untrained": {"T0": un0, "T1": un1}},
+        "acceptance": {"trained": {"T0": tr0, "T1": tr1},
+                       **({} if a.no_untrained else {"untrained": {"T0": un0, "T1": un1}})},
         "targets": TARGETS,
         "checks": checks,
         "passed": all(checks.values()),

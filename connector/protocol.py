@@ -11,8 +11,9 @@ Three things are defined here:
 * the messages between the sidecar's delivery socket and a trainer.
 
 The safetensors file holds ``hidden_states`` [T, K, H] and ``token_ids`` [T] (the keys of
-vLLM's Example connector, so its users can read our files unchanged); our metadata rides in
-the safetensors header under ``hsstream.notice``.
+vLLM's Example connector, so its users can read our files unchanged), plus
+``hidden_states_scales`` for an FP8 payload (``connector/payload.py``, the payload dtypes'
+contract); our metadata rides in the safetensors header under ``hsstream.notice``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from connector import payload as _payload
 
 PROTOCOL_VERSION = 1
 
@@ -509,7 +512,8 @@ def claim_spool(spool: str | os.PathLike[str]) -> bool:
 
 
 def checksum(*buffers: Any, algo: str = CHECKSUM_ALGO, threads: int = 1) -> str:
-    """The named checksum over the tensors' raw bytes in file order (hidden states, then token ids).
+    """The named checksum over the tensors' raw bytes in the order ``payload.checksum_buffers``
+    gives (hidden states, their scales if quantised, then token ids).
 
     One definition for files on the spool and bytes sent over the network. Both kinds release
     the GIL on large inputs, so checking never stalls the engine or the training loop.
@@ -531,26 +535,29 @@ def checksum(*buffers: Any, algo: str = CHECKSUM_ALGO, threads: int = 1) -> str:
     return h.hexdigest()
 
 
-def expected_nbytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int) -> int:
-    """Bytes of a sample's hidden states: what the spool budget reserves before submitting."""
-    return num_tokens * num_layers * hidden_size * dtype_size
+def expected_nbytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int, scale_bytes: int = 0) -> int:
+    """Bytes of a sample's hidden states (and their per-token scales, ``scale_bytes`` each, for a
+    quantised payload): what the spool budget reserves before submitting."""
+    return num_tokens * (num_layers * hidden_size * dtype_size + scale_bytes)
 
 
 #: Upper bound of a file's safetensors header (tensor table + our notice as metadata).
 HEADER_ALLOWANCE = 4096
 
 
-def expected_file_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int) -> int:
+def expected_file_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int,
+                        scale_bytes: int = 0) -> int:  # fmt: skip
     """Bytes a sample's file can take on the spool: what admission reserves before submitting,
     so the files that do arrive never exceed the budget."""
-    return expected_nbytes(num_tokens, num_layers, hidden_size, dtype_size) + 8 * num_tokens + HEADER_ALLOWANCE
+    return expected_nbytes(num_tokens, num_layers, hidden_size, dtype_size, scale_bytes) + 8 * num_tokens + HEADER_ALLOWANCE
 
 
 def header_metadata(notice: Notice) -> dict[str, str]:
     return {HEADER_NOTICE_KEY: notice.model_dump_json(), "format": "pt"}
 
 
-DTYPE_SIZES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: Bytes per stored hidden-state value, by the notice's ``dtype`` (the payload's contract).
+DTYPE_SIZES: dict[str, int] = _payload.ELEMENT_SIZES
 
 
 def kv_params_for(tag: RequestTag) -> dict[str, Any]:

@@ -33,6 +33,8 @@ class Settings(BaseSettings):
     # Sidecar
     host: str = "127.0.0.1"
     port: int = 8100
+    # One engine, or several separated by commas (each with our connector, the same spool and
+    # notice endpoint): the sidecar sends each sample to the least-loaded engine that is up.
     vllm_url: str = "http://127.0.0.1:8000"
     model: str = ""  # verifier checkpoint dir / name (tokenizer + shapes)
     layer_ids: Annotated[list[int], NoDecode] = Field(default_factory=list)
@@ -74,6 +76,10 @@ class Settings(BaseSettings):
     # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
     layer_order: str = "config"
     checksum: str = "blake3"  # one of protocol.CHECKSUM_ALGOS, named in every notice
+    # How hidden states are stored (connector/payload.py): "model" (the verifier's dtype) or
+    # "fp8_e4m3" (hs-connectors' FP8 layout, per-token scales: ~0.5x the bytes). Read by the
+    # connector (writes it) and the sidecar (prices samples by it before the first notice).
+    payload_dtype: str = "model"
 
     @field_validator("layer_ids", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ import torch
 import zmq
 from safetensors.torch import save_file
 
+from connector import payload as PL
 from connector import protocol as P
 from connector.file_lock import WriteLock
 
@@ -50,7 +51,7 @@ class ShapeInfo:
     layer_ids: list[int]
     num_hidden_layers: int
     hidden_size: int
-    dtype: str
+    dtype: str  # the stored dtype (connector/payload.py): the model's, or float8_e4m3fn
     model: str
 
 
@@ -147,7 +148,11 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if hs.shape[0] != ids.shape[0]:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
-            digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy(), algo=self.checksum_algo)
+            tensors = {P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}
+            if PL.is_quantized(self.shape.dtype):
+                # On the writer thread, off the engine's step (as hs-connectors quantises on write).
+                tensors[P.HIDDEN_STATES_KEY], tensors[PL.SCALES_KEY] = PL.quantize_fp8(hs)
+            digest = P.checksum(*PL.checksum_buffers(tensors), algo=self.checksum_algo)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
@@ -155,12 +160,12 @@ class SpoolWriter:
                 status=P.NoticeStatus.ok,
                 file=job.file if job.path is None else None,  # the sidecar reads the spool only
                 num_tokens=int(ids.shape[0]),
-                nbytes=hs.numel() * hs.element_size(),
+                nbytes=sum(t.numel() * t.element_size() for k, t in tensors.items() if k != P.TOKEN_IDS_KEY),
                 checksum=digest,
                 checksum_algo=self.checksum_algo,
             )
             save_file(
-                {P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids},
+                tensors,
                 str(tmp),
                 metadata=P.header_metadata(notice),
             )

@@ -13,8 +13,9 @@ nothing but the pickled per-step metadata. Load it with::
 ``shared_storage_path``, ``num_writer_threads``, ``allow_custom_save_path`` and
 ``use_synchronization_lock`` mean what they mean for vLLM's ``ExampleHiddenStatesConnector``;
 ``include_output_tokens`` and ``hidden_states_path`` per request too. Ours: ``notice_endpoint``
-(``"none"``: no sidecar), ``layer_ids`` (the order written) and ``layer_order`` (``config``:
-that order; ``sorted``: ascending, as the Example connector writes). See docs/drop-in.md.
+(``"none"``: no sidecar), ``layer_ids`` (the order written), ``layer_order`` (``config``:
+that order; ``sorted``: ascending, as the Example connector writes) and ``payload_dtype``
+(``model`` or ``fp8_e4m3``, ``connector/payload.py``). See docs/drop-in.md.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from connector import payload as PL
 from connector import protocol as P
 from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
@@ -60,7 +62,7 @@ class StreamConnectorMetadata(KVConnectorMetadata):
 #: Every kv_connector_extra_config key we read; any other is named in a warning at start-up.
 KNOWN_EXTRA_KEYS = frozenset({
     "shared_storage_path", "num_writer_threads", "allow_custom_save_path", "use_synchronization_lock",  # Example's
-    "notice_endpoint", "layer_ids", "layer_order",  # ours
+    "notice_endpoint", "layer_ids", "layer_order", "payload_dtype",  # ours
 })  # fmt: skip
 LAYER_ORDERS = ("config", "sorted")
 NO_NOTICES = "none"
@@ -89,6 +91,7 @@ class ConnectorOptions:
     dtype: str
     model: str
     layer_order: str = "config"
+    payload_dtype: str = PL.MODEL
     allow_custom_save_path: bool = False
     use_lock: bool = True
 
@@ -96,6 +99,11 @@ class ConnectorOptions:
     def file_layer_ids(self) -> list[int]:
         """The layer order written into files (and notices)."""
         return sorted(self.user_layer_ids) if self.layer_order == "sorted" else list(self.user_layer_ids)
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype files hold (notices name it): the model's, or the quantised payload's."""
+        return PL.stored_dtype(self.payload_dtype, self.dtype)
 
     @property
     def notice_ep(self) -> str | None:
@@ -139,6 +147,11 @@ class ConnectorOptions:
         if algo not in P.CHECKSUM_ALGOS:
             raise ConnectorConfigError(f"checksum {algo!r} is not one of {list(P.CHECKSUM_ALGOS)} (HSSTREAM_CHECKSUM)")
         model = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
+        payload_dtype = str(extra.get("payload_dtype") or env.payload_dtype)
+        try:
+            PL.check_payload_dtype(payload_dtype)
+        except PL.PayloadError as e:
+            raise ConnectorConfigError(f"kv_connector_extra_config.payload_dtype: {e}") from e
         return cls(
             spool_dir=spool,
             notice_endpoint=endpoint,
@@ -152,6 +165,7 @@ class ConnectorOptions:
             dtype=dtype,
             model=model,
             layer_order=order,
+            payload_dtype=payload_dtype,
             allow_custom_save_path=_flag(extra, "allow_custom_save_path", False),
             use_lock=_flag(extra, "use_synchronization_lock", True),
         )
@@ -185,8 +199,8 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer: SpoolWriter | None = None
         self._worker = WorkerSide(None, None)  # until register_kv_caches; stays inert off rank 0
         log.info(
-            "hsstream connector (%s): spool %s, notices -> %s, layers %s (file order: %s)",
-            role.name, o.spool_dir, o.notice_endpoint, o.user_layer_ids, o.file_layer_ids,
+            "hsstream connector (%s): spool %s, notices -> %s, layers %s (file order: %s), payload %s",
+            role.name, o.spool_dir, o.notice_endpoint, o.user_layer_ids, o.file_layer_ids, o.stored_dtype,
         )
 
     @property
@@ -211,7 +225,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer = SpoolWriter(
             o.spool_dir,
             o.notice_ep,
-            ShapeInfo(o.file_layer_ids, o.num_hidden_layers, o.hidden_size, o.dtype, o.model),
+            ShapeInfo(o.file_layer_ids, o.num_hidden_layers, o.hidden_size, o.stored_dtype, o.model),
             num_threads=o.num_writer_threads,
             max_pending_bytes=o.max_pending_write_bytes,
             max_queued_notices=o.max_queued_notices,

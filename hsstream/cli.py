@@ -144,6 +144,8 @@ def up(
     prefix_caching: bool = typer.Option(False, help="off by default: see docs/prefix-caching.md", show_default=False),
     ready_timeout: float = typer.Option(900.0, help="seconds vLLM may take to load the model"),
     log_dir: str = typer.Option(None, help="also write each child's log to DIR/NAME.log"),
+    engines: int = typer.Option(1, min=1, help="vLLM engines (processes) on ports VLLM_PORT, +1, ...; the sidecar "
+                                              "spreads samples over them (CPU build: the cores split between them)"),
     vllm_args: list[str] = typer.Argument(None, help="more vLLM arguments after `--`"),
 ) -> None:
     """Start vLLM, the sidecar and a trainer; stop all on Ctrl-C.
@@ -173,7 +175,7 @@ def up(
             env_file=env_file, model=model, layer_ids=layer_ids, max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, prefix_caching=prefix_caching,
             vllm_extra=vllm_args, trainer_cmd=tcmd, max_restarts=max_restarts, ready_timeout_s=ready_timeout,
-            log_dir=log_dir, say=sup_say,
+            log_dir=log_dir, engines=engines, say=sup_say,
         )  # fmt: skip
     except _up.UpError as e:
         typer.echo(f"error: {e}", err=True)

@@ -35,6 +35,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (engines listen on port, port + 1, ...)."""
+    if n == 1:
+        return free_port()
+    for _ in range(100):
+        first = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", first + i))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def demo_prompts(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     out = []
@@ -61,18 +82,19 @@ class Stack:
     def __init__(
         self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False,
         max_model_len: int = 1024, gpu_memory_utilization: float | None = None, vllm_extra: list[str] | None = None,
-        vllm_gpus: str | None = None,
+        vllm_gpus: str | None = None, engines: int = 1,
     ) -> None:  # fmt: skip
         self.model = model
         self.layer_ids = layer_ids
         self.workdir = workdir
         self.spool = Path(tempfile.mkdtemp(prefix="hsstream-", dir="/dev/shm"))
         self.run_dir = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
-        self.vllm_port, self.api_port = free_port(), free_port()
+        self.engines = engines
+        self.vllm_port, self.api_port = free_ports(engines), free_port()
         self.env = {
             "HSSTREAM_SPOOL_DIR": str(self.spool),
             "HSSTREAM_RUN_DIR": str(self.run_dir),
-            "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",
+            "HSSTREAM_VLLM_URL": ",".join(f"http://127.0.0.1:{self.vllm_port + i}" for i in range(engines)),
             "HSSTREAM_MODEL": model,
             "HSSTREAM_LAYER_IDS": ",".join(map(str, layer_ids)),
             "HSSTREAM_PORT": str(self.api_port),
@@ -105,7 +127,7 @@ class Stack:
             model=self.model, layer_ids=self.layer_ids, spool_dir=self.spool, run_dir=self.run_dir,
             api_host="127.0.0.1", api_port=self.api_port, vllm_host="127.0.0.1", vllm_port=self.vllm_port,
             vllm_cli=cli, env=self.env, max_restarts=0, ready_timeout_s=600, log_dir=self.workdir,
-            cwd=launch.repo_root(), vllm_gpus=self.vllm_gpus,
+            cwd=launch.repo_root(), vllm_gpus=self.vllm_gpus, engines=self.engines,
         )  # fmt: skip
         self._sup = Supervisor(cfg, echo=False)
         self._sup.children = self.children

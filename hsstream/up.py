@@ -104,6 +104,8 @@ class UpConfig:
     ready_timeout_s: float = 900.0
     log_dir: Path | None = None
     cwd: str | None = None
+    #: vLLM engines (processes) feeding the sidecar, on ports vllm_port, vllm_port + 1, ...
+    engines: int = 1
 
     @property
     def api_url(self) -> str:
@@ -111,7 +113,41 @@ class UpConfig:
 
     @property
     def vllm_url(self) -> str:
-        return f"http://{_url_host(self.vllm_host)}:{self.vllm_port}"
+        return self.engine_url(0)
+
+    def engine_url(self, i: int) -> str:
+        return f"http://{_url_host(self.vllm_host)}:{self.vllm_port + i}"
+
+    def engine_urls(self) -> str:
+        """HSSTREAM_VLLM_URL for the sidecar: every engine, comma-separated."""
+        return ",".join(self.engine_url(i) for i in range(self.engines))
+
+    def engine_cli(self, i: int) -> list[str]:
+        """``vllm_cli`` with engine ``i``'s port (our options come before any ``--``)."""
+        cli = list(self.vllm_cli)
+        end = cli.index("--") if "--" in cli else len(cli)
+        j = cli.index("--port", 0, end)
+        cli[j + 1] = str(self.vllm_port + i)
+        return cli
+
+
+def engine_name(i: int) -> str:
+    """The child's name: "vllm" for the first engine (as with one), "vllm-2", ... for the others."""
+    return "vllm" if i == 0 else f"vllm-{i + 1}"
+
+
+def is_engine(name: str) -> bool:
+    return name == "vllm" or name.startswith("vllm-")
+
+
+def split_cores(cores: list[int], parts: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of each of ``parts`` CPU engines: the cores split evenly, so
+    engines never share a core (OpenMP threads spinning on one core halve both)."""
+    if len(cores) < parts:
+        raise UpError(f"{parts} CPU engines need at least {parts} cores; this process may use {len(cores)}")
+    per = len(cores) // parts
+    groups = [cores[i * per : (i + 1) * per] for i in range(parts)]
+    return [f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups]
 
 
 def _url_host(host: str) -> str:
@@ -176,6 +212,7 @@ def build_config(
     max_restarts: int = 3,
     ready_timeout_s: float = 900.0,
     log_dir: str | None = None,
+    engines: int = 1,
     say: Callable[[str], None] = lambda _m: None,
 ) -> UpConfig:
     """Resolve the stack's configuration: CLI flags > environment > ``.env`` > defaults."""
@@ -229,6 +266,11 @@ def build_config(
     except LayerIdError as e:
         raise UpError(str(e)) from e
 
+    if engines < 1:
+        raise UpError(f"--engines {engines}: at least one vLLM engine is needed")
+    if "," in s.vllm_url:
+        raise UpError(f"HSSTREAM_VLLM_URL={s.vllm_url!r} lists several engines: `hsstream up` starts its own "
+                      "(give one URL for the first engine's host and port, and --engines N)")  # fmt: skip
     vu = urlsplit(s.vllm_url)
     vllm_host = vu.hostname or "127.0.0.1"
     vllm_port = vu.port or 8000
@@ -260,7 +302,7 @@ def build_config(
         "HSSTREAM_LAYER_IDS": ",".join(map(str, ids)),
         "HSSTREAM_SPOOL_DIR": str(s.spool_dir),
         "HSSTREAM_RUN_DIR": str(s.run_dir),
-        "HSSTREAM_VLLM_URL": f"http://{_url_host(vllm_host)}:{vllm_port}",
+        "HSSTREAM_VLLM_URL": ",".join(f"http://{_url_host(vllm_host)}:{vllm_port + i}" for i in range(engines)),
         "HSSTREAM_HOST": s.host,
         "HSSTREAM_PORT": str(s.port),
         "PYTHONUNBUFFERED": "1",  # logs are streamed line by line
@@ -282,6 +324,7 @@ def build_config(
         max_restarts=max_restarts,
         ready_timeout_s=ready_timeout_s,
         log_dir=Path(log_dir) if log_dir else None,
+        engines=engines,
     )
 
 
@@ -452,7 +495,7 @@ class Supervisor:
         self._signal: int | None = None
         self._lock_fd: int | None = None
         self._made_spool = False
-        self._vllm_shm: set[str] = set()
+        self._vllm_shm: dict[str, set[str]] = {}  # engine name -> its shared-memory files
         self._stopped = False
         self._nanobind_told: set[str] = set()
 
@@ -482,8 +525,9 @@ class Supervisor:
     def child(self, name: str) -> launch.Child | None:
         return next((c for c in self.children if c.name == name), None)
 
-    def _spawn(self, name: str, args: list[str], gpus: str | None = None) -> Proc:
+    def _spawn(self, name: str, args: list[str], gpus: str | None = None, extra_env: dict | None = None) -> Proc:
         env = launch.child_env(self.cfg.env)
+        env.update(extra_env or {})
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         log = self.cfg.log_dir / f"{name}.log" if self.cfg.log_dir else None
@@ -506,9 +550,19 @@ class Supervisor:
         self.say(f"started {name} (pid {proc.pid}): {shlex.join(args[:6])}{' …' if len(args) > 6 else ''}")
         return p
 
-    def _spawn_vllm(self) -> Proc:
+    def _spawn_vllm(self, i: int = 0) -> Proc:
         # The same entry point compose's vLLM service runs: it builds the command and execs vLLM.
-        return self._spawn("vllm", [sys.executable, "-m", "hsstream", "vllm", *self.cfg.vllm_cli], self.cfg.vllm_gpus)
+        c = self.cfg
+        gpus, extra = c.vllm_gpus, {}
+        if c.engines > 1:
+            if gpus:  # one share of the listed GPUs each
+                ids = [g for g in gpus.split(",") if g.strip()]
+                per = max(1, len(ids) // c.engines)
+                gpus = ",".join(ids[i * per : (i + 1) * per]) or None
+            if launch.is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in c.env:
+                extra["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(sorted(os.sched_getaffinity(0)), c.engines)[i]
+        args = [sys.executable, "-m", "hsstream", "vllm", *c.engine_cli(i)]
+        return self._spawn(engine_name(i), args, gpus, extra)
 
     def _ticker(self, what: str, on_tick: Callable[[float], None] | None) -> Callable[[float], None]:
         """Progress every 10 s while waiting, and a way out: a signal or another child dying."""
@@ -518,7 +572,7 @@ class Supervisor:
             if self._signal is not None:
                 raise _Interrupted
             for c in self.children:
-                if c.name != "vllm" and not c.alive():
+                if not is_engine(c.name) and not c.alive():
                     raise launch.ProcessDied(
                         f"{c.name} exited ({describe_exit(c.proc.returncode)}) while waiting for {what}:\n{c.tail()}"
                     )
@@ -535,7 +589,7 @@ class Supervisor:
         c = self.cfg
         for host, port, what, var in (
             (c.api_host, c.api_port, "the sidecar", "HSSTREAM_PORT"),
-            (c.vllm_host, c.vllm_port, "vLLM", "VLLM_PORT or HSSTREAM_VLLM_URL"),
+            *((c.vllm_host, c.vllm_port + i, engine_name(i), "VLLM_PORT or HSSTREAM_VLLM_URL") for i in range(c.engines)),
         ):
             if _port_in_use(host, port):
                 raise UpError(
@@ -573,12 +627,13 @@ class Supervisor:
         t0 = time.monotonic()
         self._prepare()
         sidecar = self._spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"])
-        vllm = self._spawn_vllm()
+        engines = [self._spawn_vllm(i) for i in range(c.engines)]  # they load side by side
         launch.wait_http(f"{c.api_url}/healthz", sidecar, 120, self._ticker("the sidecar", None))
-        tick = self._ticker("vLLM to load the model", on_tick)
-        launch.wait_http(f"{c.vllm_url}/health", vllm, c.ready_timeout_s, tick)
-        self._vllm_shm |= group_shm_files(vllm.proc.pid)
-        self.say(f"vllm ready after {time.monotonic() - t0:.0f} s")
+        for i, vllm in enumerate(engines):
+            tick = self._ticker("vLLM to load the model", on_tick)
+            launch.wait_http(f"{c.engine_url(i)}/health", vllm, c.ready_timeout_s, tick)
+            self._vllm_shm[vllm.name] = group_shm_files(vllm.proc.pid)
+            self.say(f"{vllm.name} ready after {time.monotonic() - t0:.0f} s")
         launch.wait_http(f"{c.api_url}/readyz", sidecar, 120, self._ticker("the sidecar to reach vLLM", None))
         if c.trainer_cmd:
             self._spawn("trainer", list(c.trainer_cmd), c.trainer_gpus)
@@ -592,28 +647,30 @@ class Supervisor:
     def _restart_vllm(self, dead: launch.Child) -> bool:
         """Restart vLLM until it answers again or the restarts are used up; False if used up."""
         c = self.cfg
+        name = dead.name
+        i = next(j for j in range(c.engines) if engine_name(j) == name)
         while True:
             why = describe_exit(dead.proc.returncode)
             if self.restarts >= c.max_restarts:
                 self.say(
-                    f"vllm died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
+                    f"{name} died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
                     f"{self.restarts} used): stopping the stack.{self._last_lines(dead)}"
                 )
                 return False
             self.restarts += 1
-            self.say(f"vllm died ({why}): restarting it ({self.restarts}/{c.max_restarts})")
+            self.say(f"{name} died ({why}): restarting it ({self.restarts}/{c.max_restarts})")
             _reap_group(dead.proc.pid)  # the API server is gone; its engine and workers may not be
-            self._remove_vllm_shm()
+            self._remove_vllm_shm(name)
             t0 = time.monotonic()
-            new = self._spawn_vllm()
+            new = self._spawn_vllm(i)
             try:
                 tick = self._ticker("vLLM to come back", None)
-                launch.wait_http(f"{c.vllm_url}/health", new, c.ready_timeout_s, tick)
+                launch.wait_http(f"{c.engine_url(i)}/health", new, c.ready_timeout_s, tick)
             except launch.ProcessDied:
                 dead = new
                 continue
-            self._vllm_shm |= group_shm_files(new.proc.pid)
-            self.say(f"vllm is back after {time.monotonic() - t0:.0f} s (restart {self.restarts}/{c.max_restarts})")
+            self._vllm_shm[name] = group_shm_files(new.proc.pid)
+            self.say(f"{name} is back after {time.monotonic() - t0:.0f} s (restart {self.restarts}/{c.max_restarts})")
             return True
 
     def supervise(self) -> int:
@@ -626,7 +683,7 @@ class Supervisor:
                 if ch.alive():
                     continue
                 code = ch.proc.returncode
-                if ch.name == "vllm":
+                if is_engine(ch.name):
                     if not self._restart_vllm(ch):
                         return 1
                 elif ch.name == "trainer" and code == 0:
@@ -678,16 +735,17 @@ class Supervisor:
         except FileNotFoundError:
             return []
 
-    def _remove_vllm_shm(self) -> None:
-        """Remove the shared memory of vLLM processes that are all gone (see group_shm_files)."""
+    def _remove_vllm_shm(self, name: str | None = None) -> None:
+        """Remove the shared memory of vLLM processes that are all gone (see group_shm_files):
+        one engine's (``name``), or every engine's."""
         gone = []
-        for path in sorted(self._vllm_shm):
-            try:
-                os.unlink(path)
-                gone.append(path)
-            except FileNotFoundError:  # vLLM removed it itself
-                pass
-        self._vllm_shm.clear()
+        for n in [name] if name else list(self._vllm_shm):
+            for path in sorted(self._vllm_shm.pop(n, set())):
+                try:
+                    os.unlink(path)
+                    gone.append(path)
+                except FileNotFoundError:  # vLLM removed it itself
+                    pass
         if gone:
             self.say(f"removed {len(gone)} shared-memory file(s) a dead vLLM left: {' '.join(gone)}")
 
@@ -697,7 +755,7 @@ class Supervisor:
             return
         self._stopped = True
         order = {n: i for i, n in enumerate(STOP_ORDER)}
-        for ch in sorted(self.children, key=lambda c: order.get(c.name, -1)):
+        for ch in sorted(self.children, key=lambda c: order.get("vllm" if is_engine(c.name) else c.name, -1)):
             if ch.alive():
                 self.say(f"stopped {ch.name} ({describe_exit(ch.stop())})")
         unclean = [f"{c.name} ({describe_exit(c.proc.returncode)})" for c in self.children if c.proc.returncode != 0]

@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.info("spool %s created/marked as ours", spool)
     s.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
-    sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids)
+    sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids, s.payload_dtype)
     svc = Services(
         settings=s, ledger=ledger, metrics=SidecarMetrics(ledger), sizer=sizer,
         tokenizer=Tokenizer(s.model or None, max_model_len=max_len), keeper=SpoolKeeper(spool, ledger),

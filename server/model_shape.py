@@ -21,6 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 
+from connector import payload as PL
 from connector import protocol as P
 from connector.layers import default_layer_ids
 
@@ -44,13 +45,14 @@ class Shape:
     hidden_size: int
     dtype_size: int
     source: str  # where it was learned, for logs and /v1/stats
+    scale_bytes: int = 0  # per position: a quantised payload's scales (connector/payload.py)
 
     def file_bytes(self, positions: int) -> int:
-        return P.expected_file_bytes(positions, self.num_layers, self.hidden_size, self.dtype_size)
+        return P.expected_file_bytes(positions, self.num_layers, self.hidden_size, self.dtype_size, self.scale_bytes)
 
     def same_size(self, other: Shape) -> bool:
-        return (self.num_layers, self.hidden_size, self.dtype_size) == (other.num_layers, other.hidden_size,
-                                                                        other.dtype_size)  # fmt: skip
+        return (self.num_layers, self.hidden_size, self.dtype_size, self.scale_bytes) == (
+            other.num_layers, other.hidden_size, other.dtype_size, other.scale_bytes)  # fmt: skip
 
 
 def read_config(model: str | None) -> dict | None:
@@ -71,7 +73,13 @@ def read_config(model: str | None) -> dict | None:
     return text if isinstance(text, dict) else cfg
 
 
-def shape_from_config(cfg: dict | None, layer_ids: list[int]) -> Shape | None:
+def _shape(num_layers: int, hidden_size: int, dtype: str, source: str) -> Shape:
+    return Shape(num_layers, hidden_size, P.DTYPE_SIZES.get(dtype, 2), source, PL.SCALE_BYTES_PER_TOKEN.get(dtype, 0))
+
+
+def shape_from_config(cfg: dict | None, layer_ids: list[int], payload_dtype: str = PL.MODEL) -> Shape | None:
+    """The shape from the verifier's config; ``payload_dtype`` (HSSTREAM_PAYLOAD_DTYPE) says how
+    the connector stores it, so an FP8 payload is priced at its own bytes from the start."""
     if not cfg or not cfg.get("hidden_size"):
         return None
     ids = list(layer_ids)
@@ -82,13 +90,13 @@ def shape_from_config(cfg: dict | None, layer_ids: list[int]) -> Shape | None:
         ids = default_layer_ids(int(n))
     dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").removeprefix("torch.")
     src = "config" + ("" if layer_ids else " (layer ids: the launcher's default)")
-    return Shape(len(ids), int(cfg["hidden_size"]), P.DTYPE_SIZES.get(dt, 2), src)
+    return _shape(len(ids), int(cfg["hidden_size"]), PL.stored_dtype(payload_dtype, dt), src)
 
 
 def shape_from_notice(n: P.Notice) -> Shape | None:
     if n.status != P.NoticeStatus.ok or not n.layer_ids or not n.hidden_size or n.dtype not in P.DTYPE_SIZES:
         return None
-    return Shape(len(n.layer_ids), n.hidden_size, P.DTYPE_SIZES[n.dtype], "notice")
+    return _shape(len(n.layer_ids), n.hidden_size, n.dtype, "notice")
 
 
 class SampleSizer:
@@ -101,10 +109,13 @@ class SampleSizer:
         self._from_notice = False
 
     @classmethod
-    def for_model(cls, model: str | None, layer_ids: list[int]) -> tuple[SampleSizer, int | None]:
-        """(sizer, the config's max_position_embeddings or None)."""
+    def for_model(cls, model: str | None, layer_ids: list[int],
+                  payload_dtype: str = PL.MODEL) -> tuple[SampleSizer, int | None]:  # fmt: skip
+        """(sizer, the config's max_position_embeddings or None). An unknown ``payload_dtype``
+        raises ``PayloadError`` naming the choices: the sidecar does not start on it."""
+        PL.check_payload_dtype(payload_dtype)
         cfg = read_config(model)
-        sizer = cls(shape_from_config(cfg, layer_ids))
+        sizer = cls(shape_from_config(cfg, layer_ids, payload_dtype))
         mpe = cfg.get("max_position_embeddings") if cfg else None
         return sizer, int(mpe) if mpe else None
 
@@ -144,6 +155,6 @@ class SampleSizer:
         s = self.shape
         if s is None:
             return {"known": False, "source": None}
-        per_position = s.num_layers * s.hidden_size * s.dtype_size
+        per_position = s.num_layers * s.hidden_size * s.dtype_size + s.scale_bytes
         return {"known": True, "source": s.source, "num_layers": s.num_layers, "hidden_size": s.hidden_size,
-                "dtype_size": s.dtype_size, "bytes_per_position": per_position}  # fmt: skip
+                "dtype_size": s.dtype_size, "scale_bytes": s.scale_bytes, "bytes_per_position": per_position}  # fmt: skip

@@ -13,6 +13,16 @@ size (learned from the first notice; until then one sample at a time is in fligh
 vLLM going away is expected (restarts, upgrades): while it is unreachable, samples wait
 with exponential backoff and keep their attempts; only past ``down_deadline_s`` of
 continuous unavailability are they failed, with the reason.
+
+Several engines (``HSSTREAM_VLLM_URL`` as a comma-separated list: vLLM processes on one or
+more hosts, each with our connector, the same spool and notice endpoint) share the queue:
+each sample goes to the least-loaded engine that is up (fewest requests outstanding), so a
+slow engine gets fewer. Each engine is probed and declared down on its own: a request to an
+engine that fails to connect or dies mid-request is re-queued without spending an attempt
+and goes to another; the samples that engine had answered but whose file had not arrived
+yet are re-queued at once (its writer died with it) instead of after the notice timeout.
+Samples wait only while every engine is down, and fail only past the deadline of all of them
+being down.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import asyncio
 import logging
 import shutil
 import time
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -69,11 +80,62 @@ class ShardedClient:
             await c.aclose()
 
 
+def parse_engine_urls(urls: str | list[str]) -> list[str]:
+    """The engines' base URLs from ``HSSTREAM_VLLM_URL`` (one, or a comma-separated list)."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    out = [u.strip().rstrip("/") for u in items if u.strip()]
+    if not out:
+        raise ValueError("no vLLM URL (HSSTREAM_VLLM_URL): give one, or several separated by commas")
+    bad = [u for u in out if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(f"HSSTREAM_VLLM_URL: {', '.join(map(repr, bad))} is not an http(s):// URL")
+    if len(set(out)) != len(out):
+        raise ValueError(f"HSSTREAM_VLLM_URL names an engine twice: {out}")
+    return out
+
+
+@dataclass(eq=False)
+class Engine:
+    """One vLLM engine as the submitter sees it. Only the event loop touches it."""
+
+    url: str
+    model_name: str | None = None  # the served model name, once it answered /v1/models
+    max_model_len: int | None = None
+    down_since: float | None = None  # monotonic time of the failure that took it down
+    in_flight: int = 0  # requests sent, not yet answered
+    requests: int = 0
+    failures: int = 0  # requests that found it unreachable
+    #: Samples it answered whose notice has not come: key -> attempt. If it dies, their files
+    #: will not come either (the writer thread died with it).
+    answered: dict[P.SampleKey, int] = field(default_factory=dict)
+
+    @property
+    def up(self) -> bool:
+        return self.down_since is None
+
+    def describe(self) -> dict:
+        return {"url": self.url, "up": self.up, "model": self.model_name, "max_model_len": self.max_model_len,
+                "in_flight": self.in_flight, "requests": self.requests, "failures": self.failures,
+                "down_for_s": None if self.up else round(time.monotonic() - self.down_since, 1)}  # fmt: skip
+
+
+def least_loaded(engines: list[Engine], start: int = 0) -> Engine | None:
+    """The engine that is up with the fewest requests outstanding; ties go to the first from
+    ``start`` on (the caller rotates it, so equal engines take turns). None if all are down."""
+    n = len(engines)
+    best: Engine | None = None
+    for i in range(n):
+        e = engines[(start + i) % n]
+        if e.up and (best is None or e.in_flight < best.in_flight):
+            best = e
+    return best
+
+
 class Submitter:
     def __init__(
         self,
         ledger: Ledger,
-        vllm_url: str,
+        vllm_url: str | list[str],
         *,
         budget_bytes: int,
         max_ready: int | None = None,
@@ -87,7 +149,8 @@ class Submitter:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.ledger = ledger
-        self.url = vllm_url.rstrip("/")
+        self.engines = [Engine(u) for u in parse_engine_urls(vllm_url)]
+        self._turn = 0  # where least_loaded starts looking: equal engines take turns
         self.budget = budget_bytes
         self.max_ready = max_ready
         self.concurrency = concurrency
@@ -96,22 +159,22 @@ class Submitter:
         self.notice_timeout_s = notice_timeout_s
         self.spool_dir = spool_dir
         self.fs_reserve_bytes = fs_reserve_bytes
-        self.model_name: str | None = None
-        self.engine_max_len: int | None = None  # vLLM's max_model_len, once it answered
+        self.engine_max_len: int | None = None  # the smallest max_model_len of the engines that answered
         self.on_engine_limit = None  # optional callback(max_model_len), for admission
         self.sizer = sizer
         self._transport = transport
         self._applied: tuple[int, int | None] = (-1, None)  # (sizer version, engine limit) applied to the queue
         self.in_flight = 0  # SUBMITTED samples, kept by a ledger listener
         ledger.listeners.append(self._on_transition)
-        self.down_since: float | None = None
         self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0,
                       "submitted_before_size_known": 0, "max_in_flight_before_size_known": 0,
-                      "failed_over_engine_limit": 0}  # fmt: skip
+                      "failed_over_engine_limit": 0, "requeued_engine_lost": 0}  # fmt: skip
         self.latency: list[float] = []  # observed by /metrics
         self._client: ShardedClient | httpx.AsyncClient | None = None
         self._task: asyncio.Task | None = None
         self._probe: asyncio.Task | None = None
+        self._probes: dict[str, asyncio.Task] = {}  # engine url -> task probing it back
+        self._checks: dict[str, asyncio.Task] = {}  # engine url -> liveness check while it owes files
         self._wake = asyncio.Event()
         self._inflight: dict[P.SampleKey, asyncio.Task] = {}
         self.on_latency = None  # optional callback(seconds)
@@ -121,8 +184,21 @@ class Submitter:
         self._task = asyncio.create_task(self._loop())
         self._probe = asyncio.create_task(self._probe_engine_until_known())
 
+    @property
+    def url(self) -> str:
+        """The engines' URLs, for messages (one engine: its URL)."""
+        return ", ".join(e.url for e in self.engines)
+
+    @property
+    def down_since(self) -> float | None:
+        """Since when every engine has been down (None while one is up): samples wait meanwhile."""
+        if any(e.up for e in self.engines):
+            return None
+        return max(e.down_since for e in self.engines)  # type: ignore[type-var]
+
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._probe, *self._inflight.values()) if t]
+        tasks = [t for t in (self._task, self._probe, *self._probes.values(), *self._checks.values(),
+                             *self._inflight.values()) if t]  # fmt: skip
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -143,44 +219,121 @@ class Submitter:
         await asyncio.gather(*tasks, return_exceptions=True)
         return len(tasks)
 
-    async def vllm_model(self, timeout: float = 5.0) -> str:
-        """The served model name (asked once; vLLM rejects requests naming another)."""
-        if self.model_name is None:
+    async def engine_model(self, e: Engine, timeout: float = 5.0) -> str:
+        """An engine's served model name (asked once; vLLM rejects requests naming another)."""
+        if e.model_name is None:
             assert self._client is not None
             try:
-                r = await self._client.get(f"{self.url}/v1/models", timeout=timeout)
+                r = await self._client.get(f"{e.url}/v1/models", timeout=timeout)
                 r.raise_for_status()
                 card = r.json()["data"][0]
-                self.model_name = card["id"]
-            except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as e:
-                raise VllmUnavailable(f"vLLM at {self.url} is not reachable: {e!r}") from e
-            self._set_engine_limit(card.get("max_model_len"))
-        return self.model_name
+                name = card["id"]
+            except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as exc:
+                raise VllmUnavailable(f"vLLM at {e.url} is not reachable: {exc!r}") from exc
+            e.model_name = name
+            n = card.get("max_model_len")
+            if isinstance(n, int) and n > 0 and n != e.max_model_len:
+                e.max_model_len = n
+                self._set_engine_limit()
+        return e.model_name
 
-    def _set_engine_limit(self, n: object) -> None:
-        if not isinstance(n, int) or n <= 0 or n == self.engine_max_len:
+    async def vllm_model(self, timeout: float = 5.0) -> str:
+        """The served model name of an engine that answers (readiness: at least one does)."""
+        errors = []
+        for e in self.engines:
+            try:
+                return await self.engine_model(e, timeout)
+            except VllmUnavailable as exc:
+                errors.append(str(exc))
+        raise VllmUnavailable("; ".join(errors))
+
+    def _set_engine_limit(self) -> None:
+        """Admission uses the smallest limit of the engines known: a sample fits any engine."""
+        known = [e.max_model_len for e in self.engines if e.max_model_len]
+        n = min(known) if known else None
+        if n is None or n == self.engine_max_len:
             return
-        log.info("vLLM serves at most %d tokens per sequence (max_model_len): longer samples are refused", n)
+        log.info("vLLM serves at most %d tokens per sequence (max_model_len%s): longer samples are refused", n,
+                 "" if len(self.engines) == 1 else ", the smallest of the engines that answered")  # fmt: skip
         self.engine_max_len = n
         if self.on_engine_limit:
             self.on_engine_limit(n)
         self._apply_limits()
 
     async def probe_engine(self, timeout: float = 2.0) -> int | None:
-        """vLLM's max_model_len, asking vLLM if it is not known yet; None while vLLM is away."""
-        if self.engine_max_len is None and self._client is not None:
-            try:
-                self.model_name = None
-                await self.vllm_model(timeout)
-            except VllmUnavailable:
-                pass
+        """vLLM's max_model_len, asking the engines not heard from yet; None while none answered."""
+        if self._client is not None:
+            for e in self.engines:
+                if e.max_model_len is None:
+                    try:
+                        e.model_name = None
+                        await self.engine_model(e, timeout)
+                    except VllmUnavailable:
+                        pass
         return self.engine_max_len
 
     async def _probe_engine_until_known(self) -> None:
-        """Learn the engine's limit as soon as vLLM answers, not only once a job needs it."""
-        while self.engine_max_len is None:
+        """Learn every engine's limit as soon as it answers, not only once a job needs it."""
+        while any(e.max_model_len is None for e in self.engines):
             await self.probe_engine()
             await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ engines up and down
+    def _engine_down(self, e: Engine, why: object) -> None:
+        """A request found ``e`` unreachable: stop sending to it, probe it until it is back, and
+        re-queue what it answered but never delivered (its writer died with it)."""
+        e.failures += 1
+        e.model_name = None
+        if e.up:
+            e.down_since = time.monotonic()
+            others = sum(x.up for x in self.engines)
+            log.warning("vLLM at %s unreachable (%r): %s", e.url, why,
+                        f"sending to the {others} other engine(s)" if others else "holding submissions until it is back")  # fmt: skip
+        lost, e.answered = e.answered, {}
+        for key, attempt in lost.items():
+            smp = self.ledger.get(key)
+            if smp is None or smp.state != State.submitted or smp.attempt != attempt or smp.notice is not None:
+                continue  # its file came after all
+            self.stats["requeued_engine_lost"] += 1
+            self.ledger.requeue(key, attempt, f"vLLM at {e.url} went away before the sample's file arrived",
+                                count_attempt=False)  # fmt: skip
+        if e.url not in self._probes or self._probes[e.url].done():
+            self._probes[e.url] = asyncio.create_task(self._probe_until_back(e))
+
+    async def _probe_until_back(self, e: Engine) -> None:
+        while not e.up:
+            try:
+                e.model_name = None
+                await self.engine_model(e, timeout=5.0)
+            except VllmUnavailable:
+                await asyncio.sleep(1.0)
+                continue
+            log.info("vLLM at %s is back after %.0f s", e.url, time.monotonic() - (e.down_since or time.monotonic()))
+            e.down_since = None
+            self.wake()
+
+    def _forget_delivered(self) -> None:
+        """Drop answered samples whose file came (or that moved on): only the rest are at risk.
+        An engine that still owes files is asked for ``/health``: one that died with no request
+        of ours in flight is noticed in a second, not after the notice timeout."""
+        for e in self.engines:
+            for key, attempt in list(e.answered.items()):
+                s = self.ledger.get(key)
+                if s is None or s.state != State.submitted or s.attempt != attempt or s.notice is not None:
+                    del e.answered[key]
+            if e.up and e.answered and (e.url not in self._checks or self._checks[e.url].done()):
+                self._checks[e.url] = asyncio.create_task(self._check_alive(e))
+
+    async def _check_alive(self, e: Engine) -> None:
+        """Only a refused or broken connection counts as death here: a slow answer from a busy
+        engine does not (its requests have their own timeout)."""
+        assert self._client is not None
+        try:
+            await self._client.get(f"{e.url}/health", timeout=10.0)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            self._engine_down(e, exc)
+        except httpx.HTTPError:
+            pass
 
     # ------------------------------------------------------------------ limits
     def _on_transition(self, new: State, old: State | None, n: int, _tokens: int) -> None:
@@ -241,15 +394,13 @@ class Submitter:
                 last_sweep = time.monotonic()
                 self._sweep()
             if self.down_since is not None:
-                # Probe instead of burning requests while vLLM is away.
+                # Every engine is away: their probes will wake us; burn no requests meanwhile.
+                self._wake.clear()
                 try:
-                    self.model_name = None
-                    await self.vllm_model()
-                    log.info("vLLM is back after %.0f s", time.monotonic() - self.down_since)
-                    self.down_since = None
-                except VllmUnavailable:
-                    await asyncio.sleep(1.0)
-                    continue
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
             await sem.acquire()
             self._apply_limits()
             sized = self._sized()
@@ -268,7 +419,14 @@ class Submitter:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            t = asyncio.create_task(self._submit(s, sem))
+            engine = least_loaded(self.engines, self._turn)
+            if engine is None:  # went down while we waited for the semaphore: back to the queue
+                self.ledger.requeue(s.key, s.attempt, "every vLLM engine is unreachable", count_attempt=False)
+                sem.release()
+                continue
+            self._turn = (self.engines.index(engine) + 1) % len(self.engines)
+            engine.in_flight += 1
+            t = asyncio.create_task(self._submit(s, sem, engine))
             self._inflight[s.key] = t
             # Only forget our own entry: a newer attempt of the same sample may have replaced it.
             t.add_done_callback(lambda _t, k=s.key: self._inflight.get(k) is _t and self._inflight.pop(k))
@@ -285,21 +443,26 @@ class Submitter:
 
     def _sweep(self) -> None:
         """Samples whose request returned but whose notice never came are tried again, and
-        everything waiting is failed once vLLM has been gone past the deadline."""
+        everything waiting is failed once every engine has been gone past the deadline."""
+        self._forget_delivered()
         for s in self.ledger.stale_submissions(self.notice_timeout_s):
             if s.key not in self._inflight:
                 self.stats["notice_timeouts"] += 1
                 self.ledger.requeue(s.key, s.attempt, f"no notice from the connector within {self.notice_timeout_s:.0f} s")
-        if self.down_since is not None and time.monotonic() - self.down_since > self.down_deadline_s:
+        down = self.down_since
+        if down is not None and time.monotonic() - down > self.down_deadline_s:
             reason = f"vLLM at {self.url} unreachable for more than {self.down_deadline_s:.0f} s"
             while (s := self.ledger.next_to_submit(2**62)) is not None:
                 self.ledger.fail(s.key, reason)
 
-    async def _submit(self, s: Sample, sem: asyncio.Semaphore) -> None:
+    async def _submit(self, s: Sample, sem: asyncio.Semaphore, engine: Engine | None = None) -> None:
+        e = engine or self.engines[0]
+        if engine is None:
+            e.in_flight += 1
         attempt = s.attempt
         t0 = time.monotonic()
         try:
-            model = await self.vllm_model()
+            model = await self.engine_model(e)
             if reason := self._too_long(s):  # queued before the limit was known, or it changed
                 self.stats["failed_over_engine_limit"] += 1
                 self.ledger.fail(s.key, reason)
@@ -319,12 +482,15 @@ class Submitter:
                 body["kv_transfer_params"]["include_output_tokens"] = True
             assert self._client is not None
             self.stats["requests"] += 1
-            r = await self._client.post(f"{self.url}/v1/completions", json=body)
+            e.requests += 1
+            r = await self._client.post(f"{e.url}/v1/completions", json=body)
             if r.status_code != 200:
                 self.stats["http_errors"] += 1
                 self.ledger.requeue(s.key, attempt, f"vLLM answered {r.status_code}: {r.text[:300]}")
                 return
             self.ledger.responded(s.key, attempt)  # the notice timeout starts now
+            if s.notice is None:  # its file is still to come from this engine's writer
+                e.answered[s.key] = attempt
             if sampling is not None:
                 out = (r.json().get("choices") or [{}])[0].get("token_ids")
                 if not out:
@@ -333,19 +499,17 @@ class Submitter:
                 self.ledger.set_generated(s.key, attempt, list(out))
             if self.on_latency:
                 self.on_latency(time.monotonic() - t0)
-        except (httpx.TransportError, VllmUnavailable) as e:
+        except (httpx.TransportError, VllmUnavailable) as exc:
             # Not the sample's fault: wait for vLLM without spending an attempt.
             self.stats["vllm_down_retries"] += 1
-            self.model_name = None
-            if self.down_since is None:
-                self.down_since = time.monotonic()
-                log.warning("vLLM unreachable (%r): holding submissions until it is back", e)
-            self.ledger.requeue(s.key, attempt, f"vLLM unreachable: {e!r}", count_attempt=False)
-        except httpx.HTTPError as e:
+            self.ledger.requeue(s.key, attempt, f"vLLM at {e.url} unreachable: {exc!r}", count_attempt=False)
+            self._engine_down(e, exc)
+        except httpx.HTTPError as exc:
             self.stats["http_errors"] += 1
-            self.ledger.requeue(s.key, attempt, f"vLLM request failed: {e!r}")
+            self.ledger.requeue(s.key, attempt, f"vLLM request failed: {exc!r}")
         except asyncio.CancelledError:
             self.ledger.requeue(s.key, attempt, "request cancelled", count_attempt=False)
             raise
         finally:
+            e.in_flight -= 1
             sem.release()

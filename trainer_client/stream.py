@@ -28,6 +28,7 @@ import zmq.auth
 from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
+from connector import payload as PL
 from connector import protocol as P
 from connector.settings import Settings
 from connector.transport import Receiver, TransportError, make_receiver
@@ -53,6 +54,18 @@ class Sample:
     loss_mask: torch.Tensor | None = None  # [T] bool
     label: str | None = None
     notice: P.Notice | None = field(default=None, repr=False)
+    #: float32 [T, 1, 1] while ``hidden_states`` is still FP8 (``connector/payload.py``); None
+    #: for an unquantised payload and once dequantised.
+    scales: torch.Tensor | None = field(default=None, repr=False)
+
+    def dequantized(self, dtype: torch.dtype | None) -> Sample:
+        """This sample with FP8 hidden states turned into ``dtype`` (x = fp8 × its token's scale);
+        unchanged if it is not quantised or ``dtype`` is None (the trainer dequantises itself)."""
+        if self.scales is None or dtype is None:
+            return self
+        from dataclasses import replace
+
+        return replace(self, hidden_states=PL.dequantize(self.hidden_states, self.scales, dtype), scales=None)
 
     @property
     def aux_hidden_states(self) -> torch.Tensor:
@@ -70,7 +83,7 @@ class Sample:
 
 #: safetensors dtype names of the tensors a sample file may hold.
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
-              "I32": torch.int32}  # fmt: skip
+              "I32": torch.int32, "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
 
 
 def read_sample_file(path: Path | None = None, payload: bytes | memoryview | None = None, *,
@@ -148,7 +161,8 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
 #: AND and a max over the raw words) instead of ``torch.isfinite``, which converts every bf16
 #: to float first (122 ms for a 33.5 MB sample on one core; this takes a few ms).
 _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-             torch.float32: (torch.int32, 0x7F800000)}  # fmt: skip
+             torch.float32: (torch.int32, 0x7F800000),
+             torch.float8_e4m3fn: (torch.uint8, 0x7F)}  # fmt: skip  # e4m3fn: no inf, NaN is S.1111.111
 _CHUNK = 1 << 18  # words per pass: the scratch stays in cache
 _pool = None
 
@@ -208,8 +222,11 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview
         if spool is None:
             raise InvalidSample("delivery without bytes, and no spool to read from")
         tensors = read_sample_file(P.resolve_in_spool(spool, n.file), pin_memory=pin_memory)
-    if set(tensors) != {P.HIDDEN_STATES_KEY, P.TOKEN_IDS_KEY}:
-        raise InvalidSample(f"unexpected tensors {sorted(tensors)}")
+    if n.dtype not in P.DTYPE_SIZES:
+        raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
+    if set(tensors) != PL.tensor_names(n.dtype):
+        raise InvalidSample(f"unexpected tensors {sorted(tensors)} for a {n.dtype} payload "
+                            f"(expected {sorted(PL.tensor_names(n.dtype))})")  # fmt: skip
     hs, ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
     T = n.num_tokens
     if ids.dim() != 1 or ids.shape[0] != T:
@@ -218,7 +235,13 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview
         raise InvalidSample(f"hidden_states shape {tuple(hs.shape)} != {(T, len(n.layer_ids), n.hidden_size)}")
     if str(hs.dtype).removeprefix("torch.") != n.dtype:
         raise InvalidSample(f"dtype {hs.dtype} != notice {n.dtype}")
-    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy(), algo=n.checksum_algo, threads=checksum_threads)
+    scales = tensors.get(PL.SCALES_KEY)
+    if scales is not None:
+        try:
+            PL.check_scales(scales, T)
+        except PL.PayloadError as e:
+            raise InvalidSample(str(e)) from e
+    digest = P.checksum(*PL.checksum_buffers(tensors), algo=n.checksum_algo, threads=checksum_threads)
     if digest != n.checksum:
         raise InvalidSample("checksum mismatch")
     if not all_finite(hs):
@@ -228,14 +251,16 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview
     mask = torch.tensor(d.loss_mask, dtype=torch.bool) if d.loss_mask is not None else None
     if mask is not None and mask.shape[0] != T:
         raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {T} tokens")
-    return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n)
+    return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n, scales)
 
 
-def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None) -> Sample:
+def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None, *,
+                       dequantize: torch.dtype | None = torch.bfloat16) -> Sample:  # fmt: skip
     """Read and validate one file our connector wrote, without a sidecar: shapes, dtype,
     checksum, finite values and token ids against the notice in its header (and against
     ``expected_token_ids`` if given). Works for plain vLLM requests (no sample key; ``key`` is
-    None). Wait for the file first as for vLLM's Example connector (``<path>.lock``)."""
+    None). Wait for the file first as for vLLM's Example connector (``<path>.lock``).
+    ``dequantize``: the dtype an FP8 payload is turned into (None: keep FP8 + ``scales``)."""
     p = Path(path)
     try:
         with safe_open(str(p), framework="pt") as f:
@@ -253,7 +278,7 @@ def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[in
     if n.status != P.NoticeStatus.ok:
         raise InvalidSample(f"{p}: header notice has status {n.status.value}")
     d = P.Deliver(notice=n.model_copy(update={"file": p.name}), expected_token_ids=expected_token_ids)
-    return load_and_check(p.parent, d, require_key=False)
+    return load_and_check(p.parent, d, require_key=False).dequantized(dequantize)
 
 
 class HiddenStateStream:
@@ -281,6 +306,7 @@ class HiddenStateStream:
         pin_memory: bool = False,
         idle_s: float | None = None,
         transport: str | None = None,
+        dequantize: torch.dtype | None = torch.bfloat16,
     ) -> None:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar, authenticated with CURVE: ``curve_server_key`` is the sidecar's public key (or
@@ -304,6 +330,11 @@ class HiddenStateStream:
         to a GPU). ``idle_s``: the iterator yields ``None`` after that long without a sample,
         so a loop on the socket's thread can do other work (a collective with other ranks, a
         checkpoint and its acks) instead of blocking while it holds unacknowledged samples.
+
+        ``dequantize``: the dtype FP8 payloads (``HSSTREAM_PAYLOAD_DTYPE=fp8_e4m3``) are turned
+        into before they are yielded, after validation; None yields them as stored (FP8
+        ``hidden_states`` + ``sample.scales``) for a trainer that dequantises on its GPU.
+        Unquantised payloads are yielded as they are either way.
         """
         s = Settings()
         self.endpoint = endpoint or s.delivery_ep()
@@ -344,6 +375,7 @@ class HiddenStateStream:
         self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote, transport=self.transport)
         self.pin_memory = pin_memory
         self.idle_s = idle_s
+        self.dequantize = dequantize
         # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
         # load_s: reading and validating samples.
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0,
@@ -535,6 +567,7 @@ class HiddenStateStream:
                 raise StreamError(f"sample {key}: {e} (no sample was reported failed)") from e
             spool = self.spool if self._receiver.reads_spool else None
             sample = load_and_check(spool, d, data, pin_memory=self.pin_memory)
+            sample = sample.dequantized(self.dequantize)
         except OSError as e:
             # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
             # it failed would burn every sample's attempts. Stop at once instead; nothing is

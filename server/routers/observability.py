@@ -32,6 +32,7 @@ async def stats(svc: ServicesDep) -> dict:
         "spool_file_bytes": svc.keeper.file_bytes(),
         "ready": ledger.ready_count(),
         "vllm_down_since_s": None if sub.down_since is None else round(time.monotonic() - sub.down_since, 1),
+        "engines": [e.describe() for e in sub.engines],
         "notices": svc.notices.stats,
         "delivery": svc.delivery.stats,
         "submitter": sub.stats,

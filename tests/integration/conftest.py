@@ -17,10 +17,10 @@ from hsstream.demo import Stack
 
 
 def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = False, env: dict | None = None,
-                prefix: str = "hsstream-test-", max_model_len: int = 1024) -> Stack:
+                prefix: str = "hsstream-test-", max_model_len: int = 1024, engines: int = 1) -> Stack:
     """A started stack; ``env`` overrides the sidecar's and vLLM's HSSTREAM_* settings."""
     wd = Path(tempfile.mkdtemp(prefix=prefix))
-    st = Stack(model, layer_ids, wd, prefix_caching=prefix_caching, max_model_len=max_model_len)
+    st = Stack(model, layer_ids, wd, prefix_caching=prefix_caching, max_model_len=max_model_len, engines=engines)
     st.env.update(env or {})
     try:
         st.start()

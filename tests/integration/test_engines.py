@@ -1,0 +1,128 @@
+"""Two vLLM engines (CPU build, one core each) feed one sidecar; one is SIGKILLed mid-job.
+
+The stack is what ``hsstream up --engines 2`` starts (hsstream.up.Supervisor): two engine
+processes with our connector, the same spool and notice endpoint, the sidecar told both URLs.
+Every sample is consumed exactly once, the dead engine's in-flight samples are produced again
+on the other, and nothing is left in the spool.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import start_stack, stop_stack, submit
+from trainer_client import HiddenStateStream
+
+LAYERS = [2, 6, 9, 12]
+BUDGET = 200_000  # bytes: ~4 samples of 40 tokens at a time, so production follows consumption
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("two CPU engines need two cores (each engine gets its own)")
+    st = start_stack(tiny_model, LAYERS, prefix="hsstream-engines-", engines=2, env={
+        "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_NOTICE_TIMEOUT_S": "120",
+    })  # fmt: skip
+    try:
+        yield st
+    finally:
+        stop_stack(st)
+
+
+def samples(n, seed, length=40):
+    rng = random.Random(seed)
+    return [{"token_ids": [rng.randrange(0, 509) for _ in range(length)], "id": f"s{seed}-{i}"} for i in range(n)]
+
+
+def stats(stack):
+    return httpx.get(f"{stack.api}/v1/stats", timeout=10).json()
+
+
+def status(stack, job):
+    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+
+
+def consume(stack, job, on_sample=None):
+    labels = []
+    with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=180) as s:
+        for smp in s:
+            labels.append(smp.label)
+            assert smp.hidden_states.shape == (40, len(LAYERS), 128)
+            if on_sample:
+                on_sample(len(labels))
+    return labels
+
+
+def wait_spool_empty(stack, timeout=10.0):
+    t0 = time.time()
+    while stack.spool_files() and time.time() - t0 < timeout:
+        time.sleep(0.1)
+    return stack.spool_files()
+
+
+def test_both_engines_get_requests_and_their_notices_arrive(stack):
+    assert [c.name for c in stack.children if c.name.startswith("vllm")] == ["vllm", "vllm-2"]
+    engines = stats(stack)["engines"]
+    assert [e["url"] for e in engines] == [f"http://127.0.0.1:{stack.vllm_port + i}" for i in range(2)]
+    n = 16
+    job = submit(stack, samples(n, 1))
+    labels = consume(stack, job)
+    assert sorted(labels) == sorted(f"s1-{i}" for i in range(n))  # each exactly once
+    st = stats(stack)
+    per = [e["requests"] for e in st["engines"]]
+    assert all(r > 0 for r in per) and sum(per) == n, per  # spread, and no sample sent twice
+    # Every answered request's file arrived from its own engine's writer: none timed out, none failed.
+    assert st["submitter"]["notice_timeouts"] == 0 and st["submitter"]["vllm_down_retries"] == 0
+    assert status(stack, job)["counts"]["consumed"] == n
+    assert wait_spool_empty(stack) == []
+
+
+def test_an_engine_killed_mid_job_loses_nothing(stack):
+    n = 40
+    job = submit(stack, samples(n, 2))
+    killed: dict = {}
+
+    def killer() -> None:
+        """SIGKILL the second engine's process group the moment it holds one of our requests."""
+        t0 = time.time()
+        while time.time() - t0 < 60:
+            e2 = stats(stack)["engines"][1]
+            if e2["in_flight"] > 0:
+                break
+            time.sleep(0.002)
+        victim = next(c for c in stack.children if c.name == "vllm-2")
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(30)
+        killed.update(in_flight=e2["in_flight"], requests=e2["requests"])
+
+    th = threading.Thread(target=killer)
+
+    def on_sample(used: int) -> None:
+        time.sleep(0.1)  # a paced trainer: production goes on, on both engines, all along
+        if used == 6:
+            th.start()  # the loop keeps consuming while the killer waits for its moment
+
+    labels = consume(stack, job, on_sample)
+    th.join(60)
+    assert killed and killed["in_flight"] > 0, killed
+    assert sorted(labels) == sorted(f"s2-{i}" for i in range(n)), "a sample lost or yielded twice"
+    st = stats(stack)
+    e1, e2 = st["engines"]
+    assert e1["up"] and not e2["up"] and e2["failures"] >= 1, st["engines"]
+    # what the dead engine held went back to the queue (its requests failed, or it had answered
+    # and owed the file) ...
+    sub = st["submitter"]
+    assert sub["vllm_down_retries"] + sub["requeued_engine_lost"] >= 1, sub
+    c = status(stack, job)["counts"]
+    assert c["consumed"] == n and c["failed"] == 0, c  # ... and was produced again on the other, free of charge
+    assert e1["requests"] + killed["requests"] >= n
+    # a file the dead engine wrote but never announced is the reaper's (60 s grace, every 10 s)
+    assert wait_spool_empty(stack, timeout=90) == [], "files of the dead engine left in the spool"
