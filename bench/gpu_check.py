@@ -424,6 +424,7 @@ def main() -> int:
         if left < 15:
             raise StepFailed(f"out of the run's time budget ({budget:.0f} s, --budget)")
         return min(step_timeout, left)
+
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -593,9 +594,11 @@ def hybrid_verdict(doc: dict, runs: dict, ref: dict | None, layers: list[int], t
                           f"connector fails too ({cause})")  # fmt: skip
         log(f"UNSUPPORTED: {doc['reason']}")
         return 0
-    if ours is None:  # (also when --no-example left nothing to tell "vLLM cannot" from "we cannot")
+    if ours is None:
         cause = (steps["ours_tp1"].get("root_cause") or [steps["ours_tp1"].get("error", "?")])[-1]
-        doc.update(status="error", ok=False, reason=f"our connector failed where the Example connector worked: {cause}")
+        where = ("where the Example connector worked" if ex is not None else
+                 "(the Example connector did not run, so this does not tell whether vLLM itself can extract)")
+        doc.update(status="error", ok=False, reason=f"our connector failed {where}: {cause}")
         log(f"ERROR: {doc['reason']}")
         return 1
     checks: dict[str, bool] = {"exactly_once": bool(ours["exactly_once"]["ok"])}

@@ -76,6 +76,13 @@ def test_ours_failing_where_the_example_connector_works_is_our_error(tmp_path):
     assert "KeyError: 'x'" in doc["reason"]
 
 
+def test_ours_failing_without_the_example_connector_says_it_cannot_tell():
+    doc = _doc(ours_tp1=G.StepFailed("step ours_tp1 failed", ["ValueError: boom"], []).record())
+    assert G.hybrid_verdict(doc, {}, None, LAYERS, 0.05, "none") == 1
+    assert doc["status"] == "error"
+    assert "did not run" in doc["reason"] and "ValueError: boom" in doc["reason"]
+
+
 def test_equal_to_the_example_connector_passes_and_its_control_is_caught(tmp_path):
     ours, ex = _ours_and_example(tmp_path)
     doc = _doc(ours_tp1={}, example_tp1={}, hf={"ok": False, "error": "HF cannot run it"})
