@@ -640,7 +640,8 @@ def hybrid_verdict(doc: dict, runs: dict, ref: dict | None, layers: list[int], t
         doc["vs_example_connector"] = {"gating": True, "rows": ex_rows, "ok": ok_ex, "control_caught": caught_ex}
         checks.update(vs_example=ok_ex, example_control_caught=caught_ex)
     else:
-        doc["vs_example_connector"] = {"gating": True, "ok": None, "error": steps["example_tp1"].get("error")}
+        doc["vs_example_connector"] = {"gating": True, "ok": None,
+                                       "error": steps.get("example_tp1", {}).get("error", "not run")}  # fmt: skip
     doc["checks"] = checks
     if ref is None and ex is None:
         doc.update(status="error", ok=False, reason="no reference ran (neither HF nor the Example connector)")

@@ -113,6 +113,17 @@ def test_hf_reference_gates_when_it_ran(tmp_path):
     assert doc["checks"]["vs_hf"] is False
 
 
+def test_hf_alone_gates_when_the_example_connector_did_not_run(tmp_path):
+    ours, _ = _ours_and_example(tmp_path)
+    hf = {"files": [{"tokens": f["tokens"], "tensor": f["tensor"]} for f in ours["files"]]}
+    doc = _doc(ours_tp1={}, hf={})  # the CPU smoke: vLLM's CPU build cannot run the Example connector
+    assert G.hybrid_verdict(doc, {"ours_tp1": ours}, hf, LAYERS, 0.05, "none") == 0
+    assert doc["status"] == "pass" and doc["vs_example_connector"]["error"] == "not run"
+    doc = _doc(ours_tp1={}, hf={})
+    assert G.hybrid_verdict(doc, {"ours_tp1": ours}, hf, LAYERS, 0.05, "swap-ref") == 1
+    assert doc["status"] == "fail"
+
+
 def test_root_cause_prefers_the_specific_error_over_the_wrappers():
     assert G.root_cause(ENGINE_LOG) == [
         "NotImplementedError: The page size of the layer is not divisible by the maximum page size"
