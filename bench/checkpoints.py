@@ -2,7 +2,8 @@
 
 Two kinds, both in Hugging Face layout so vLLM, transformers and speculators read them as is:
 
-* :func:`write_random_checkpoint`: a whole Qwen3 model, every weight drawn from N(0, 0.02)
+* :func:`write_random_checkpoint`: a whole Qwen3 (or Nemotron-H hybrid: Mamba-2 + attention +
+  MLP blocks) model, every weight drawn from N(0, 0.02)
   (transformers' own initialisation through ``from_config``). Unlike vLLM's
   ``load_format="dummy"`` (uniform in ±1e-3, where every layer's states look alike), the
   residual stream changes from layer to layer, so a swapped or wrong layer cannot pass a
@@ -57,7 +58,31 @@ CHECK = {**_QWEN3_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "num_a
 SMOKE = {**_QWEN3_COMMON, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
          "num_hidden_layers": 8, "num_key_value_heads": 2, "head_dim": 32, "max_window_layers": 8,
          "max_position_embeddings": 4096, "vocab_size": 1024}  # fmt: skip
-SHAPES = {"qwen3-8b": QWEN3_8B, "check": CHECK, "smoke": SMOKE}
+
+#: A Nemotron-H-style hybrid (Mamba-2, attention and MLP blocks in one stack), the kind vLLM
+#: serves with its hybrid KV-cache manager. 12 blocks, so the check's layer ids [9, 2, 12, 6]
+#: land after an MLP, a Mamba, the last (Mamba) and an attention block. Mamba sizes are kept
+#: small (16 heads x 64, state 64) so HF's pure-PyTorch scan stays within a few GB at 20k tokens;
+#: the SSM dims and block pattern are those of the real family. ``rescale_prenorm_residual`` is
+#: off so ``out_proj`` is drawn from N(0, 0.02) like every other matrix; A_log, D and dt_bias
+#: keep the family's own initialisation (a normal draw would not be a Mamba layer).
+_NEMOTRON_H_COMMON = {
+    "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hybrid_override_pattern": "MM-M-*-M-M*M",
+    "num_hidden_layers": 12, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "conv_kernel": 4,
+    "chunk_size": 128, "layer_norm_epsilon": 1e-5, "initializer_range": STD, "rescale_prenorm_residual": False,
+    "residual_in_fp32": False, "attention_bias": False, "mlp_bias": False, "use_bias": False, "use_conv_bias": True,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "num_nextn_predict_layers": 0,
+}  # fmt: skip
+HYBRID_CHECK = {**_NEMOTRON_H_COMMON, "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 8,
+                "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 16, "mamba_head_dim": 64,
+                "n_groups": 2, "ssm_state_size": 64, "max_position_embeddings": 32768,
+                "vocab_size": 32768}  # fmt: skip
+HYBRID_SMOKE = {**_NEMOTRON_H_COMMON, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 64, "mamba_num_heads": 8, "mamba_head_dim": 32,
+                "n_groups": 2, "ssm_state_size": 64, "max_position_embeddings": 4096,
+                "vocab_size": 1024}  # fmt: skip
+SHAPES = {"qwen3-8b": QWEN3_8B, "check": CHECK, "smoke": SMOKE, "hybrid-check": HYBRID_CHECK,
+          "hybrid-smoke": HYBRID_SMOKE}  # fmt: skip
 
 
 def _log(*a: object) -> None:
@@ -121,7 +146,8 @@ def _device(device: str | None) -> str:
 
 def write_random_checkpoint(out: str | Path, shape: dict, *, seed: int = 0, device: str | None = None,
                             force: bool = False) -> Path:  # fmt: skip
-    """A whole random Qwen3 checkpoint (bf16, weights N(0, 0.02), norms 1) plus tokenizer."""
+    """A whole random checkpoint of ``shape``'s architecture (bf16, weights N(0, 0.02), norms 1)
+    plus tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -142,12 +168,18 @@ def write_random_checkpoint(out: str | Path, shape: dict, *, seed: int = 0, devi
                 torch.cuda.manual_seed_all(seed)
             with torch.device(dev):
                 model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        std = float(model.model.layers[0].mlp.down_proj.weight.detach().float().std())
+        mlp = next(p for n, p in model.named_parameters() if n.endswith("down_proj.weight"))
+        std = float(mlp.detach().float().std())
         if not 0.015 < std < 0.025:  # transformers' init changed under us: say so, do not write nonsense
             raise RuntimeError(f"from_config initialised weights with std {std:.4f}, expected ~{STD}")
         model.save_pretrained(str(tmp))
         cfgj = json.loads((tmp / "config.json").read_text())
         cfgj.setdefault("torch_dtype", "bfloat16")  # readers on the transformers 4 schema
+        # transformers 5 derives these for Nemotron-H and does not save them; vLLM's own
+        # config class, older transformers and hsstream.launch read them from the file.
+        for k in ("num_hidden_layers", "hybrid_override_pattern"):
+            if k in shape:
+                cfgj.setdefault(k, shape[k])
         (tmp / "config.json").write_text(json.dumps(cfgj, indent=1))
         write_tokenizer(tmp, shape["vocab_size"])
         del model
