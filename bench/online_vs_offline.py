@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.train_child[1]).write_text(json.dumps(res))
         return 0
     if a.smoke:
-        a.samples, a.epochs, a.grid_s, a.max_points = 60, 2, 8.0, 3
+        a.samples, a.epochs, a.grid_s, a.max_points = 60, 2, 5.0, 3
         a.eval_every, a.eval_samples, a.eval_prompts, a.max_tokens, a.regen_max_tokens = 20, 4, 4, 16, 32
     name = "online_vs_offline_cpu" + ("_smoke" if a.smoke else "")
     out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
