@@ -329,8 +329,17 @@ def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], count
 # --------------------------------------------------------------------------------------------
 
 
-def pick_points(ck: list[dict], max_points: int) -> list[dict]:
-    """All checkpoints if few; else evenly spaced ones, always the first and the final."""
+def pick_points(ck: list[dict], max_points: int, grid_s: float) -> list[dict]:
+    """One checkpoint per wall-clock grid interval (the first in it) and the final one; evenly
+    spaced among those if more than ``max_points``. (At a job's tail the trainer checkpoints
+    after every step: those would otherwise crowd out the grid.)"""
+    seen, grid = set(), []
+    for c in ck[:-1]:
+        b = int(c["t_s"] // grid_s)
+        if b not in seen:
+            seen.add(b)
+            grid.append(c)
+    ck = [*grid, ck[-1]]
     if len(ck) <= max_points:
         return ck
     idx = sorted({round(i * (len(ck) - 1) / (max_points - 1)) for i in range(max_points)})
@@ -477,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"untrained draft: T=0 {u['T0']:.3f}, T=1 {u['T1']:.3f}")
     for arm in ARMS:
         curve = []
-        for p in pick_points(arms[arm]["checkpoints"], a.max_points):
+        for p in pick_points(arms[arm]["checkpoints"], a.max_points, a.grid_s):
             r = serve(p["draft"], f"{arm}-{p['step']}")
             curve.append({**{k: p[k] for k in ("t_s", "step", "samples")}, **r})
             log(f"{arm} step {p['step']} at {p['t_s']:.0f} s: T=0 {r['T0']:.3f}, T=1 {r['T1']:.3f}")
