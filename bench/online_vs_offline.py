@@ -23,7 +23,7 @@ The JSON records, per arm, a hash of (epoch, index, token ids) of every sample t
 hash differs and its prompts' hash is recorded), disk bytes at peak, the in-run held-out
 top-1 (``--eval-every``), and the curves. Run it alone (it starts vLLM several times):
 
-    flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py            # ~30-40 min, 2 cores
+    flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py            # ~20 min on 2 cores
     flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py --smoke    # ~5 min, checks the plumbing
 """
 
