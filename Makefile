@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
-.PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool
+.PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,13 @@ soak: $(STAMP)
 # with it (~0.5 GB and ~1.5 min per version); writes bench/results/compat_matrix.json.
 compat-matrix: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(PY) bench/compat_matrix.py
+
+# Not CI: the same documents trained offline (files on disk, then 3 epochs), online (epochs=3,
+# while vLLM produces) and online regenerated; vLLM serves each arm's checkpoints taken every
+# 20 s of wall-clock (~35 min on 2 cores). Writes bench/results/online_vs_offline_cpu.{json,png}.
+online-vs-offline: $(STAMP)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
+	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

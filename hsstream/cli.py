@@ -206,6 +206,10 @@ def train(
     grad_clip: float = typer.Option(1.0, help="gradient norm clip"),
     ttt_steps: int = typer.Option(3, help="test-time-training steps (draft tokens unrolled)"),
     checkpoint_every: int = typer.Option(100, help="steps between checkpoints"),
+    checkpoint_every_s: float = typer.Option(None, help="also checkpoint every this many seconds of wall-clock"),
+    keep_checkpoints: int = typer.Option(2, help="checkpoints kept (0: all)"),
+    eval_every: int = typer.Option(0, help="every N steps, top-1 per TTT step on held-out samples (0: never)"),
+    eval_samples: int = typer.Option(8, help="with --eval-every: the first K samples of the stream are held out"),
     threads: int = typer.Option(1, help="torch CPU threads (1 is fastest beside vLLM on a small machine)"),
     timeout: float = typer.Option(600.0, help="seconds without a sample before giving up"),
     seed: int = typer.Option(0, help="random seed"),
@@ -235,7 +239,8 @@ def train(
         aux_layer_ids=[int(x) for x in aux_layers.replace(",", " ").split()] if aux_layers else None,
         ttt_steps=ttt_steps, lr=lr, warmup_steps=warmup, schedule=schedule, schedule_steps=schedule_steps,
         max_steps=steps, grad_clip=grad_clip, samples_per_step=samples_per_step, checkpoint_every=checkpoint_every,
-        seed=seed, control=control, progress=progress, threads=threads, extra={"argv": sys.argv},
+        checkpoint_every_s=checkpoint_every_s, keep_checkpoints=keep_checkpoints, eval_every=eval_every,
+        eval_samples=eval_samples, seed=seed, control=control, progress=progress, threads=threads, extra={"argv": sys.argv},
     )  # fmt: skip
     try:
         result = run_train(

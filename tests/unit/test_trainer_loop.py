@@ -194,3 +194,65 @@ def test_layers_checked_on_the_first_sample(tiny_model, samples, tmp_path):
 def test_empty_stream_is_an_error_not_a_silent_success(tiny_model, tmp_path):
     with pytest.raises(RuntimeError, match="before delivering any sample"):
         Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", draft_vocab_size=None), None).train(ListStream([]))
+
+
+def test_eval_every_holds_out_measures_and_keeps_leases(tiny_model, samples, tmp_path):
+    """--eval-every: the first K samples are held out (never trained, nor their repeats in the
+    next epoch), evaluated every N steps and at the end with the current weights, logged with
+    the other metrics; heartbeats go out around each evaluation and every sample is acked."""
+    out = tmp_path / "run"
+    again = [Sample(P.SampleKey(job="unit", index=s.key.index, epoch=1), s.token_ids, s.hidden_states, LAYERS, 12, None)
+             for s in samples[:12]]  # fmt: skip
+    stream = ListStream(samples[:12] + again)  # two epochs of 12: the second brings the held-out ones back
+    tr = Eagle3OnlineTrainer(cfg(tiny_model, out, eval_every=5, eval_samples=3, checkpoint_every=100), counts_of(samples))
+    res = tr.train(stream)
+    held = {str(s.key) for s in samples[:3]}
+    keys = trained_keys(out)
+    assert res.held_out == 3 and tr.heldout_repeats == 3
+    assert not held & set(keys) and "unit/1/0" not in keys and "unit/1/3" in keys
+    assert res.steps == 24 - 6 and len(keys) == 18
+    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:12] + again]  # held out ones acked too
+    evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "eval_top1_0" in x]
+    assert [e["step"] for e in evals] == [5, 10, 15, 18]  # every 5 steps, and the final weights
+    assert all(0.0 <= e[f"eval_top1_{i}"] <= 1.0 and e["eval_samples"] == 3 for e in evals for i in range(3))
+    assert res.eval_top1 == [evals[-1][f"eval_top1_{i}"] for i in range(3)]
+    # the figure is the final weights' (as saved) on exactly the held-out samples
+    fresh = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "fresh", eval_every=1, eval_samples=3), counts_of(samples))
+    fresh.prepare()
+    M.load_weights(fresh.model, latest_checkpoint(out))
+    for s in samples[:3]:
+        fresh._hold_out(s, str(s.key))
+    again_eval = fresh.evaluate()
+    assert [again_eval[f"eval_top1_{i}"] for i in range(3)] == pytest.approx(res.eval_top1)
+    assert M.load_state(latest_checkpoint(out))["heldout_digests"] == sorted(tr.heldout_digests)
+    # heartbeats before each held-out sample and after each evaluation (4 evaluations x (3 + 1)), and around the checkpoint
+    assert stream.events.count("keepalive") == 4 * 4 + 2
+
+
+def test_eval_settings_are_checked(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="--eval-every must be >= 0"):
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "a", eval_every=-1), None)
+    with pytest.raises(ValueError, match="--eval-samples >= 1"):
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "b", eval_every=5, eval_samples=0), None)
+    with pytest.raises(ValueError, match="--checkpoint-every-s must be > 0"):
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "c", checkpoint_every_s=0), None)
+
+
+def test_checkpoint_every_s_checkpoints_on_the_wall_clock(tiny_model, samples, tmp_path, monkeypatch):
+    """Checkpoints at each multiple of S seconds after the clock origin (runs compared at equal wall-clock)."""
+    import trainer_client.eagle3.trainer as T
+
+    now = [1000.0]
+    monkeypatch.setattr(T.time, "time", lambda: now[0])
+
+    class Ticking(ListStream):
+        def __iter__(self):
+            for s in super().__iter__():
+                now[0] += 4.0  # each sample arrives 4 s after the previous one
+                yield s
+
+    out = tmp_path / "run"
+    c = cfg(tiny_model, out, checkpoint_every=100, checkpoint_every_s=10.0, clock_origin=1000.0, keep_checkpoints=0)
+    Eagle3OnlineTrainer(c, counts_of(samples)).train(Ticking(samples[:8]))
+    # steps at t = 4, 8, 12, ... 32: the first step past 10, 20, 30 s checkpoints, then the end (step 8)
+    assert [p.name for _, p in M.list_checkpoints(out)] == ["step-00000003", "step-00000005", "step-00000008"]

@@ -16,6 +16,7 @@ acknowledges those again without training on them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -60,7 +61,15 @@ class TrainConfig:
     samples_per_step: int = 1
     max_tokens_per_step: int = 4096
     checkpoint_every: int = 100
-    keep_checkpoints: int = 2
+    # Also checkpoint at each multiple of this many seconds after ``clock_origin`` (a time.time();
+    # default: the start of training), so that runs can be compared at equal wall-clock points.
+    checkpoint_every_s: float | None = None
+    clock_origin: float | None = None
+    keep_checkpoints: int = 2  # 0: keep all
+    # In-run proxy of acceptance: every ``eval_every`` steps, top-1 per TTT step on the first
+    # ``eval_samples`` samples of the stream, held out (never trained on, nor their repeats).
+    eval_every: int = 0
+    eval_samples: int = 8
     log_every: int = 10
     seed: int = 0
     train_lm_head: bool = False
@@ -85,11 +94,18 @@ class TrainResult:
     loss: float
     window: int
     history: list[dict] = field(default_factory=list, repr=False)
+    eval_top1: list[float] | None = None  # the last held-out evaluation (``eval_every``)
+    held_out: int = 0  # samples held out for it (their repeats in later epochs are not trained either)
 
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("history")
         return d
+
+
+def token_digest(token_ids: torch.Tensor) -> str:
+    """A sample's identity by content: the same text streamed again (next epoch, new key) matches."""
+    return hashlib.blake2b(token_ids.to(torch.int64).contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -127,6 +143,10 @@ class Eagle3OnlineTrainer:
         drained: Callable[[int], bool] | None = None,
         resume: bool = True,
     ) -> None:
+        if cfg.eval_every < 0 or (cfg.eval_every > 0 and cfg.eval_samples < 1):
+            raise ValueError(f"--eval-every must be >= 0 and --eval-samples >= 1 (got {cfg.eval_every}, {cfg.eval_samples})")
+        if cfg.checkpoint_every_s is not None and cfg.checkpoint_every_s <= 0:
+            raise ValueError(f"--checkpoint-every-s must be > 0 (got {cfg.checkpoint_every_s})")
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +168,9 @@ class Eagle3OnlineTrainer:
         self.aux_layer_ids: list[int] | None = None
         self._tb = None
         self.resumed_from: Path | None = None
+        self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples
+        self.heldout_digests: set[str] = set()  # kept in checkpoints: a resumed run never trains on them
+        self.heldout_repeats = 0
 
     # -- setup ------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -208,6 +231,7 @@ class Eagle3OnlineTrainer:
             self.samples_trained = int(state["samples_trained"])
             self.tokens_trained = int(state["tokens_trained"])
             self.skip_keys = set(state["unacked_keys"])
+            self.heldout_digests = set(state.get("heldout_digests", []))
             self.resumed_from = ckpt
             log.info("resumed from %s at step %d (%d samples); %d keys possibly unacknowledged", ckpt, self.step,
                      self.samples_trained, len(self.skip_keys))  # fmt: skip
@@ -260,6 +284,74 @@ class Eagle3OnlineTrainer:
             out[f"n_{i}"] = tot
         return out
 
+    # -- in-run evaluation ----------------------------------------------------------------------
+    def _hold_out(self, smp: Sample, key: str) -> bool:
+        """Keep the first ``eval_samples`` samples for evaluation; True if ``smp`` is not to be trained on."""
+        cfg = self.cfg
+        if cfg.eval_every <= 0:
+            return False
+        dg = token_digest(smp.token_ids)
+        if dg in self.heldout_digests:  # a held-out sample again (next epoch): training on it would leak
+            self.heldout_repeats += 1
+            return True
+        if len(self.heldout) >= cfg.eval_samples or smp.token_ids.shape[0] < 2:
+            return False
+        f = features(smp, self.aux_layer_ids)  # copied: the stream may hand its buffers back
+        self.heldout.append(Features(key, f.input_ids.clone(), f.aux.clone(), f.last.clone(), f.loss_mask.clone()))
+        self.heldout_digests.add(dg)
+        return True
+
+    def evaluate(self, stream=None) -> dict:  # noqa: ANN001
+        """Top-1 per TTT step on the held-out samples (token-weighted), without a gradient.
+
+        Heartbeats go out before, between samples and after, as around a checkpoint, so the
+        stream's leases do not lapse however long the evaluation takes.
+        """
+        assert self.model is not None
+        keepalive = getattr(stream, "keepalive", None)
+        k = self.cfg.ttt_steps
+        sums, tots, loss_sum = [0.0] * k, [0.0] * k, 0.0
+        t0 = time.perf_counter()
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for f in self.heldout:
+                    if keepalive:
+                        keepalive()
+                    _, loss, metrics = self.model(
+                        **pack([f]), ttt_steps=k, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
+                        loss_config=self.loss_config,
+                    )  # fmt: skip
+                    loss_sum += float(loss)
+                    for i in range(k):
+                        sums[i] += float(metrics[f"full_acc_{i}_sum"])
+                        tots[i] += float(metrics[f"full_acc_{i}_total"])
+        finally:
+            self.model.train()
+        if keepalive:
+            keepalive()
+        out: dict = {"step": self.step, "eval_samples": len(self.heldout)}
+        for i in range(k):
+            out[f"eval_top1_{i}"] = sums[i] / tots[i] if tots[i] else 0.0
+        out["eval_loss"] = loss_sum / max(1, len(self.heldout))
+        out["eval_tokens"] = tots[0]
+        out["eval_s"] = round(time.perf_counter() - t0, 3)
+        return out
+
+    def _eval_and_log(self, stream, metrics_log, history: list[dict]) -> dict:  # noqa: ANN001
+        e = self.evaluate(stream)
+        if metrics_log is not None:
+            metrics_log.write(json.dumps(e) + "\n")
+        history.append(e)
+        log.info("step %d held-out top1 %s (%d samples, %.2f s)", self.step,
+                 "/".join(f"{e[f'eval_top1_{i}']:.3f}" for i in range(self.cfg.ttt_steps)), len(self.heldout),
+                 e["eval_s"])  # fmt: skip
+        if self._tb is not None:
+            for k, v in e.items():
+                if k.startswith("eval_") and k != "eval_samples":
+                    self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", v, self.step)
+        return e
+
     # -- checkpoint + ack ---------------------------------------------------------------------
     def _checkpoint(self, stream, pending: list[P.SampleKey], trained_pending: list[str]) -> Path:  # noqa: ANN001
         assert self.model is not None and self.optimizer is not None and self.scheduler is not None
@@ -273,6 +365,7 @@ class Eagle3OnlineTrainer:
             "draft_vocab_size": self.draft_vocab_size,
             # Included in these weights, not yet acknowledged when they were written.
             "unacked_keys": sorted(set(trained_pending) | self.skip_keys),
+            "heldout_digests": sorted(self.heldout_digests),
             "time": time.time(),
         }
         keepalive = getattr(stream, "keepalive", None)  # leases must not lapse while we write
@@ -304,6 +397,10 @@ class Eagle3OnlineTrainer:
         keys_log = None
         metrics_log = None
         run_samples = run_tokens = 0
+        last_eval: dict | None = None
+        origin = cfg.clock_origin if cfg.clock_origin is not None else time.time()
+        every_s = cfg.checkpoint_every_s
+        next_due_s = (math.floor((time.time() - origin) / every_s) + 1) * every_s if every_s else math.inf
         try:
             while True:
                 if cfg.max_steps is not None and self.step >= cfg.max_steps:
@@ -330,6 +427,9 @@ class Eagle3OnlineTrainer:
                     key = str(smp.key)
                     if key in self.skip_keys:  # already in the weights; only its ack may have been lost
                         skipped += 1
+                        trained_pending.append(key)
+                        continue
+                    if self._hold_out(smp, key):  # used (acknowledged with the next checkpoint), not trained
                         trained_pending.append(key)
                         continue
                     f = features(smp, self.aux_layer_ids)
@@ -370,7 +470,12 @@ class Eagle3OnlineTrainer:
                         bar.update(1)
                         bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_0']:.2f}",
                                         sps=f"{m['samples_per_s']:.1f}", wait=f"{m['wait_frac']:.0%}")  # fmt: skip
+                if items and cfg.eval_every > 0 and self.heldout and self.step % cfg.eval_every == 0:
+                    last_eval = self._eval_and_log(stream, metrics_log, history)
                 due = items and self.step % cfg.checkpoint_every == 0
+                if items and time.time() - origin >= next_due_s:
+                    due = True
+                    next_due_s = (math.floor((time.time() - origin) / every_s) + 1) * every_s
                 at_end = exhausted or (cfg.max_steps is not None and self.step >= cfg.max_steps)
                 drained = bool(pending) and not at_end and self.drained is not None and self.drained(len(pending))
                 if pending and (due or at_end or drained):
@@ -379,11 +484,13 @@ class Eagle3OnlineTrainer:
                     pending, trained_pending = [], []
                 if exhausted:
                     break
+            if cfg.eval_every > 0 and self.heldout and (last_eval is None or last_eval["step"] != self.step):
+                last_eval = self._eval_and_log(stream, metrics_log, history)  # the final weights' figure
             if keys_log is None:  # not a single sample came
                 if self.resumed_from is None:
                     raise RuntimeError("the stream ended before delivering any sample: nothing to train on")
                 # resumed after the jobs were complete: the newest checkpoint is the result
-                return self._result(history, 0, 0, 0, time.perf_counter() - t_start, wait_s, self.resumed_from)
+                return self._result(history, 0, 0, 0, time.perf_counter() - t_start, wait_s, self.resumed_from, last_eval)
             if last_ckpt is None or pending or int(last_ckpt.name.removeprefix("step-")) != self.step:
                 last_ckpt = self._checkpoint(stream, pending, trained_pending)
         finally:
@@ -394,11 +501,12 @@ class Eagle3OnlineTrainer:
                     fh.close()
             if self._tb is not None:
                 self._tb.flush()
-        return self._result(history, run_samples, run_tokens, skipped, time.perf_counter() - t_start, wait_s, last_ckpt)
+        return self._result(history, run_samples, run_tokens, skipped, time.perf_counter() - t_start, wait_s, last_ckpt,
+                            last_eval)  # fmt: skip
 
-    def _result(self, history, samples, tokens, skipped, wall, wait, ckpt, window: int = 50) -> TrainResult:  # noqa: ANN001
+    def _result(self, history, samples, tokens, skipped, wall, wait, ckpt, last_eval=None, window: int = 50) -> TrainResult:  # noqa: ANN001
         k = self.cfg.ttt_steps
-        tail = history[-window:]
+        tail = [h for h in history if "loss" in h][-window:]
         top1 = []
         for i in range(k):
             n = sum(h[f"n_{i}"] for h in tail)
@@ -409,4 +517,6 @@ class Eagle3OnlineTrainer:
             wait_s=round(wait, 2), final_checkpoint=str(ckpt) if ckpt else None,
             draft_dir=str(ckpt / M.DRAFT_DIR) if ckpt else None, top1=top1, loss=loss, window=len(tail),
             history=history,
+            eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
+            held_out=len(self.heldout),
         )  # fmt: skip

@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""Online vs offline Eagle-3 training on the same samples and the same clock (CPU, tiny verifier).
+
+Three arms, one after the other, each from its first request to its final checkpoint:
+
+* **offline**: plain vLLM with our connector (no sidecar, ``notice_endpoint: none``) writes
+  every sample's file to a kept directory on disk, as speculators' offline data generation
+  does (``/v1/completions`` with ``max_tokens=1``, the file named by the response's
+  ``kv_transfer_params.hidden_states_path``); vLLM is stopped, then the trainer trains E
+  epochs reading those files (``read_hidden_states``), vLLM no longer sharing the cores;
+* **online**: the same documents as one sidecar job with ``epochs=E``, trained while vLLM
+  produces (HiddenStateStream, deferred acks);
+* **online, regenerated**: prompts cut from the same documents, the verifier writes the
+  replies (``mode=regenerate``, half at T=0, half at T=1), one pass.
+
+Same verifier, documents, draft vocabulary (one token-count file), draft config, optimizer,
+LR schedule, seed, trainer threads (1) and vLLM thread binding in every arm. Each trainer
+checkpoints at every multiple of ``--grid-s`` seconds after its arm's first request (and at
+the end); afterwards vLLM serves each checkpoint as the Eagle-3 draft (bench/acceptance.py's
+serving code: T=0 and T=1 on held-out prompts, acceptance from vLLM's spec-decode counters).
+The JSON records, per arm, a hash of (epoch, index, token ids) of every sample trained on
+(equal for offline and online; the regenerated arm trains on other tokens by design, so its
+hash differs and its prompts' hash is recorded), disk bytes at peak, the in-run held-out
+top-1 (``--eval-every``), and the curves. Run it alone (it starts vLLM several times):
+
+    flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py            # ~20 min on 2 cores
+    flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py --smoke    # ~5 min, checks the plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.acceptance import LAYERS, log, run_serving, submit  # noqa: E402
+
+ARMS = ("offline", "online", "online_regenerated")
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 if it does not exist)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class PeakSampler:
+    """Polls directory sizes twice a second, keeps the peak of each (and of their sum)."""
+
+    def __init__(self, dirs: dict[str, Path], period_s: float = 0.5) -> None:
+        self.dirs = dirs
+        self.period_s = period_s
+        self.peak = {k: 0 for k in dirs}
+        self.peak_sum = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.period_s)
+
+    def sample(self) -> None:
+        now = {k: tree_bytes(p) for k, p in self.dirs.items()}
+        for k, v in now.items():
+            self.peak[k] = max(self.peak[k], v)
+        self.peak_sum = max(self.peak_sum, sum(now.values()))
+
+    def __enter__(self) -> PeakSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.sample()
+
+
+def samples_hash(rows: list[tuple[int, int, str]]) -> str:
+    """sha256 over the sorted (epoch, index, token-ids digest) of every sample an arm trained from."""
+    h = hashlib.sha256()
+    for e, i, d in sorted({(e, i, d) for _job, e, i, d in rows}):
+        h.update(f"{e}:{i}:{d}\n".encode())
+    return h.hexdigest()
+
+
+def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
+    """As a client of vLLM's Example connector: wait on ``<path>.lock``, then remove it (the reader's job)."""
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        finally:
+            os.close(fd)
+        Path(lock).unlink(missing_ok=True)
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"vLLM named {path} but never wrote it")
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer (a child process per arm: same interpreter, same thread setting)
+# --------------------------------------------------------------------------------------------
+
+
+class Tap:
+    """The stream as the trainer sees it, recording what each sample carried (for the hash)."""
+
+    def __init__(self, inner, rows: list) -> None:  # noqa: ANN001
+        self.inner, self.rows = inner, rows
+
+    def __iter__(self):  # noqa: ANN204
+        from trainer_client.eagle3.trainer import token_digest
+
+        for s in self.inner:
+            self.rows.append((s.key.job, s.key.epoch, s.key.index, token_digest(s.token_ids)))
+            yield s
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - keepalive, ack_through of the real stream
+        return getattr(self.inner, name)
+
+
+def train_child(spec: dict) -> dict:
+    from connector import protocol as P
+    from trainer_client.eagle3 import vocab as V
+    from trainer_client.eagle3.trainer import Eagle3OnlineTrainer, TrainConfig
+    from trainer_client.stream import HiddenStateStream, read_hidden_states
+
+    cfg = TrainConfig(**spec["cfg"])
+    counts = V.token_counts_from_file(spec["counts"])
+    rows: list = []
+    if spec["files"] is not None:
+        files = spec["files"]
+
+        def from_disk():  # noqa: ANN202
+            for e in range(spec["epochs"]):
+                for i, path in enumerate(files):
+                    s = read_hidden_states(path)
+                    yield dataclasses.replace(s, key=P.SampleKey(job="offline", index=i, epoch=e))
+
+        trainer = Eagle3OnlineTrainer(cfg, counts)
+        res = trainer.train(Tap(from_disk(), rows))
+    else:
+        from trainer_client.eagle3.run import drained_probe
+
+        trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained_probe(spec["api"], spec["jobs"]))
+        with HiddenStateStream(spec["endpoint"], jobs=spec["jobs"], spool_dir=spec["spool"], ack="manual",
+                               timeout_s=600, credit=8) as stream:  # fmt: skip
+            res = trainer.train(Tap(stream, rows))
+    keys = [(j, e, i) for j, e, i, _ in rows]
+    return {
+        "result": res.summary(),
+        "evals": [h for h in res.history if "eval_top1_0" in h],
+        "samples_hash": samples_hash(rows),
+        "delivered": len(rows),
+        "delivered_twice": len(keys) - len(set(keys)),
+        "heldout_repeats_skipped": trainer.heldout_repeats,
+        # the first eval_samples delivered: in delivery order, which the sidecar may vary a little
+        "held_out_indices": sorted(int(f.key.rsplit("/", 1)[1]) for f in trainer.heldout),
+    }
+
+
+def run_trainer(spec: dict, workdir: Path, name: str) -> dict:
+    (workdir / f"{name}.train.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    with open(workdir / f"{name}.train.log", "wb") as fh:
+        p = subprocess.run(
+            [sys.executable, __file__, "--train-child", str(workdir / f"{name}.train.json"),
+             str(workdir / f"{name}.train.out.json")],
+            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(ROOT), timeout=3600,
+        )  # fmt: skip
+    if p.returncode != 0:
+        tail = (workdir / f"{name}.train.log").read_text(errors="replace").splitlines()[-30:]
+        raise RuntimeError(f"trainer of {name} failed ({p.returncode}):\n" + "\n".join(tail))
+    return json.loads((workdir / f"{name}.train.out.json").read_text())
+
+
+def checkpoints_of(run_dir: Path, t0: float) -> list[dict]:
+    from trainer_client.eagle3 import model as M
+
+    out = []
+    for step, path in M.list_checkpoints(run_dir):
+        st = M.load_state(path)
+        out.append({"step": int(step), "t_s": round(float(st["time"]) - t0, 2), "samples": int(st["samples_trained"]),
+                    "draft": str(path / M.DRAFT_DIR)})  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The arms
+# --------------------------------------------------------------------------------------------
+
+
+def train_cfg(a, verifier: str, run_dir: Path, t0: float, steps: int) -> dict:  # noqa: ANN001
+    return {
+        "verifier": verifier, "out_dir": str(run_dir), "draft_vocab_size": a.draft_vocab_size, "lr": a.lr,
+        "schedule_steps": steps, "checkpoint_every": 10**9, "checkpoint_every_s": a.grid_s, "clock_origin": t0,
+        "keep_checkpoints": 0, "eval_every": a.eval_every, "eval_samples": a.eval_samples, "seed": 0, "threads": 1,
+        "progress": False, "tensorboard": False,
+    }  # fmt: skip
+
+
+def arm_offline(a, verifier: str, docs: list[str], counts: Path, wd: Path) -> dict:  # noqa: ANN001
+    import httpx
+
+    from hsstream import launch
+    from hsstream.demo import free_port
+
+    files_dir, run_dir = wd / "offline" / "files", wd / "offline" / "run"
+    files_dir.mkdir(parents=True)
+    port = free_port()
+    opts = launch.VllmOptions(
+        model=verifier, layer_ids=LAYERS, spool_dir=str(files_dir), notice_endpoint="none", port=port,
+        max_model_len=1024, gpu_memory_utilization=0.2 if launch.is_cpu_build() else None, enforce_eager=True,
+        served_model_name="verifier",
+    )  # fmt: skip
+    t_start = time.perf_counter()
+    child = launch.spawn("vllm", launch.vllm_args(opts), launch.child_env(), wd / "offline" / "vllm.log")
+    with PeakSampler({"files": files_dir, "checkpoints": run_dir}) as peak:
+        try:
+            launch.wait_http(f"http://127.0.0.1:{port}/v1/models", child, timeout=600)
+            t_stack = time.perf_counter() - t_start
+            log(f"offline: vLLM (plain, our connector writing to {files_dir}) up in {t_stack:.0f} s")
+            client = httpx.Client(timeout=300)
+
+            def one(doc: str) -> str:
+                r = client.post(f"http://127.0.0.1:{port}/v1/completions",
+                                json={"model": "verifier", "prompt": doc, "max_tokens": 1})  # fmt: skip
+                r.raise_for_status()
+                path = r.json()["kv_transfer_params"]["hidden_states_path"]
+                wait_for_file(path)
+                return path
+
+            t0 = time.time()
+            with ThreadPoolExecutor(16) as ex:  # requests in flight, as a data-generation client keeps them
+                files = list(ex.map(one, docs))
+            t_gen = time.time() - t0
+            log(f"offline: {len(files)} files written in {t_gen:.0f} s ({tree_bytes(files_dir) / 1e6:.1f} MB on disk)")
+        finally:
+            child.stop()
+        t_stopped = time.time() - t0
+        steps = (len(docs) - a.eval_samples) * a.epochs
+        spec = {"cfg": train_cfg(a, verifier, run_dir, t0, steps), "counts": str(counts), "files": files,
+                "epochs": a.epochs}  # fmt: skip
+        tr = run_trainer(spec, wd, "offline")
+    ck = checkpoints_of(run_dir, t0)
+    return {
+        "phases_s": {"generate": round(t_gen, 1), "vllm_stopped_at": round(t_stopped, 1),
+                     "train": round(ck[-1]["t_s"] - t_stopped, 1)},  # fmt: skip
+        "wall_s": ck[-1]["t_s"],
+        "vllm_start_s": round(t_stack, 1),
+        "disk_peak_bytes": {"data": peak.peak["files"], "checkpoints": peak.peak["checkpoints"],
+                            "total": peak.peak_sum},  # fmt: skip
+        "files": len(files),
+        "checkpoints": ck,
+        **tr,
+    }
+
+
+def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], counts: Path, wd: Path, name: str,
+               steps: int) -> dict:  # fmt: skip
+    from hsstream.demo import Stack
+
+    run_dir = wd / name / "run"
+    (wd / name).mkdir(parents=True)
+    stack = Stack(verifier, LAYERS, wd / name)
+    t_start = time.perf_counter()
+    try:
+        stack.start()
+        t_stack = time.perf_counter() - t_start
+        log(f"{name}: vLLM + sidecar up in {t_stack:.0f} s, spool {stack.spool}")
+        with PeakSampler({"spool": stack.spool, "checkpoints": run_dir}) as peak:
+            t0 = time.time()
+            jobs = [submit(stack.api, smp, opts) for smp, opts in jobs_spec]
+            spec = {"cfg": train_cfg(a, verifier, run_dir, t0, steps), "counts": str(counts), "files": None,
+                    "jobs": jobs, "api": stack.api, "endpoint": stack.delivery_endpoint, "spool": str(stack.spool)}  # fmt: skip
+            tr = run_trainer(spec, wd, name)
+        left = stack.spool_files()
+    finally:
+        stack.stop()
+        stack.remove_spool()
+    ck = checkpoints_of(run_dir, t0)
+    return {
+        "wall_s": ck[-1]["t_s"],
+        "vllm_start_s": round(t_stack, 1),
+        # the spool is /dev/shm (memory), never disk; the data's disk footprint is nil
+        "disk_peak_bytes": {"data": 0, "checkpoints": peak.peak["checkpoints"], "total": peak.peak["checkpoints"]},
+        "spool_peak_bytes_in_memory": peak.peak["spool"],
+        "spool_files_left": len(left),
+        "jobs": [{"samples": len(s), "options": o} for s, o in jobs_spec],
+        "checkpoints": ck,
+        **tr,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Serving the checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def pick_points(ck: list[dict], max_points: int, grid_s: float) -> list[dict]:
+    """One checkpoint per wall-clock grid interval (the first in it) and the final one; evenly
+    spaced among those if more than ``max_points``. (At a job's tail the trainer checkpoints
+    after every step: those would otherwise crowd out the grid.)"""
+    seen, grid = set(), []
+    for c in ck[:-1]:
+        b = int(c["t_s"] // grid_s)
+        if b not in seen:
+            seen.add(b)
+            grid.append(c)
+    ck = [*grid, ck[-1]]
+    if len(ck) <= max_points:
+        return ck
+    idx = sorted({round(i * (len(ck) - 1) / (max_points - 1)) for i in range(max_points)})
+    return [ck[i] for i in idx]
+
+
+def at_time(curve: list[dict], t: float) -> dict | None:
+    """The newest served point of a curve that existed at wall-clock ``t`` (s after the first request)."""
+    have = [p for p in curve if p["t_s"] <= t + 1e-9]
+    return have[-1] if have else None
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+    untrained = result["untrained"]
+    colors = {"offline": "tab:red", "online": "tab:blue", "online_regenerated": "tab:green"}
+    for ax, temp in zip(axes, ("T0", "T1")):
+        for arm in ARMS:
+            curve = result["arms"][arm]["curve"]
+            xs = [0.0] + [p["t_s"] for p in curve]
+            ys = [untrained[temp]] + [p[temp] for p in curve]
+            ax.step(xs, ys, where="post", color=colors[arm], alpha=0.35)
+            ax.plot(xs[1:], ys[1:], "o", color=colors[arm], label=arm.replace("_", ", "))
+        off = result["arms"]["offline"]
+        ax.axvline(off["phases_s"]["generate"], color="tab:red", ls=":", lw=1)
+        ax.text(off["phases_s"]["generate"], 0.02, " offline: files written", color="tab:red", fontsize=8)
+        ax.set_title(f"served acceptance, {'T=0' if temp == 'T0' else 'T=1'} (num_speculative_tokens=3)")
+        ax.set_xlabel("wall-clock from the first request (s)")
+        ax.set_ylabel("accepted / drafted")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"Eagle-3 draft, same {result['samples']} documents x {result['epochs']} epochs, tiny verifier, "
+                 f"{result['machine']['cpus']} CPU cores", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=800, help="training documents")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of the offline and online arms")
+    ap.add_argument("--grid-s", type=float, default=20.0, help="checkpoint every this many seconds of wall-clock")
+    ap.add_argument("--max-points", type=int, default=10, help="served checkpoints per arm at most")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--draft-vocab-size", type=int, default=256)
+    ap.add_argument("--eval-every", type=int, default=200, help="in-run held-out top-1 every N steps")
+    ap.add_argument("--eval-samples", type=int, default=8)
+    ap.add_argument("--regen-max-tokens", type=int, default=64, help="reply length in the regenerated arm")
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="few samples, 2 points per curve: checks the plumbing")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--train-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.train_child:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        res = train_child(json.loads(Path(a.train_child[0]).read_text()))
+        Path(a.train_child[1]).write_text(json.dumps(res))
+        return 0
+    if a.smoke:
+        a.samples, a.epochs, a.grid_s, a.max_points = 60, 2, 5.0, 3
+        a.eval_every, a.eval_samples, a.eval_prompts, a.max_tokens, a.regen_max_tokens = 20, 4, 4, 16, 32
+    name = "online_vs_offline_cpu" + ("_smoke" if a.smoke else "")
+    out = Path(a.out or ROOT / "bench" / "results" / f"{name}.json")
+    min_points = 2 if a.smoke else 4
+
+    from hsstream import launch
+    from hsstream import pretrain_verifier as PV
+    from trainer_client.eagle3 import vocab as V
+
+    t_all = time.perf_counter()
+    wd = Path(a.workdir or tempfile.mkdtemp(prefix="hsstream-ovo-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    log(f"workdir {wd}")
+    verifier = str(PV.pretrained_verifier())
+    docs = PV.corpus_documents(a.samples, PV.SEED_DRAFT_TRAIN)
+    samples = [{"id": f"doc-{i}", "prompt": d} for i, d in enumerate(docs)]
+    # One draft vocabulary for every arm: the documents' token counts (same maps, same draft config).
+    counts = wd / "token_counts.json"
+    V.save_token_counts(V.token_counts_from_samples(verifier, samples, "all"), counts)
+    # Regenerated arm: prompts cut from the same documents (as bench/acceptance.py cuts them), the
+    # verifier writes the replies; half greedy, half sampled, one pass.
+    import random
+
+    rng = random.Random(PV.SEED_DRAFT_TRAIN + 1)
+    prompts = [d[: rng.randint(min(40, len(d) - 1), min(200, len(d) - 1))] for d in docs]
+    half = len(prompts) // 2
+    regen_jobs = [
+        ([{"id": f"doc-{i}", "prompt": p} for i, p in enumerate(part, start=off)],
+         {"mode": "regenerate", "loss_mask": "all", "sampling": {"max_tokens": a.regen_max_tokens, "temperature": temp,
+                                                                "seed": 7}})
+        for off, temp, part in ((0, 0.0, prompts[:half]), (half, 1.0, prompts[half:]))
+    ]  # fmt: skip
+    bind = launch.cpu_env().get("VLLM_CPU_OMP_THREADS_BIND", "n/a") if launch.is_cpu_build() else "cuda"
+
+    arms: dict[str, dict] = {}
+    arms["offline"] = arm_offline(a, verifier, docs, counts, wd)
+    log(f"offline: final checkpoint at {arms['offline']['wall_s']:.0f} s")
+    steps = (len(docs) - a.eval_samples) * a.epochs
+    arms["online"] = arm_online(a, verifier, [(samples, {"loss_mask": "all", "epochs": a.epochs})], counts, wd,
+                                "online", steps)  # fmt: skip
+    log(f"online: final checkpoint at {arms['online']['wall_s']:.0f} s")
+    arms["online_regenerated"] = arm_online(a, verifier, regen_jobs, counts, wd, "online_regenerated",
+                                            len(docs) - a.eval_samples)  # fmt: skip
+    log(f"online, regenerated: final checkpoint at {arms['online_regenerated']['wall_s']:.0f} s")
+
+    # -- serve: the untrained draft once, then each arm's checkpoints ---------------------------
+    import torch
+
+    from trainer_client.eagle3 import model as M
+
+    eval_prompts = PV.held_out_prompts(a.eval_prompts)
+    run0 = wd / "offline" / "run"
+    maps = torch.load(run0 / "vocab_maps.pt", weights_only=True)
+    untrained = M.build_draft(verifier, LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"],
+                              d2t=maps["d2t"], seed=0)  # fmt: skip
+    untrained.save_pretrained(wd / "untrained-draft")
+    for arm in ARMS[1:]:  # same maps in every arm (one token-count file): checked, not assumed
+        other = torch.load(wd / arm / "run" / "vocab_maps.pt", weights_only=True)
+        assert torch.equal(other["t2d"], maps["t2d"]) and torch.equal(other["d2t"], maps["d2t"]), arm
+
+    def serve(draft: str, tag: str) -> dict:
+        r = run_serving(verifier, draft, eval_prompts, a.max_tokens, [0.0, 1.0], wd, tag)
+        return {"T0": r["0.0"]["acceptance_rate"] or 0.0, "T1": r["1.0"]["acceptance_rate"] or 0.0,
+                "engine_wall_s": r["engine_wall_s"]}  # fmt: skip
+
+    t_serve = time.perf_counter()
+    u = serve(str(wd / "untrained-draft"), "untrained")
+    log(f"untrained draft: T=0 {u['T0']:.3f}, T=1 {u['T1']:.3f}")
+    for arm in ARMS:
+        curve = []
+        for p in pick_points(arms[arm]["checkpoints"], a.max_points, a.grid_s):
+            r = serve(p["draft"], f"{arm}-{p['step']}")
+            curve.append({**{k: p[k] for k in ("t_s", "step", "samples")}, **r})
+            log(f"{arm} step {p['step']} at {p['t_s']:.0f} s: T=0 {r['T0']:.3f}, T=1 {r['T1']:.3f}")
+        arms[arm]["curve"] = curve
+    t_serve = time.perf_counter() - t_serve
+
+    # -- compare ---------------------------------------------------------------------------------
+    off, on, rg = arms["offline"], arms["online"], arms["online_regenerated"]
+    first_off = off["curve"][0]
+    on_then = at_time(on["curve"], first_off["t_s"])
+    rg_then = at_time(rg["curve"], first_off["t_s"])
+    final = {arm: arms[arm]["curve"][-1] for arm in ARMS}
+    comparison = {
+        "offline_first_checkpoint": first_off,
+        "online_at_that_time": on_then,
+        "online_regenerated_at_that_time": rg_then,
+        "online_minus_offline_at_that_time": {t: round(on_then[t] - first_off[t], 4) for t in ("T0", "T1")}
+        if on_then else None,
+        "final": {arm: {"wall_s": arms[arm]["wall_s"], "T0": final[arm]["T0"], "T1": final[arm]["T1"]} for arm in ARMS},
+        "online_wall_s_saved_vs_offline": round(off["wall_s"] - on["wall_s"], 1),
+    }
+    checks = {
+        "same_samples_offline_online": off["samples_hash"] == on["samples_hash"],
+        "points_per_curve_ge_min": all(len(arms[arm]["curve"]) >= min_points for arm in ARMS),
+        "nothing_delivered_twice": all(arms[arm]["delivered_twice"] == 0 for arm in ARMS),
+        "spool_empty_after_online_arms": on["spool_files_left"] == 0 and rg["spool_files_left"] == 0,
+    }
+    result = {
+        "benchmark": "online_vs_offline_cpu",
+        "command": "python bench/online_vs_offline.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "vllm_cpu_threads_bind": bind, "trainer_threads": 1,
+                    "loadavg_at_end": os.getloadavg()},  # fmt: skip
+        "verifier": verifier,
+        "samples": len(docs),
+        "epochs": a.epochs,
+        "grid_s": a.grid_s,
+        "input_hash": hashlib.sha256(json.dumps(samples).encode()).hexdigest(),
+        "regenerated_prompts_hash": hashlib.sha256(json.dumps(regen_jobs).encode()).hexdigest(),
+        "train": {"lr": a.lr, "draft_vocab_size": a.draft_vocab_size, "eval_every": a.eval_every,
+                  "eval_samples": a.eval_samples, "optimizer": "AdamW(0.9, 0.95)", "schedule": "cosine, warmup 20",
+                  "samples_per_step": 1, "ttt_steps": 3},  # fmt: skip
+        "serving": {"num_speculative_tokens": 3, "prompts": len(eval_prompts), "max_tokens": a.max_tokens,
+                    "wall_s": round(t_serve, 1)},  # fmt: skip
+        "untrained": u,
+        "arms": arms,
+        "comparison": comparison,
+        "checks": checks,
+        "passed": all(checks.values()),
+        "wall_s_total": round(time.perf_counter() - t_all, 1),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    png = out.with_suffix(".png")
+    plot(result, png)
+
+    print(f"\n{'arm':<20}{'wall s':>8}{'disk MB':>9}{'points':>7}{'T=0 final':>10}{'T=1 final':>10}  samples hash")
+    for arm in ARMS:
+        r = arms[arm]
+        print(f"{arm:<20}{r['wall_s']:>8.0f}{r['disk_peak_bytes']['total'] / 1e6:>9.1f}{len(r['curve']):>7}"
+              f"{final[arm]['T0']:>10.3f}{final[arm]['T1']:>10.3f}  {r['samples_hash'][:12]}")  # fmt: skip
+    print(f"\n{'t (s)':>7}" + "".join(f"{arm + ' T0/T1':>28}" for arm in ARMS))
+    times = sorted({p["t_s"] for arm in ARMS for p in arms[arm]["curve"]})
+    for t in times:
+        cells = []
+        for arm in ARMS:
+            p = at_time(arms[arm]["curve"], t)
+            cells.append(f"{p['T0']:.3f}/{p['T1']:.3f}" if p else "-")
+        print(f"{t:>7.0f}" + "".join(f"{c:>28}" for c in cells))
+    if on_then:
+        print(f"\nat {first_off['t_s']:.0f} s (offline's first checkpoint): offline {first_off['T0']:.3f}/{first_off['T1']:.3f}, "
+              f"online {on_then['T0']:.3f}/{on_then['T1']:.3f} (T=0/T=1)")  # fmt: skip
+    for k, ok in checks.items():
+        if not ok:
+            print(f"FAILED: {k}")
+    log(f"-> {out}, {png} ({result['wall_s_total']:.0f} s)")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
