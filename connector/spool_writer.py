@@ -169,6 +169,9 @@ class SpoolWriter:
                 str(tmp),
                 metadata=P.header_metadata(notice),
             )
+            # Token ids are the users' prompts: 0600 before the name is visible. safetensors 0.8
+            # writes 0600 itself; older releases (GPU images pin their own) follow the umask.
+            os.chmod(tmp, P.FILE_MODE)
             os.rename(tmp, dest)
             if job.lock is not None:
                 job.lock.release()

@@ -239,6 +239,13 @@ def build_config(
         s = Settings(**{k[len("HSSTREAM_") :].lower(): v for k, v in filed.items() if k.startswith("HSSTREAM_")})
     except ValidationError as e:
         raise UpError(f"invalid HSSTREAM_* setting: {e}") from None
+    from hsstream.exposure import OpenBindRefused, check_api_exposure
+
+    try:  # the sidecar would refuse this bind itself, after vLLM had loaded for a minute
+        if warning := check_api_exposure(s.host, s.api_token, s.allow_open):
+            say(warning)
+    except OpenBindRefused as e:
+        raise UpError(str(e)) from None
 
     mdl = model or s.model or get("MODEL_DIR")
     if mdl and (mdl == get("MODEL_DIR") or os.path.isabs(mdl) or mdl.startswith(".")) and not os.path.isdir(mdl):
