@@ -152,7 +152,7 @@ def up(
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS, else Eagle-3's)"),
     train: str = typer.Option(None, help="also run `hsstream train` with these arguments, e.g. \"--out runs/a --submit data.jsonl\""),
     trainer_cmd: str = typer.Option(None, help="or run this command as the trainer (shell syntax)"),
-    max_restarts: int = typer.Option(3, min=0, help="restarts of a vLLM that dies before `up` gives up"),
+    max_restarts: int = typer.Option(3, min=0, help="restarts of dead vLLM engines (together), and of the sidecar, before `up` gives up"),
     max_model_len: int = typer.Option(None, help="default MAX_MODEL_LEN, else the model's"),
     gpu_memory_utilization: float = typer.Option(None, help="default GPU_MEMORY_UTILIZATION; 0.2 on the CPU build"),
     enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="default: eager on CPU"),
@@ -165,7 +165,7 @@ def up(
 ) -> None:
     """Start vLLM, the sidecar and a trainer; stop all on Ctrl-C.
 
-    Supervises them (restarts a dead vLLM) until Ctrl-C or SIGTERM."""
+    Supervises them (restarts a dead vLLM or sidecar) until Ctrl-C or SIGTERM."""
     import shlex
 
     from hsstream import up as _up
