@@ -51,10 +51,12 @@ def test_readyz_says_when_notices_stopped_and_clears_with_the_next_notice(client
     from connector import protocol as P
 
     svc = client.app.state.services
+    svc.submitter.model_name = "verifier"  # vLLM "answered" (no lifespan here, so no HTTP client)
 
     def problems() -> list[str]:
         r = client.get("/readyz")
-        return r.json().get("problems", []) if r.status_code == 503 else []
+        assert r.status_code == 503, r.text  # the loops are not started here: never ready
+        return r.json()["problems"]
 
     assert not [p for p in problems() if p.startswith("notices stopped")]
     svc.submitter.last_notice_timeout_at = time.monotonic()
