@@ -51,7 +51,8 @@ def test_readyz_says_when_notices_stopped_and_clears_with_the_next_notice(client
     from connector import protocol as P
 
     svc = client.app.state.services
-    svc.submitter.model_name = "verifier"  # vLLM "answered" (no lifespan here, so no HTTP client)
+    for e in svc.submitter.engines:  # vLLM "answered" (no lifespan here, so no HTTP client)
+        e.model_name = "verifier"
 
     def problems() -> list[str]:
         r = client.get("/readyz")
