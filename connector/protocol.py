@@ -495,6 +495,8 @@ def claim_spool(spool: str | os.PathLike[str]) -> bool:
             f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})"
         )
     if is_marked_spool(root):
+        if st.st_mode & 0o077:  # ours (marked, our uid), but made before spools were private
+            os.chmod(root, SPOOL_MODE)
         return False
     others = sorted(n for n in os.listdir(root) if n != SPOOL_MARKER)
     if others:

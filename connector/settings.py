@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     mooncake_hostname: str | None = None
     mooncake_protocol: str = "tcp"  # or "rdma" where the hosts have it (untested here)
     mooncake_device: str = ""  # RDMA device names; empty: Mooncake picks
+    # Serve the REST API without a token on a non-loopback address (hsstream/exposure.py): off,
+    # so an open API on the network is always something a person asked for.
+    allow_open: bool = False
 
     # Connector
     num_writer_threads: int = 4

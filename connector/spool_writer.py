@@ -66,12 +66,19 @@ class SpoolWriter:
         max_pending_bytes: int = 2 * 2**30,
         max_queued_notices: int = 4096,
         checksum_algo: str = P.CHECKSUM_ALGO,
+        max_sender_restarts: int = 5,
     ) -> None:
         """Both queues are bounded, and neither bound ever blocks the engine step: over
         ``max_pending_bytes`` of hidden states waiting for a writer, a request gets a "busy"
         notice (the sidecar submits it again later); over ``max_queued_notices`` waiting for a
         sidecar (none connected), notices are dropped and counted — the sidecar's notice
-        timeout resubmits those samples, and its reaper removes their files."""
+        timeout resubmits those samples, and its reaper removes their files.
+
+        The notice thread is supervised (``_sender_main``): an exception in it is logged and the
+        thread's loop started again on a new socket, up to ``max_sender_restarts`` times in a
+        row (a minute without failure starts the count again). Past that it stops for good,
+        says so at CRITICAL, and counts ``notice_thread_dead``; the sidecar's ``/readyz`` then
+        reports that notices stopped (its samples time out and none arrives after)."""
         self.spool = Path(spool_dir)
         self.checksum_algo = checksum_algo
         self.shape = shape
@@ -80,7 +87,8 @@ class SpoolWriter:
         self.max_queued_notices = max(1, max_queued_notices)
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
-        self.stats = {"busy": 0, "notices_dropped": 0}
+        self.stats = {"busy": 0, "notices_dropped": 0, "notice_thread_restarts": 0, "notice_thread_dead": 0}
+        self.max_sender_restarts = max_sender_restarts
         self._endpoint = notice_endpoint
         self._sender: threading.Thread | None = None
         self._closing = False
@@ -88,7 +96,7 @@ class SpoolWriter:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         if notice_endpoint:
-            self._sender = threading.Thread(target=self._send_loop, name="hsstream-notice", daemon=True)
+            self._sender = threading.Thread(target=self._sender_main, name="hsstream-notice", daemon=True)
             self._sender.start()
 
     # -- called from the engine's step: must return at once ---------------------------------
@@ -169,6 +177,9 @@ class SpoolWriter:
                 str(tmp),
                 metadata=P.header_metadata(notice),
             )
+            # Token ids are the users' prompts: 0600 before the name is visible. safetensors 0.8
+            # writes 0600 itself; older releases (GPU images pin their own) follow the umask.
+            os.chmod(tmp, P.FILE_MODE)
             os.rename(tmp, dest)
             if job.lock is not None:
                 job.lock.release()
@@ -206,6 +217,37 @@ class SpoolWriter:
                             n, self.max_queued_notices, self._endpoint)  # fmt: skip
 
     # -- the socket's owner thread -----------------------------------------------------------
+    def _sender_main(self) -> None:
+        """Run the send loop; restart it after an exception, a bounded number of times.
+
+        A dead notice thread would otherwise be silent: files keep appearing, no notice leaves,
+        and every sample waits for its notice timeout, forever. The notice being sent when the
+        loop failed is dropped (it may be what broke it); the sidecar's notice timeout resubmits
+        that sample."""
+        failures, last_failure = 0, 0.0
+        while True:
+            try:
+                self._send_loop()
+                return
+            except Exception:  # noqa: BLE001 - any failure: logged, then restart or give up loudly
+                now = time.monotonic()
+                if now - last_failure > 60.0:
+                    failures = 0
+                failures, last_failure = failures + 1, now
+                with self._lock:
+                    self.stats["notices_dropped"] += 1
+                if failures > self.max_sender_restarts:
+                    self.stats["notice_thread_dead"] = 1
+                    log.critical(
+                        "the notice thread failed %d times in a row: it stays down, so no notice leaves this "
+                        "engine (the sidecar's samples time out and its /readyz reports it); restart vLLM",
+                        failures, exc_info=True,
+                    )  # fmt: skip
+                    return
+                self.stats["notice_thread_restarts"] += 1
+                log.exception("the notice thread failed: restarting it (%d/%d)", failures, self.max_sender_restarts)
+                time.sleep(min(2.0, 0.05 * 2**failures))
+
     def _send_loop(self) -> None:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)

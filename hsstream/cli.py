@@ -14,25 +14,40 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 def serve(
     host: str = typer.Option(None, help="address to bind the REST API (default HSSTREAM_HOST)"),
     port: int = typer.Option(None, help="REST API port (default HSSTREAM_PORT)"),
+    insecure_no_token: bool = typer.Option(
+        False, "--insecure-no-token", help="serve without HSSTREAM_API_TOKEN on a non-loopback address (as HSSTREAM_ALLOW_OPEN=1)"
+    ),
 ) -> None:
-    """Run the sidecar: REST API, notice and delivery endpoints."""
+    """Run the sidecar: REST API, notice and delivery endpoints.
+
+    Off 127.0.0.1 it needs HSSTREAM_API_TOKEN (or --insecure-no-token)."""
     import uvicorn
 
     from connector import protocol as P
+    from connector.curve_keys import InsecureKeyFile
     from connector.settings import Settings
     from hsstream import launch
+    from hsstream.exposure import OpenBindRefused, check_api_exposure
     from server.app import create_app
 
     s = Settings()
+    bind = host or s.host
+    try:
+        warning = check_api_exposure(bind, s.api_token, s.allow_open or insecure_no_token)
+    except OpenBindRefused as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if warning:
+        typer.echo(warning, err=True)
     # uvicorn stops gracefully on SIGTERM, then re-raises it to the handler it found, to die by
     # it (exit 143) although the stop was clean: this handler makes that exit status 0.
     launch.exit_0_on_stop()
     try:
         app_ = create_app(s)
-    except P.SpoolNotOurs as e:
+    except (P.SpoolNotOurs, InsecureKeyFile) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    uvicorn.run(app_, host=host or s.host, port=port or s.port, log_level="warning")
+    uvicorn.run(app_, host=bind, port=port or s.port, log_level="warning")
 
 
 @app.command()
@@ -40,7 +55,7 @@ def vllm(
     model: str = typer.Option(None, help="verifier checkpoint (default HSSTREAM_MODEL)"),
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS)"),
     port: int = typer.Option(8000, help="vLLM's HTTP port"),
-    host: str = typer.Option("0.0.0.0", help="address vLLM binds"),
+    host: str = typer.Option("127.0.0.1", help="address vLLM binds (its API has no token: 0.0.0.0 only on a private network)"),
     max_model_len: int = typer.Option(None, help="context length (default: the model's)"),
     gpu_memory_utilization: float = typer.Option(None, help="share of GPU memory vLLM may use (0.2 on CPU)"),
     enforce_eager: bool = typer.Option(False, help="no CUDA graphs / compilation", show_default=False),
@@ -137,7 +152,7 @@ def up(
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS, else Eagle-3's)"),
     train: str = typer.Option(None, help="also run `hsstream train` with these arguments, e.g. \"--out runs/a --submit data.jsonl\""),
     trainer_cmd: str = typer.Option(None, help="or run this command as the trainer (shell syntax)"),
-    max_restarts: int = typer.Option(3, min=0, help="restarts of a vLLM that dies before `up` gives up"),
+    max_restarts: int = typer.Option(3, min=0, help="restarts of dead vLLM engines (together), and of the sidecar, before `up` gives up"),
     max_model_len: int = typer.Option(None, help="default MAX_MODEL_LEN, else the model's"),
     gpu_memory_utilization: float = typer.Option(None, help="default GPU_MEMORY_UTILIZATION; 0.2 on the CPU build"),
     enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="default: eager on CPU"),
@@ -150,7 +165,7 @@ def up(
 ) -> None:
     """Start vLLM, the sidecar and a trainer; stop all on Ctrl-C.
 
-    Supervises them (restarts a dead vLLM) until Ctrl-C or SIGTERM."""
+    Supervises them (restarts a dead vLLM or sidecar) until Ctrl-C or SIGTERM."""
     import shlex
 
     from hsstream import up as _up
@@ -259,15 +274,18 @@ def train(
 def keys(directory: str = typer.Argument(..., help="where to write the key pair"), name: str = typer.Option("trainer", help="file name stem")) -> None:
     """Make a CURVE key pair for remote delivery.
 
-    NAME.key is the public key, NAME.key_secret the secret one.
+    NAME.key is the public key, NAME.key_secret the secret one (0600, in a 0700 folder).
 
     The sidecar's pair goes to HSSTREAM_CURVE_SERVER_SECRET_FILE; each trainer's public
     NAME.key goes into the sidecar's HSSTREAM_CURVE_CLIENTS_DIR."""
-    import zmq.auth
+    from connector.curve_keys import InsecureKeyFile, write_key_pair
 
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    pub, sec = zmq.auth.create_certificates(directory, name)
-    typer.echo(f"public: {pub}\nsecret: {sec}")
+    try:
+        pub, sec = write_key_pair(directory, name)
+    except InsecureKeyFile as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    typer.echo(f"public: {pub}\nsecret: {sec} (mode 0600: keep it on this host)")
 
 
 def main() -> None:

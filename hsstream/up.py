@@ -11,8 +11,9 @@ Why a supervisor rather than three background commands:
 
 - every child runs in its own process group and is stopped as a group, so vLLM's engine and
   worker processes go with it (a plain kill of the API server leaves them holding memory);
-- vLLM dying is survivable (the sidecar resubmits what was in flight), but only if something
-  restarts it; compose's restart policy does that in containers, :class:`Supervisor` here;
+- vLLM or the sidecar dying is survivable (the sidecar resubmits what was in flight, its
+  ledger is on disk), but only if something restarts them; compose's restart policy does that
+  in containers, :class:`Supervisor` here;
 - the spool is shared memory: files left behind by a stopped stack hold RAM until reboot, so
   stopping removes every spool file the stack wrote, and a signal never skips that.
 
@@ -239,6 +240,13 @@ def build_config(
         s = Settings(**{k[len("HSSTREAM_") :].lower(): v for k, v in filed.items() if k.startswith("HSSTREAM_")})
     except ValidationError as e:
         raise UpError(f"invalid HSSTREAM_* setting: {e}") from None
+    from hsstream.exposure import OpenBindRefused, check_api_exposure
+
+    try:  # the sidecar would refuse this bind itself, after vLLM had loaded for a minute
+        if warning := check_api_exposure(s.host, s.api_token, s.allow_open):
+            say(warning)
+    except OpenBindRefused as e:
+        raise UpError(str(e)) from None
 
     mdl = model or s.model or get("MODEL_DIR")
     if mdl and (mdl == get("MODEL_DIR") or os.path.isabs(mdl) or mdl.startswith(".")) and not os.path.isdir(mdl):
@@ -486,7 +494,8 @@ class Supervisor:
     ) -> None:
         self.cfg = cfg
         self.children: list[launch.Child] = []
-        self.restarts = 0
+        self.restarts = 0  # vLLM engines' restarts, all together
+        self.sidecar_restarts = 0  # counted apart: each may use --max-restarts
         self._out = out or sys.stdout
         self._echo = echo
         self._say = say if say is not None else ((lambda m: self._emit("up", m)) if echo else (lambda _m: None))
@@ -564,15 +573,18 @@ class Supervisor:
         args = [sys.executable, "-m", "hsstream", "vllm", *c.engine_cli(i)]
         return self._spawn(engine_name(i), args, gpus, extra)
 
-    def _ticker(self, what: str, on_tick: Callable[[float], None] | None) -> Callable[[float], None]:
-        """Progress every 10 s while waiting, and a way out: a signal or another child dying."""
+    def _ticker(
+        self, what: str, on_tick: Callable[[float], None] | None, restarting: str = ""
+    ) -> Callable[[float], None]:
+        """Progress every 10 s while waiting, and a way out: a signal or another child dying
+        (but an engine, or the child being restarted, whose death ``wait_http`` reports itself)."""
         last = [0.0]
 
         def tick(elapsed: float) -> None:
             if self._signal is not None:
                 raise _Interrupted
             for c in self.children:
-                if not is_engine(c.name) and not c.alive():
+                if not is_engine(c.name) and c.name != restarting and not c.alive():
                     raise launch.ProcessDied(
                         f"{c.name} exited ({describe_exit(c.proc.returncode)}) while waiting for {what}:\n{c.tail()}"
                     )
@@ -626,7 +638,7 @@ class Supervisor:
         c = self.cfg
         t0 = time.monotonic()
         self._prepare()
-        sidecar = self._spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"])
+        sidecar = self._spawn_sidecar()
         engines = [self._spawn_vllm(i) for i in range(c.engines)]  # they load side by side
         launch.wait_http(f"{c.api_url}/healthz", sidecar, 120, self._ticker("the sidecar", None))
         for i, vllm in enumerate(engines):
@@ -644,6 +656,38 @@ class Supervisor:
         )
 
     # ---------------------------------------------------------------- supervise
+    def _spawn_sidecar(self) -> Proc:
+        return self._spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"])
+
+    def _restart_sidecar(self, dead: launch.Child) -> bool:
+        """Restart a dead sidecar until it answers or ``--max-restarts`` (its own count) are used.
+
+        Survivable like a dead vLLM: the ledger is on disk, so the new sidecar recovers it and
+        reaps stray spool files, and trainers reconnect on its heartbeat."""
+        c = self.cfg
+        while True:
+            why = describe_exit(dead.proc.returncode)
+            if self.sidecar_restarts >= c.max_restarts:
+                self.say(
+                    f"sidecar died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
+                    f"{self.sidecar_restarts} used): stopping the stack.{self._last_lines(dead)}"
+                )
+                return False
+            self.sidecar_restarts += 1
+            self.say(f"sidecar died ({why}): restarting it ({self.sidecar_restarts}/{c.max_restarts})")
+            _reap_group(dead.proc.pid)
+            t0 = time.monotonic()
+            new = self._spawn_sidecar()
+            try:
+                tick = self._ticker("the sidecar to come back", None, restarting="sidecar")
+                launch.wait_http(f"{c.api_url}/healthz", new, 120, tick)
+            except launch.ProcessDied:
+                dead = new
+                continue
+            self.say(f"sidecar is back after {time.monotonic() - t0:.0f} s "
+                     f"(restart {self.sidecar_restarts}/{c.max_restarts})")  # fmt: skip
+            return True
+
     def _restart_vllm(self, dead: launch.Child) -> bool:
         """Restart vLLM until it answers again or the restarts are used up; False if used up."""
         c = self.cfg
@@ -686,10 +730,13 @@ class Supervisor:
                 if is_engine(ch.name):
                     if not self._restart_vllm(ch):
                         return 1
+                elif ch.name == "sidecar":
+                    if not self._restart_sidecar(ch):
+                        return 1
                 elif ch.name == "trainer" and code == 0:
                     self.say("trainer finished: stopping the stack")
                     return 0
-                else:  # the sidecar, or a failed trainer: a crash there is a bug to see, not to paper over
+                else:  # a failed trainer: its error is the user's to see (its run dir resumes it)
                     why = describe_exit(code)
                     self.say(f"{ch.name} exited ({why}): stopping the stack.{self._last_lines(ch)}")
                     return 1

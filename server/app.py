@@ -42,9 +42,9 @@ def _curve(s: Settings) -> CurveServer | None:
             "HSSTREAM_REMOTE_ENDPOINT needs HSSTREAM_CURVE_SERVER_SECRET_FILE and HSSTREAM_CURVE_CLIENTS_DIR "
             "(create them with `hsstream keys DIR`)"
         )
-    import zmq.auth
+    from connector.curve_keys import load_secret
 
-    public, secret = zmq.auth.load_certificate(str(s.curve_server_secret_file))
+    public, secret = load_secret(s.curve_server_secret_file)  # refuses a file others can read
     if secret is None:
         raise ValueError(f"{s.curve_server_secret_file} holds no secret key")
     return CurveServer(public, secret, str(s.curve_clients_dir))

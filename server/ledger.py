@@ -20,6 +20,7 @@ compacted after a retention: their rows go, a summary stays.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sqlite3
 import threading
@@ -167,6 +168,10 @@ class Ledger:
         self.reserved_bytes = 0  # expected bytes of SUBMITTED + real bytes of files on disk
         self._throttled = False  # a limit was hit: wait for the low watermark
         self.path = str(path) if path else ":memory:"
+        if path and not os.path.exists(self.path):
+            # It holds the users' prompts (token ids): private from its creation; SQLite gives
+            # its -wal and -shm files the database file's mode.
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class NoticeReceiver(SocketThread):
         self.ledger = ledger
         self.stats = {"notices": 0, "refused": 0, "deleted": 0, "foreign": 0}
         self.observe: Callable[[P.Notice], object] | None = None  # sees each checked notice first
+        self.last_notice_at: float | None = None  # monotonic time of the latest well-formed notice
 
     def bind(self) -> zmq.Socket:
         prepare_ipc(self.endpoint)
@@ -72,6 +74,7 @@ class NoticeReceiver(SocketThread):
             self.stats["refused"] += 1
             log.error("refused notice: %s", e)
             return
+        self.last_notice_at = time.monotonic()  # a connector is talking (readyz: notices_stopped)
         path = None
         if n.file is not None:
             try:

@@ -166,6 +166,7 @@ class Submitter:
         self._applied: tuple[int, int | None] = (-1, None)  # (sizer version, engine limit) applied to the queue
         self.in_flight = 0  # SUBMITTED samples, kept by a ledger listener
         ledger.listeners.append(self._on_transition)
+        self.last_notice_timeout_at: float | None = None  # monotonic; readyz compares it with the last notice
         self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0,
                       "submitted_before_size_known": 0, "max_in_flight_before_size_known": 0,
                       "failed_over_engine_limit": 0, "requeued_engine_lost": 0}  # fmt: skip
@@ -448,6 +449,7 @@ class Submitter:
         for s in self.ledger.stale_submissions(self.notice_timeout_s):
             if s.key not in self._inflight:
                 self.stats["notice_timeouts"] += 1
+                self.last_notice_timeout_at = time.monotonic()
                 self.ledger.requeue(s.key, s.attempt, f"no notice from the connector within {self.notice_timeout_s:.0f} s")
         down = self.down_since
         if down is not None and time.monotonic() - down > self.down_deadline_s:

@@ -30,6 +30,7 @@ from safetensors.torch import load as safetensors_load
 
 from connector import payload as PL
 from connector import protocol as P
+from connector.curve_keys import load_secret
 from connector.settings import Settings
 from connector.transport import Receiver, TransportError, make_receiver
 
@@ -413,7 +414,7 @@ class HiddenStateStream:
                 server_key, cert = self._curve
                 if isinstance(server_key, str) and os.path.exists(server_key):
                     server_key = zmq.auth.load_certificate(server_key)[0]
-                pub, sec = zmq.auth.load_certificate(str(cert))
+                pub, sec = load_secret(cert)  # refuses a secret others can read
                 if sec is None:
                     raise ValueError(f"{cert} holds no secret key (pass the .key_secret file)")
                 sock.curve_serverkey = server_key.encode() if isinstance(server_key, str) else server_key

@@ -29,6 +29,8 @@ async def readyz(svc: ServicesDep) -> JSONResponse:
         problems.append(f"spool {svc.spool} not writable")
     if not svc.ledger.is_open():
         problems.append(f"ledger {svc.settings.ledger_file()} not open")
+    if problem := notices_stopped(svc):
+        problems.append(problem)
     loops = (("notice", svc.notices.alive), ("delivery", svc.delivery.alive), ("submitter", svc.submitter.alive))
     for name, alive in loops:
         if not alive():
@@ -36,3 +38,18 @@ async def readyz(svc: ServicesDep) -> JSONResponse:
     if problems:
         return JSONResponse({"ready": False, "problems": problems}, status_code=503)
     return JSONResponse({"ready": True})
+
+
+def notices_stopped(svc: ServicesDep) -> str | None:
+    """Notices stopped: a sample's notice timed out and no notice has come since.
+
+    Seen from the sidecar, so it covers every cause (the connector's notice thread gave up,
+    vLLM runs without our connector, a wrong notice endpoint); it clears with the next notice."""
+    timed_out, heard = svc.submitter.last_notice_timeout_at, svc.notices.last_notice_at
+    if timed_out is None or (heard is not None and heard > timed_out):
+        return None
+    return (
+        f"notices stopped: a sample vLLM answered got no notice within HSSTREAM_NOTICE_TIMEOUT_S "
+        f"({svc.settings.notice_timeout_s:.0f} s) and none has come since; check vLLM's log for the connector's "
+        f"notice thread and that vLLM's notice endpoint is {svc.settings.notice_ep()}"
+    )

@@ -2,9 +2,9 @@
 
 The stack is real (vLLM CPU build, uvicorn sidecar, ZeroMQ) and so is the trainer: a separate
 process started by ``up --trainer-cmd`` that follows every job with ``HiddenStateStream`` and
-logs each sample it used (this file, run as a script). One ``up`` serves the first three tests
-in order: a job flows; vLLM is SIGKILLed mid-job and comes back with nothing lost; SIGTERM
-stops everything. A second ``up`` with ``--max-restarts 0`` must give up clearly, not hang.
+logs each sample it used (this file, run as a script). One ``up`` serves the first four tests
+in order: a job flows; vLLM is SIGKILLed mid-job and comes back with nothing lost; so is the
+sidecar; SIGINT stops everything. A second ``up`` with ``--max-restarts 0`` must give up clearly, not hang.
 """
 
 from __future__ import annotations
@@ -220,6 +220,31 @@ def test_vllm_killed_mid_job_is_restarted_and_the_job_completes(stack):
     assert c["consumed"] == n and c["failed"] == 0, f"lost samples after the restart: {c} (at kill: {at_kill})"
     keys = used(stack, job)
     assert sorted(set(keys)) == sorted(keys) and len(keys) == n, "a sample was used twice or not at all"
+    time.sleep(0.5)
+    assert spool_files(stack) == []
+
+
+def test_sidecar_killed_mid_job_is_restarted_and_the_trainer_reconnects(stack):
+    """The sidecar SIGKILLed under load: `up` restarts it (as compose's restart policy would),
+    the new one recovers the ledger and reaps the spool, the trainer process reconnects on its
+    own, and every sample is used exactly once with nothing left in the spool."""
+    mark = len(stack.up_lines())
+    job, n = submit(stack, 150, seed=3, length=(50, 200))
+    t0 = time.monotonic()
+    while counts(stack, job)["consumed"] < 5:
+        assert time.monotonic() - t0 < 300, f"job {job} does not progress: {counts(stack, job)}"
+        time.sleep(0.1)
+    (sidecar,) = [p for p in psutil.Process(stack.proc.pid).children() if "-m hsstream serve" in " ".join(p.cmdline())]
+    at_kill = counts(stack, job)
+    sidecar.send_signal(signal.SIGKILL)
+    assert at_kill["consumed"] < n, f"the job finished before the sidecar was killed: make it longer ({at_kill})"
+    stack.wait_for("sidecar died (killed by SIGKILL): restarting it (1/3)", 30, since=mark)
+    stack.wait_for("sidecar is back after", 120, since=mark)
+    c = wait_done(stack, job, 600)
+    assert c["consumed"] == n and c["failed"] == 0, f"lost samples after the restart: {c} (at kill: {at_kill})"
+    keys = used(stack, job)
+    assert sorted(set(keys)) == sorted(keys) and len(keys) == n, "a sample was used twice or not at all"
+    assert "stopping the stack" not in "\n".join(stack.up_lines()[mark:])
     time.sleep(0.5)
     assert spool_files(stack) == []
 

@@ -231,3 +231,34 @@ def test_writer_without_endpoint_writes_and_flushes(spool):
         w.submit_error("x", None, "no socket: dropped silently")
     finally:
         w.close()
+
+
+# ----------------------------------------------------------------------------- supervised notice thread
+
+
+def test_notice_thread_is_restarted_after_an_exception(writer, pull, caplog):
+    """Something that breaks the socket's owner thread (here an item send() cannot take) used
+    to end it silently: every later notice stayed queued. Now it is logged and restarted."""
+    writer._notices.put_nowait(object())  # type: ignore[arg-type]  # send() raises TypeError on it
+    writer.submit_error("cmpl-after", TAG, "a later notice")
+    n = _recv(pull[1])
+    assert (n.request_id, n.reason) == ("cmpl-after", "a later notice")
+    assert writer.stats["notice_thread_restarts"] == 1 and writer.stats["notice_thread_dead"] == 0
+    assert writer.stats["notices_dropped"] == 1  # the item it failed on
+    assert "the notice thread failed: restarting it (1/5)" in caplog.text and "TypeError" in caplog.text
+    assert writer._sender.is_alive()
+
+
+def test_notice_thread_gives_up_loudly_after_bounded_restarts(spool, pull, caplog):
+    w = SpoolWriter(spool, pull[0], SHAPE, num_threads=1, max_sender_restarts=2)
+    try:
+        for _ in range(3):
+            w._notices.put_nowait(object())  # type: ignore[arg-type]
+        w._sender.join(10)
+        assert not w._sender.is_alive()
+        assert w.stats["notice_thread_restarts"] == 2 and w.stats["notice_thread_dead"] == 1
+        crit = [r for r in caplog.records if r.levelname == "CRITICAL"]
+        assert len(crit) == 1 and "failed 3 times in a row: it stays down" in crit[0].getMessage()
+        assert "/readyz" in crit[0].getMessage()
+    finally:
+        w.close()  # returns although the thread is gone

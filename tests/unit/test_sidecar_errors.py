@@ -41,3 +41,28 @@ def test_upload_with_lone_surrogates_is_a_422(client):
 def test_job_id_that_is_not_utf8_is_a_404(client):
     r = client.get("/v1/jobs/%ED%A0%80")
     assert r.status_code == 404 and "unknown job" in r.json()["detail"]
+
+
+def test_readyz_says_when_notices_stopped_and_clears_with_the_next_notice(client):
+    """A dead notice thread in the connector is seen here: a sample's notice timed out and none
+    came after. The next notice (from anyone's connector) clears it."""
+    import time
+
+    from connector import protocol as P
+
+    svc = client.app.state.services
+    for e in svc.submitter.engines:  # vLLM "answered" (no lifespan here, so no HTTP client)
+        e.model_name = "verifier"
+
+    def problems() -> list[str]:
+        r = client.get("/readyz")
+        assert r.status_code == 503, r.text  # the loops are not started here: never ready
+        return r.json()["problems"]
+
+    assert not [p for p in problems() if p.startswith("notices stopped")]
+    svc.submitter.last_notice_timeout_at = time.monotonic()
+    (p,) = [p for p in problems() if p.startswith("notices stopped")]
+    assert "HSSTREAM_NOTICE_TIMEOUT_S" in p and svc.settings.notice_ep() in p
+    svc.notices.handle(P.Notice(request_id="r", status=P.NoticeStatus.error, reason="x", layer_ids=[1],
+                                num_hidden_layers=2, hidden_size=4, dtype="bfloat16", model="m").encode())  # fmt: skip
+    assert not [p for p in problems() if p.startswith("notices stopped")]
