@@ -94,6 +94,7 @@ class Eagle3OnlineTrainer:
         self.aux_layer_ids: list[int] | None = None
         self._tb = None
         self.resumed_from: Path | None = None
+        self.data_stats: dict = {}  # of the last train(): batches copied through the side stream, ...
 
     @property
     def step(self) -> int:
@@ -330,6 +331,7 @@ class Eagle3OnlineTrainer:
             if policy.last_path is None or g_pending or policy.last_step != self.step:
                 self._checkpoint(stream)
         finally:
+            self.data_stats = {"staged": copier.staged, "prefetch": pre.depth, "samples_seen": source.seen}
             if bar is not None:
                 bar.close()
             if metrics_log is not None:
