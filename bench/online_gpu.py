@@ -322,6 +322,12 @@ class _TimedStream:
     def __iter__(self):  # noqa: ANN204
         t_end = time.monotonic() + self._spec["time_limit_s"]
         for s in self._s:
+            if s is None:  # the stream's idle yield: the trainer checkpoints or waits, then asks again
+                yield None
+                if time.monotonic() > t_end:
+                    self.stopped = "time limit"
+                    return
+                continue
             nt = s.notice
             self._rec.write(json.dumps({"n": int(s.token_ids.shape[0]), "sent": nt.sent_at if nt else None,
                                         "y": time.time(), "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
@@ -359,11 +365,13 @@ def consume_train(spec: dict) -> dict:
     probe.append(drained_probe(spec["api"], [job]))
     with open(spec["records"], "w", buffering=1) as rec, \
             HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
-                              ack="manual", timeout_s=60) as stream:  # fmt: skip
+                              ack="manual", timeout_s=60, **trainer.stream_options()) as stream:  # fmt: skip
         ts = _TimedStream(stream, spec, rec)
         r = trainer.train(ts)
     p = next(iter(trainer.model.parameters()))
-    res.update(device_requested=str(dev), device_used=str(p.device), dtype=str(p.dtype), samples=r.samples,
+    res.update(device_requested=str(dev), device_used=str(p.device), dtype=str(p.dtype), autocast=r.autocast,
+               stream_options={k: v for k, v in trainer.stream_options().items()}, data_stats=trainer.data_stats,
+               samples=r.samples,
                tokens=r.tokens, steps=r.steps, wall_s=r.wall_s, wait_s=r.wait_s,
                wait_frac=round(r.wait_s / r.wall_s, 4) if r.wall_s else None, loss=r.loss,
                stopped=ts.stopped or "all samples")  # fmt: skip

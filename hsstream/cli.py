@@ -230,10 +230,20 @@ def train(
     seed: int = typer.Option(0, help="random seed"),
     control: str = typer.Option("none", help="'swap-hidden': negative control, aux states from another sample"),
     progress: bool = typer.Option(True, help="progress bar on stderr"),
+    device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda or cuda:N; under torchrun cuda:LOCAL_RANK"),
+    autocast: str = typer.Option("auto", help="auto (bf16 on CUDA, none on CPU), bf16 or none"),
+    prefetch: int = typer.Option(None, help="batches copied to the device ahead of the step (default 1 on CUDA, 0 on CPU)"),
+    nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
 ) -> None:
     """Train an Eagle-3 draft online from the stream.
 
     Speculators' format; checkpoints, resumes from --out."""
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from trainer_client.eagle3.distributed import torchrun_argv
+
+        args = torchrun_argv(nproc, sys.argv[1:])
+        typer.echo(f"hsstream train: {nproc} ranks: {' '.join(args[:6])} ...", err=True)
+        os.execv(args[0], args)  # torchrun's agent takes over: it stops every rank when one fails
     from hsstream.launch import exit_0_on_stop
 
     exit_0_on_stop()  # first, before torch loads: a stop asked for (up's Ctrl-C) is a clean exit
@@ -242,6 +252,7 @@ def train(
 
     from connector.settings import Settings
     from trainer_client.eagle3 import MissingLayersError, TrainConfig
+    from trainer_client.eagle3.config import DeviceError
     from trainer_client.eagle3.run import run_train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -255,7 +266,8 @@ def train(
         ttt_steps=ttt_steps, lr=lr, warmup_steps=warmup, schedule=schedule, schedule_steps=schedule_steps,
         max_steps=steps, grad_clip=grad_clip, samples_per_step=samples_per_step, checkpoint_every=checkpoint_every,
         checkpoint_every_s=checkpoint_every_s, keep_checkpoints=keep_checkpoints, eval_every=eval_every,
-        eval_samples=eval_samples, seed=seed, control=control, progress=progress, threads=threads, extra={"argv": sys.argv},
+        eval_samples=eval_samples, seed=seed, control=control, progress=progress, threads=threads, device=device,
+        autocast=autocast, prefetch=prefetch, extra={"argv": sys.argv},
     )  # fmt: skip
     try:
         result = run_train(
@@ -264,10 +276,11 @@ def train(
             job_options={"loss_mask": loss_mask}, token_counts_file=token_counts, api_token=s.api_token,
             timeout_s=timeout,
         )  # fmt: skip
-    except (MissingLayersError, ValueError) as e:
+    except (MissingLayersError, DeviceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    typer.echo(json.dumps(result.summary(), indent=2))
+    if int(os.environ.get("RANK", "0")) == 0:  # one summary per run (it lists every rank)
+        typer.echo(json.dumps(result.summary(), indent=2))
 
 
 @app.command()

@@ -13,7 +13,10 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
   run neither trains again what the checkpoint holds nor skips what it does not;
 * the trainer's clear error when the stream lacks a layer it needs;
 * the IterableDataset with 0 and 2 DataLoader workers, and two gloo ranks: disjoint samples,
-  all of the job, everyone stops.
+  all of the job, everyone stops;
+* ``hsstream train --nproc 2`` (torchrun, two gloo ranks, each its own stream): disjoint
+  samples, each trained and acknowledged once by the rank that got it, only after a checkpoint
+  that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool.
 
 The pre-trained verifier and its repeat fraction: test_trainer_pretrain.py; the acceptance
 measurement in vLLM: bench/acceptance.py.
@@ -239,3 +242,48 @@ def test_two_gloo_ranks_get_disjoint_samples_and_stop_together(stack, verifier):
     assert a | b == {f"{job}/0/{i}" for i in range(n)}
     assert res[0]["steps"] == res[1]["steps"] >= max(len(a), len(b))  # None steps while a rank waits
     assert job_counts(stack, job)["consumed"] == n
+
+
+def test_hsstream_train_nproc_2_gloo_ranks_disjoint_one_writer_acks_once_stop_together(stack, verifier, tmp_path):
+    """``hsstream train --nproc 2``: torchrun, two gloo ranks, each with its own stream."""
+    from trainer_client.eagle3.checkpointing import CKPT_LOG
+
+    n = 24
+    job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 40, seed=2024)])
+    out = tmp_path / "ddp"
+    cmd = _train_cmd(stack, verifier, out, job) + ["--nproc", "2", "--device", "cpu"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]  # torchrun: 0 only if both ranks exited 0
+    summary = json.loads(p.stdout[p.stdout.index("{") :])
+    assert summary["world_size"] == 2 and [r["rank"] for r in summary["ranks"]] == [0, 1]
+    pids = {r["rank"]: r["pid"] for r in summary["ranks"]}
+    trained: dict[int, list[str]] = {0: [], 1: []}
+    step_of: dict[str, int] = {}
+    for line in (out / KEYS_LOG).read_text().splitlines():
+        r = json.loads(line)
+        assert r["pid"] == pids[r["rank"]]
+        trained[r["rank"]] += r["keys"]
+        step_of.update((k, r["step"]) for k in r["keys"])
+    every = {f"{job}/0/{i}" for i in range(n)}
+    a, b = trained[0], trained[1]
+    assert a and b and not set(a) & set(b)  # disjoint samples, both ranks trained
+    assert len(a) + len(b) == n and set(a) | set(b) == every  # each sample trained once, none missing
+    assert summary["samples"] == n and [r["samples"] for r in summary["ranks"]] == [len(a), len(b)]
+    log = [json.loads(x) for x in (out / CKPT_LOG).read_text().splitlines()]
+    saves = [r for r in log if r["event"] == "save"]
+    assert saves and {(r["rank"], r["pid"]) for r in saves} == {(0, pids[0])}  # exactly one checkpoint writer
+    saved_steps: set[int] = set()
+    acked: dict[int, list[str]] = {0: [], 1: []}
+    for r in log:  # in file order: a rank acks only what a checkpoint already on disk holds
+        if r["event"] == "save":
+            saved_steps.add(r["step"])
+        else:
+            assert r["step"] in saved_steps and r["pid"] == pids[r["rank"]]
+            assert all(step_of[k] <= r["step"] for k in r["keys"])
+            acked[r["rank"]] += r["keys"]
+    assert sorted(acked[0]) == sorted(a) and sorted(acked[1]) == sorted(b)  # each rank acks its own, once
+    last = max(saved_steps)
+    assert last == summary["steps"] and {r["rank"] for r in log if r["event"] == "ack" and r["step"] == last} <= {0, 1}
+    counts = job_counts(stack, job)
+    assert counts["consumed"] == n and counts["leased"] == 0 and counts["ready"] == 0
+    assert stack.spool_files() == []

@@ -6,6 +6,7 @@ Eagle-3 needs?) run, and fail clearly, before anything heavy is loaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def eagle3_layers(sample: Sample, aux_layer_ids: list[int] | None = None, num_hi
 
 @dataclass
 class Features:
-    """One sample's training tensors, un-shifted, float32."""
+    """One sample's training tensors, un-shifted (float32 on CPU, the file's dtype on a GPU)."""
 
     key: str
     input_ids: torch.Tensor  # [T] long
@@ -73,14 +74,30 @@ class Features:
         return int(self.input_ids.shape[0])
 
 
-def features(sample: Sample, aux_layer_ids: list[int]) -> Features:
-    idx = [sample.layer_ids.index(lid) for lid in aux_layer_ids]
-    hs = sample.hidden_states
+def features(sample: Sample, aux_layer_ids: list[int], *, dtype: torch.dtype | None = torch.float32,
+             to: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Features:  # fmt: skip
+    """``dtype`` None keeps the file's (bf16 on a GPU, where autocast computes in it anyway);
+    ``to``: copies each of the sample's tensors to the device first (the trainer's host→device
+    copy), so the layer selection and the packing run there, not on the host."""
+    hs, ids = sample.hidden_states, sample.token_ids
     t = hs.shape[0]
-    aux = hs[:, idx].reshape(t, -1).float()
-    last = hs[:, sample.layer_ids.index(sample.num_hidden_layers)].float()
     mask = sample.loss_mask if sample.loss_mask is not None else torch.ones(t, dtype=torch.bool)
-    return Features(str(sample.key), sample.token_ids.long(), aux, last, mask.bool())
+    if to is not None:
+        hs, ids, mask = to(hs), to(ids), to(mask)
+    idx = [sample.layer_ids.index(lid) for lid in aux_layer_ids]
+    aux = hs[:, idx].reshape(t, -1)
+    last = hs[:, sample.layer_ids.index(sample.num_hidden_layers)]
+    if dtype is not None:
+        aux, last = aux.to(dtype), last.to(dtype)
+    return Features(str(sample.key), ids.long(), aux, last, mask.bool())
+
+
+def loss_tokens(sample: Sample) -> int:
+    """Loss-carrying positions of a sample once shifted (``pack`` drops position 0)."""
+    t = int(sample.token_ids.shape[0])
+    if t < 2:
+        return 0
+    return int(sample.loss_mask[1:].sum()) if sample.loss_mask is not None else t - 1
 
 
 def swap_aux(f: Features, donor: Features) -> Features:
@@ -109,8 +126,8 @@ def pack(items: list[Features]) -> dict[str, torch.Tensor]:
         aux.append(f.aux[:-1])
         last.append(f.last[1:])
         mask.append(f.loss_mask[1:])
-        doc.append(torch.full((t - 1,), d, dtype=torch.long))
-        pos.append(torch.arange(1, t, dtype=torch.long))
+        doc.append(torch.full((t - 1,), d, dtype=torch.long, device=f.input_ids.device))
+        pos.append(torch.arange(1, t, dtype=torch.long, device=f.input_ids.device))
     if not ids:
         raise ValueError("no sample with at least two tokens to pack")
     return {

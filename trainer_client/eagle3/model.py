@@ -43,11 +43,13 @@ def build_draft(
     ttt_steps: int = 3,
     seed: int = 0,
     train_lm_head: bool = False,
+    attn_impl: str = "sdpa",
 ):
     """A fresh draft: one llama decoder layer, verifier embeddings / norm / lm_head rows frozen.
 
-    sdpa attention because flex attention has no backward on CPU; the first argument of
-    ``from_training_args`` is the *draft layer's* config, built from the verifier's.
+    sdpa attention by default because flex attention has no backward on CPU; the first
+    argument of ``from_training_args`` is the *draft layer's* config, built from the
+    verifier's. Built on the CPU in float32 (the master weights); the trainer moves it.
     """
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -66,7 +68,7 @@ def build_draft(
             draft_vocab_size=draft_vocab_size,
             norm_before_residual=True,
             ttt_steps=ttt_steps,
-            draft_attn_impl="sdpa",
+            draft_attn_impl=attn_impl,
         )
     model = model.float()
     if train_lm_head:
@@ -149,4 +151,5 @@ def load_weights(model, ckpt: Path) -> None:  # noqa: ANN001
 
 
 def load_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / STATE_FILE, weights_only=True)
+    """On the CPU whatever device wrote it (the optimizer moves its state to the parameters')."""
+    return torch.load(ckpt / STATE_FILE, weights_only=True, map_location="cpu")

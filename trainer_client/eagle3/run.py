@@ -3,6 +3,9 @@
 The job ids a run follows are written to ``OUT/jobs.json`` before anything is streamed, so a
 restarted run follows the same jobs instead of submitting them again; what it has already
 trained is in its newest checkpoint and the sidecar re-delivers the rest.
+
+Under torchrun (``WORLD_SIZE`` > 1) rank 0 resolves the jobs and token counts (submitting at
+most once) and hands them to the other ranks; every rank then opens its own stream.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 import httpx
 
 from trainer_client.eagle3 import vocab as V
+from trainer_client.eagle3.config import resolve_device
+from trainer_client.eagle3.distributed import World
 from trainer_client.eagle3.trainer import Eagle3OnlineTrainer, TrainConfig, TrainResult
 
 log = logging.getLogger("hsstream.eagle3")
@@ -72,23 +77,19 @@ def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa:
     return probe
 
 
-def run_train(
+def resolve_jobs_and_counts(
     cfg: TrainConfig,
     *,
     api: str | None,
-    endpoint: str | None,
-    spool_dir: str | None,
-    jobs: list[str] | None = None,
-    submit_file: str | None = None,
-    epochs: int = 1,
-    job_options: dict | None = None,
-    token_counts_file: str | None = None,
-    api_token: str | None = None,
-    timeout_s: float = 600.0,
-    credit: int = 8,
-) -> TrainResult:
-    from trainer_client.stream import HiddenStateStream
-
+    jobs: list[str] | None,
+    submit_file: str | None,
+    epochs: int,
+    job_options: dict | None,
+    token_counts_file: str | None,
+    api_token: str | None,
+) -> tuple[list[str], dict[int, int] | None]:
+    """The jobs this run follows (submitting ``submit_file`` once) and the token counts for the
+    draft vocabulary; recorded in the run dir, so a restart follows the same ones."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs_path = out / JOBS_FILE
@@ -123,11 +124,54 @@ def run_train(
             counts = V.token_counts_from_samples(cfg.verifier, samples, (job_options or {}).get("loss_mask", "assistant"))
     if counts is not None:
         V.save_token_counts(counts, counts_path)
+    return jobs, counts
 
-    cfg.extra = {**cfg.extra, "jobs": jobs}
-    probe = drained_probe(api, jobs, api_token) if api else None
-    trainer = Eagle3OnlineTrainer(cfg, counts, drained=probe)
-    with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s, credit=credit) as s:
-        result = trainer.train(s)
-    (out / "result.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
-    return result
+
+def run_train(
+    cfg: TrainConfig,
+    *,
+    api: str | None,
+    endpoint: str | None,
+    spool_dir: str | None,
+    jobs: list[str] | None = None,
+    submit_file: str | None = None,
+    epochs: int = 1,
+    job_options: dict | None = None,
+    token_counts_file: str | None = None,
+    api_token: str | None = None,
+    timeout_s: float = 600.0,
+    credit: int = 8,
+) -> TrainResult:
+    from trainer_client.stream import HiddenStateStream
+
+    n = World.env_size()
+    world = World.from_env(resolve_device(cfg.device, local_rank=World.env_local_rank(), world_size=n))
+    try:
+        if world.is_writer:
+            try:
+                jobs, counts = resolve_jobs_and_counts(
+                    cfg, api=api, jobs=jobs, submit_file=submit_file, epochs=epochs, job_options=job_options,
+                    token_counts_file=token_counts_file, api_token=api_token,
+                )  # fmt: skip
+                got: object = {"jobs": jobs, "counts": counts}
+            except (ValueError, RuntimeError, OSError, httpx.HTTPError) as e:
+                world.broadcast(("error", f"{type(e).__name__}: {e}"))  # the other ranks stop with it
+                raise
+            world.broadcast(got)
+        else:
+            got = world.broadcast(None)
+            if isinstance(got, tuple):
+                raise ValueError(f"rank 0 could not start the run: {got[1]}")
+        jobs, counts = got["jobs"], got["counts"]  # type: ignore[index]
+        cfg.extra = {**cfg.extra, "jobs": jobs}
+        probe = drained_probe(api, jobs, api_token) if api and world.is_writer else None
+        trainer = Eagle3OnlineTrainer(cfg, counts, drained=probe, world=world)
+        trainer.prepare()  # before the stream: slow, and a silent stream would lose its leases
+        with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s,
+                               credit=credit, **trainer.stream_options()) as s:  # fmt: skip
+            result = trainer.train(s)
+        if world.is_writer:
+            (Path(cfg.out_dir) / "result.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+        return result
+    finally:
+        world.close()

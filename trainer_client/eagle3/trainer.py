@@ -5,13 +5,16 @@ into one row, and runs speculators' Eagle-3 forward with test-time training (TTT
 targets are the frozen verifier's softmax(lm_head(norm(layer N))) over the draft vocabulary,
 the loss a KL divergence masked by the loss mask.
 
-Crash consistency is the point of the checkpoint design. Samples are acknowledged to the
-sidecar only right after a checkpoint that includes them is on disk (stream ``ack="manual"``,
-``ack_through``). So after a SIGKILL the sidecar hands back exactly the samples the newest
-checkpoint does not include, and the resumed run trains on those and on nothing it already
-has. The one window left (killed after writing a checkpoint, before its ack left) is closed by
-storing in the checkpoint the keys it includes but had not acknowledged yet: the resumed run
-acknowledges those again without training on them.
+This module is the loop; its pieces live beside it, as in speculators' trainer/checkpointer
+split: the data path (``data_path.py``: fetch, prefetch, host→device), the step (``step.py``),
+the checkpoint-and-ack policy (``checkpointing.py``), the ranks (``distributed.py``) and the
+settings with the device (``config.py``).
+
+One iteration: take the next batch (prefetched or fetched now); agree with the other ranks on
+what this step holds (one small all-reduce; alone, nothing); queue the step on the device;
+while it runs, fetch and copy the next batch; wait for the step; checkpoint and acknowledge
+when due. A rank without a batch joins the step with a zero gradient; the loop ends when every
+rank's stream has ended (or at ``max_steps``).
 """
 
 from __future__ import annotations
@@ -22,15 +25,19 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from connector import protocol as P
 from trainer_client.eagle3 import model as M
-from trainer_client.eagle3.features import Features, MissingLayersError, eagle3_layers, features, pack, swap_aux
+from trainer_client.eagle3.checkpointing import CKPT_LOG, CheckpointPolicy, append_line
+from trainer_client.eagle3.config import TrainConfig, TrainResult, resolve_autocast, resolve_device
+from trainer_client.eagle3.data_path import BatchSource, DeviceCopier, Prefetcher, device_ops
+from trainer_client.eagle3.distributed import World
+from trainer_client.eagle3.features import Features, MissingLayersError, eagle3_layers, features, pack
+from trainer_client.eagle3.step import DraftStep, lr_lambda
 from trainer_client.stream import Sample
 
 log = logging.getLogger("hsstream.eagle3")
@@ -40,67 +47,8 @@ VOCAB_FILE = "vocab_maps.pt"
 KEYS_LOG = "trained_keys.jsonl"
 METRICS_LOG = "metrics.jsonl"
 
-
-@dataclass
-class TrainConfig:
-    verifier: str
-    out_dir: str
-    aux_layer_ids: list[int] | None = None  # None: Eagle-3's usual [2, N//2, N-3]
-    draft_vocab_size: int | None = None  # None: min(32000, verifier vocabulary)
-    ttt_steps: int = 3
-    ttt_step_loss_decay: float = 1.0
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
-    schedule_steps: int | None = None  # length of the decay; default max_steps
-    max_steps: int | None = None  # stop after this many optimizer steps (None: until the stream ends)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    samples_per_step: int = 1
-    max_tokens_per_step: int = 4096
-    checkpoint_every: int = 100
-    # Also checkpoint at each multiple of this many seconds after ``clock_origin`` (a time.time();
-    # default: the start of training), so that runs can be compared at equal wall-clock points.
-    checkpoint_every_s: float | None = None
-    clock_origin: float | None = None
-    keep_checkpoints: int = 2  # 0: keep all
-    # In-run proxy of acceptance: every ``eval_every`` steps, top-1 per TTT step on the first
-    # ``eval_samples`` samples of the stream, held out (never trained on, nor their repeats).
-    eval_every: int = 0
-    eval_samples: int = 8
-    log_every: int = 10
-    seed: int = 0
-    train_lm_head: bool = False
-    control: str = "none"  # "swap-hidden": negative control, aux states from another sample
-    tensorboard: bool = True
-    progress: bool = True
-    threads: int | None = None
-    extra: dict = field(default_factory=dict)  # recorded in run.json (job ids, command line, ...)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    samples: int
-    tokens: int
-    skipped_already_trained: int
-    wall_s: float
-    wait_s: float
-    final_checkpoint: str | None
-    draft_dir: str | None
-    top1: list[float]  # per TTT step, token-weighted over the last ``window`` steps
-    loss: float
-    window: int
-    history: list[dict] = field(default_factory=list, repr=False)
-    eval_top1: list[float] | None = None  # the last held-out evaluation (``eval_every``)
-    held_out: int = 0  # samples held out for it (their repeats in later epochs are not trained either)
-
-    def summary(self) -> dict:
-        d = asdict(self)
-        d.pop("history")
-        return d
+__all__ = ["CKPT_LOG", "KEYS_LOG", "METRICS_LOG", "Eagle3OnlineTrainer", "TrainConfig", "TrainResult", "lr_lambda",
+           "token_digest"]
 
 
 def token_digest(token_ids: torch.Tensor) -> str:
@@ -108,31 +56,16 @@ def token_digest(token_ids: torch.Tensor) -> str:
     return hashlib.blake2b(token_ids.to(torch.int64).contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    total = cfg.schedule_steps or cfg.max_steps
-
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / max(1, cfg.warmup_steps)
-        if cfg.schedule == "constant" or not total:
-            return 1.0
-        p = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        if cfg.schedule == "linear":
-            return 1.0 - (1.0 - cfg.min_lr_ratio) * p
-        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
-
-    return f
-
-
 class Eagle3OnlineTrainer:
     """Build (or resume) a draft and train it on a stream.
 
     ``token_counts`` feed the draft vocabulary maps on a fresh start (ignored on resume: the
-    maps are part of the run). ``drained`` is asked after each step with the number of
+    maps are part of the run). ``drained`` is asked before each step with the number of
     samples used but not yet acknowledged; it answers whether nothing else can arrive for
     the followed jobs, in which case the trainer checkpoints and acknowledges right away (the
     sidecar only ends a job once every sample is acknowledged, so without this a deferred-ack
-    trainer would wait for the end of a job that waits for it).
+    trainer would wait for the end of a job that waits for it). With several ranks only rank 0
+    asks and the ranks act on its answer together.
     """
 
     def __init__(
@@ -142,35 +75,58 @@ class Eagle3OnlineTrainer:
         *,
         drained: Callable[[int], bool] | None = None,
         resume: bool = True,
+        world: World | None = None,
     ) -> None:
         if cfg.eval_every < 0 or (cfg.eval_every > 0 and cfg.eval_samples < 1):
             raise ValueError(f"--eval-every must be >= 0 and --eval-samples >= 1 (got {cfg.eval_every}, {cfg.eval_samples})")
         if cfg.checkpoint_every_s is not None and cfg.checkpoint_every_s <= 0:
             raise ValueError(f"--checkpoint-every-s must be > 0 (got {cfg.checkpoint_every_s})")
         self.cfg = cfg
+        self.world = world or World()
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.token_counts = token_counts
         self.drained = drained
         self.resume = resume
+        self.device = resolve_device(cfg.device, local_rank=self.world.local_rank if self.world.distributed else None,
+                                     world_size=self.world.size)  # fmt: skip
+        self.autocast = resolve_autocast(cfg.autocast, self.device)
+        self.prefetch = cfg.prefetch if cfg.prefetch is not None else (1 if self.device.type == "cuda" else 0)
         vcfg = M.verifier_text_config(cfg.verifier)
         self.num_hidden_layers = int(vcfg["num_hidden_layers"])
         self.hidden_size = int(vcfg["hidden_size"])
         self.vocab_size = int(vcfg["vocab_size"])
         self.draft_vocab_size = min(cfg.draft_vocab_size or 32000, self.vocab_size)
         self.model = None
-        self.optimizer = None
-        self.scheduler = None
-        self.step = 0
+        self.stepper: DraftStep | None = None
+        self.policy: CheckpointPolicy | None = None
+        self.ops = None
         self.samples_trained = 0
         self.tokens_trained = 0
-        self.skip_keys: set[str] = set()  # in the resumed weights, maybe never acknowledged
         self.aux_layer_ids: list[int] | None = None
         self._tb = None
         self.resumed_from: Path | None = None
-        self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples
+        self.data_stats: dict = {}  # of the last train(): batches copied through the side stream, ...
+        self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples (rank 0)
         self.heldout_digests: set[str] = set()  # kept in checkpoints: a resumed run never trains on them
         self.heldout_repeats = 0
+
+    @property
+    def step(self) -> int:
+        return self.stepper.step if self.stepper is not None else 0
+
+    @property
+    def optimizer(self):  # noqa: ANN201
+        return self.stepper.optimizer if self.stepper is not None else None
+
+    @property
+    def scheduler(self):  # noqa: ANN201
+        return self.stepper.scheduler if self.stepper is not None else None
+
+    def stream_options(self) -> dict:
+        """What the stream feeding this trainer should be opened with: pinned samples on CUDA
+        (non-blocking copies), and idle yields (checkpoints at a job's tail, ranks in step)."""
+        return {"pin_memory": self.device.type == "cuda", "idle_s": self.cfg.idle_s}
 
     # -- setup ------------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -184,11 +140,15 @@ class Eagle3OnlineTrainer:
         """
         if self.model is not None:
             return
-        cfg = self.cfg
+        cfg, world = self.cfg, self.world
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         n = self.num_hidden_layers
         ckpt = M.latest_checkpoint(self.out) if self.resume else None
+        ckpt = world.broadcast(str(ckpt) if ckpt is not None else None)  # rank 0's choice for every rank
+        ckpt = Path(ckpt) if ckpt is not None else None
         if ckpt is not None:
             state = M.load_state(ckpt)
             self.aux_layer_ids = list(state["aux_layer_ids"])
@@ -202,49 +162,59 @@ class Eagle3OnlineTrainer:
             from trainer_client.eagle3.vocab import build_vocab_maps, coverage
 
             d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
-            torch.save({"t2d": t2d, "d2t": d2t, "draft_vocab_size": self.draft_vocab_size}, self.out / VOCAB_FILE)
             cov = coverage(self.token_counts or {}, t2d)
-            log.info("draft vocabulary %d of %d tokens, covering %.4f of counted tokens", self.draft_vocab_size,
-                     self.vocab_size, cov)  # fmt: skip
-            run = {
-                "config": asdict(cfg),
-                "aux_layer_ids": self.aux_layer_ids,
-                "num_hidden_layers": n,
-                "draft_vocab_size": self.draft_vocab_size,
-                "vocab_coverage": cov,
-                "started": time.time(),
-            }
-            (self.out / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
+            if world.is_writer:
+                torch.save({"t2d": t2d, "d2t": d2t, "draft_vocab_size": self.draft_vocab_size}, self.out / VOCAB_FILE)
+                log.info("draft vocabulary %d of %d tokens, covering %.4f of counted tokens", self.draft_vocab_size,
+                         self.vocab_size, cov)  # fmt: skip
+                run = {
+                    "config": asdict(cfg),
+                    "aux_layer_ids": self.aux_layer_ids,
+                    "num_hidden_layers": n,
+                    "draft_vocab_size": self.draft_vocab_size,
+                    "vocab_coverage": cov,
+                    "device": str(self.device),
+                    "autocast": str(self.autocast).removeprefix("torch.") if self.autocast else None,
+                    "world_size": world.size,
+                    "started": time.time(),
+                }
+                (self.out / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
             state = None
         self.model = M.build_draft(
             cfg.verifier, self.aux_layer_ids, draft_vocab_size=self.draft_vocab_size, t2d=t2d, d2t=d2t,
-            ttt_steps=cfg.ttt_steps, seed=cfg.seed, train_lm_head=cfg.train_lm_head,
+            ttt_steps=cfg.ttt_steps, seed=cfg.seed, train_lm_head=cfg.train_lm_head, attn_impl=cfg.draft_attn_impl,
         )  # fmt: skip
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         if state is not None:
             M.load_weights(self.model, ckpt)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.step = int(state["step"])
+        # the draft and the verifier's frozen parts (embeddings, norm, lm_head rows) on the device
+        self.model.to(self.device)
+        world.broadcast_module_(self.model)
+        self.ops = device_ops(self.device)
+        self.stepper = DraftStep(self.model, cfg, self.device, world, self.autocast, self.ops)
+        skip: set[str] = set()
+        if state is not None:
+            self.stepper.optimizer.load_state_dict(state["optimizer"])
+            self.stepper.scheduler.load_state_dict(state["scheduler"])
+            self.stepper.step = int(state["step"])
             self.samples_trained = int(state["samples_trained"])
             self.tokens_trained = int(state["tokens_trained"])
-            self.skip_keys = set(state["unacked_keys"])
+            skip = set(state["unacked_keys"])
             self.heldout_digests = set(state.get("heldout_digests", []))
             self.resumed_from = ckpt
             log.info("resumed from %s at step %d (%d samples); %d keys possibly unacknowledged", ckpt, self.step,
-                     self.samples_trained, len(self.skip_keys))  # fmt: skip
-        from speculators.losses import resolve_loss_config
-
-        self.loss_config = resolve_loss_config("kl_div", "eager")
-        if cfg.tensorboard:
+                     self.samples_trained, len(skip))  # fmt: skip
+        self.policy = CheckpointPolicy(self.out, cfg.checkpoint_every, world, skip)
+        if cfg.tensorboard and world.is_writer:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(self.out / "tensorboard"))
             except ImportError:
                 self._tb = None
+
+    @property
+    def skip_keys(self) -> set[str]:
+        return self.policy.skip_keys if self.policy is not None else set()
 
     def check(self, smp: Sample) -> None:
         """The stream carries what this draft trains from: layer N, its aux layers, its hidden size."""
@@ -254,41 +224,11 @@ class Eagle3OnlineTrainer:
                 f"sample {smp.key} has hidden size {smp.hidden_states.shape[-1]}, the verifier {self.hidden_size}"
             )
 
-    # -- one step ---------------------------------------------------------------------------------
-    def train_step(self, items: list[Features]) -> dict:
-        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
-        batch = pack(items)
-        self.model.train()
-        _, loss, metrics = self.model(
-            **batch, ttt_steps=self.cfg.ttt_steps, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
-            loss_config=self.loss_config,
-        )  # fmt: skip
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        k = self.cfg.ttt_steps
-        out = {
-            "step": self.step,
-            "loss": float(loss.detach()),
-            "grad_norm": float(gnorm),
-            "lr": self.scheduler.get_last_lr()[0],
-            "tokens": int(batch["loss_mask"].sum()),
-        }
-        for i in range(k):
-            tot = float(metrics[f"full_acc_{i}_total"])
-            out[f"top1_{i}"] = float(metrics[f"full_acc_{i}_sum"]) / tot if tot else 0.0
-            out[f"n_{i}"] = tot
-        return out
-
     # -- in-run evaluation ----------------------------------------------------------------------
-    def _hold_out(self, smp: Sample, key: str) -> bool:
+    def _hold_out(self, smp: Sample) -> bool:
         """Keep the first ``eval_samples`` samples for evaluation; True if ``smp`` is not to be trained on."""
         cfg = self.cfg
-        if cfg.eval_every <= 0:
+        if cfg.eval_every <= 0 or not self.world.is_writer:
             return False
         dg = token_digest(smp.token_ids)
         if dg in self.heldout_digests:  # a held-out sample again (next epoch): training on it would leak
@@ -297,17 +237,19 @@ class Eagle3OnlineTrainer:
         if len(self.heldout) >= cfg.eval_samples or smp.token_ids.shape[0] < 2:
             return False
         f = features(smp, self.aux_layer_ids)  # copied: the stream may hand its buffers back
-        self.heldout.append(Features(key, f.input_ids.clone(), f.aux.clone(), f.last.clone(), f.loss_mask.clone()))
+        self.heldout.append(Features(str(smp.key), f.input_ids.clone(), f.aux.clone(), f.last.clone(),
+                                     f.loss_mask.clone()))  # fmt: skip
         self.heldout_digests.add(dg)
         return True
 
     def evaluate(self, stream=None) -> dict:  # noqa: ANN001
-        """Top-1 per TTT step on the held-out samples (token-weighted), without a gradient.
+        """Top-1 per TTT step on the held-out samples (token-weighted), without a gradient, on
+        the training device and precision.
 
         Heartbeats go out before, between samples and after, as around a checkpoint, so the
         stream's leases do not lapse however long the evaluation takes.
         """
-        assert self.model is not None
+        assert self.model is not None and self.stepper is not None
         keepalive = getattr(stream, "keepalive", None)
         k = self.cfg.ttt_steps
         sums, tots, loss_sum = [0.0] * k, [0.0] * k, 0.0
@@ -318,10 +260,12 @@ class Eagle3OnlineTrainer:
                 for f in self.heldout:
                     if keepalive:
                         keepalive()
-                    _, loss, metrics = self.model(
-                        **pack([f]), ttt_steps=k, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
-                        loss_config=self.loss_config,
-                    )  # fmt: skip
+                    batch = {name: t.to(self.device) for name, t in pack([f]).items()}
+                    with self.stepper._autocast():
+                        _, loss, metrics = self.model(
+                            **batch, ttt_steps=k, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
+                            loss_config=self.stepper.loss_config,
+                        )  # fmt: skip
                     loss_sum += float(loss)
                     for i in range(k):
                         sums[i] += float(metrics[f"full_acc_{i}_sum"])
@@ -352,51 +296,55 @@ class Eagle3OnlineTrainer:
                     self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", v, self.step)
         return e
 
-    # -- checkpoint + ack ---------------------------------------------------------------------
-    def _checkpoint(self, stream, pending: list[P.SampleKey], trained_pending: list[str]) -> Path:  # noqa: ANN001
-        assert self.model is not None and self.optimizer is not None and self.scheduler is not None
+    # -- checkpoint ---------------------------------------------------------------------------
+    def _save(self, unacked: list[str]) -> Path:
+        st = self.stepper
+        assert self.model is not None and st is not None
         state = {
-            "step": self.step,
+            "step": st.step,
             "samples_trained": self.samples_trained,
             "tokens_trained": self.tokens_trained,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": st.optimizer.state_dict(),
+            "scheduler": st.scheduler.state_dict(),
             "aux_layer_ids": self.aux_layer_ids,
             "draft_vocab_size": self.draft_vocab_size,
-            # Included in these weights, not yet acknowledged when they were written.
-            "unacked_keys": sorted(set(trained_pending) | self.skip_keys),
+            # Included in these weights, not yet acknowledged when they were written (all ranks).
+            "unacked_keys": unacked,
             "heldout_digests": sorted(self.heldout_digests),
+            "writer": {"rank": self.world.rank, "pid": os.getpid(), "world_size": self.world.size},
             "time": time.time(),
         }
-        keepalive = getattr(stream, "keepalive", None)  # leases must not lapse while we write
-        if keepalive:
-            keepalive()
-        path = M.save_checkpoint(self.out, self.step, self.model, state, keep=self.cfg.keep_checkpoints)
-        if keepalive:
-            keepalive()
-        if pending and hasattr(stream, "ack_through"):
-            stream.ack_through(pending[-1])
-        return path
+        return M.save_checkpoint(self.out, st.step, self.model, state, keep=self.cfg.keep_checkpoints)
+
+    def _checkpoint(self, stream) -> Path:  # noqa: ANN001
+        assert self.policy is not None
+        return self.policy.checkpoint(stream, self.step, self._save)
 
     # -- loop ---------------------------------------------------------------------------------
-    def train(self, stream: Iterable[Sample]) -> TrainResult:
-        """Train until the stream ends or ``max_steps``; checkpoints, acks, logs on the way."""
-        cfg = self.cfg
+    def train(self, stream: Iterable[Sample | None]) -> TrainResult:
+        """Train until every rank's stream ends or ``max_steps``; checkpoints, acks, logs on the way."""
+        cfg, world = self.cfg, self.world
         self.prepare()
-        it: Iterator[Sample] = iter(stream)
+        assert self.stepper is not None and self.policy is not None
+        if world.distributed and getattr(stream, "idle_s", None) is None:
+            raise ValueError("with several ranks the stream must yield when idle (HiddenStateStream(idle_s=...)): "
+                             "a rank blocked on its stream cannot join the others' steps")  # fmt: skip
+        policy = self.policy
+        source = BatchSource(stream, check=self.check, already_trained=policy.already_trained,
+                             samples_per_step=cfg.samples_per_step, max_tokens_per_step=cfg.max_tokens_per_step,
+                             control=cfg.control, hold_out=self._hold_out)  # fmt: skip
+        copier = DeviceCopier(self.device, self.aux_layer_ids or [], self.ops)
+        pre = Prefetcher(source, copier, self.prefetch)
         t_start = time.perf_counter()
         wait_s = 0.0
-        pending: list[P.SampleKey] = []  # yielded since the last ack, in order
-        trained_pending: list[str] = []  # of those, the ones trained (or skipped as already in the weights)
         history: list[dict] = []
         skipped = 0
-        donor: Features | None = None
-        last_ckpt: Path | None = None
-        exhausted = False
+        global_pending = 0
+        run = {"samples": 0, "tokens": 0}  # this rank
+        g_run = {"samples": 0, "tokens": 0}  # all ranks
         bar = None
-        keys_log = None
         metrics_log = None
-        run_samples = run_tokens = 0
+        keys_log: Path | None = None
         last_eval: dict | None = None
         origin = cfg.clock_origin if cfg.clock_origin is not None else time.time()
         every_s = cfg.checkpoint_every_s
@@ -406,105 +354,114 @@ class Eagle3OnlineTrainer:
                 if cfg.max_steps is not None and self.step >= cfg.max_steps:
                     break
                 t0 = time.perf_counter()
-                items: list[Features] = []
-                ntok = 0
-                while len(items) < cfg.samples_per_step and ntok < cfg.max_tokens_per_step:
-                    try:
-                        smp = next(it)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    self.check(smp)
-                    if keys_log is None:
-                        keys_log = open(self.out / KEYS_LOG, "a", buffering=1)  # noqa: SIM115
+                st = pre.take()
+                wait_s += time.perf_counter() - t0
+                if keys_log is None and source.seen:  # the first sample passed the checks
+                    keys_log = self.out / KEYS_LOG
+                    if world.is_writer:
                         metrics_log = open(self.out / METRICS_LOG, "a", buffering=1)  # noqa: SIM115
                         if cfg.progress:
                             from tqdm import tqdm
 
                             bar = tqdm(total=cfg.max_steps, initial=self.step, desc="eagle3", unit="step",
                                        dynamic_ncols=True)  # fmt: skip
-                    pending.append(smp.key)
-                    key = str(smp.key)
-                    if key in self.skip_keys:  # already in the weights; only its ack may have been lost
-                        skipped += 1
-                        trained_pending.append(key)
-                        continue
-                    if self._hold_out(smp, key):  # used (acknowledged with the next checkpoint), not trained
-                        trained_pending.append(key)
-                        continue
-                    f = features(smp, self.aux_layer_ids)
-                    if cfg.control == "swap-hidden":
-                        prev, donor = donor, f
-                        if prev is None:  # the first sample only donates
-                            trained_pending.append(key)
-                            continue
-                        f = swap_aux(f, prev)
-                    items.append(f)
-                    ntok += f.num_tokens
-                wait_s += time.perf_counter() - t0
-                if items:
-                    m = self.train_step(items)
-                    self.samples_trained += len(items)
-                    self.tokens_trained += sum(x.num_tokens for x in items)
-                    run_samples += len(items)
-                    run_tokens += sum(x.num_tokens for x in items)
-                    keys = [x.key for x in items]
-                    trained_pending.extend(keys)
+                hb = st.host if st is not None else None
+                n_samples = len(hb.samples) if hb else 0
+                n_loss = hb.loss_tokens if hb else 0
+                n_tokens = st.tokens if st is not None else 0
+                pending_after = len(policy.pending) + (len(hb.yielded) if hb else 0)
+                ended = pre.exhausted
+                drained = False
+                if self.drained is not None and not ended and (pending_after > 0 or global_pending > 0):
+                    drained = bool(self.drained(max(pending_after, global_pending)))
+                # the wall-clock checkpoint is rank 0's call (one clock for all ranks)
+                clock_due = int(world.is_writer and time.time() - origin >= next_due_s)
+                g = world.sum([n_samples, n_loss, n_tokens, int(ended), pending_after, int(drained), clock_due])
+                g_samples, g_loss, g_tokens, g_ended, global_pending, g_drained, g_clock = (int(x) for x in g)
+                all_ended = g_ended >= world.size
+                if hb is not None:
+                    policy.used(hb)
+                    skipped += hb.skipped
+                stepped = g_samples > 0
+                if stepped:
+                    batch = copier.ready(st) if st is not None and st.tensors is not None else None
+                    h = self.stepper.launch(batch, n_loss, g_loss)
+                    last = cfg.max_steps is not None and self.step >= cfg.max_steps
+                    t_fill = None
+                    if pre.depth and not (all_ended or g_drained or last):
+                        t1 = time.perf_counter()
+                        pre.fill()  # the next batch: fetched, checked and copied while the device works
+                        t_fill = (t1, time.perf_counter())
+                    m, device_s = self.stepper.finish(h)
+                    if t_fill is not None:  # only what the device spent idle counts as waiting
+                        wait_s += max(0.0, t_fill[1] - max(t_fill[0], h.t0 + device_s))
+                    st = None  # the step is done: the host tensors of its batch may go
+                    self.samples_trained += g_samples
+                    self.tokens_trained += g_tokens
+                    run["samples"] += n_samples
+                    run["tokens"] += n_tokens
+                    g_run["samples"] += g_samples
+                    g_run["tokens"] += g_tokens
                     elapsed = time.perf_counter() - t_start
-                    m.update(samples_per_s=run_samples / elapsed, wait_frac=wait_s / elapsed, samples=self.samples_trained)
+                    m.update(samples_per_s=g_run["samples"] / elapsed, wait_frac=wait_s / elapsed,
+                             samples=self.samples_trained)  # fmt: skip
                     history.append(m)
-                    assert keys_log is not None and metrics_log is not None
-                    keys_log.write(json.dumps({"step": self.step, "keys": keys, "pid": os.getpid()}) + "\n")
-                    if self.step % cfg.log_every == 0 or self.step == 1:
-                        metrics_log.write(json.dumps(m) + "\n")
-                        log.info(
-                            "step %d loss %.4f top1 %s lr %.2e %.1f samples/s wait %.0f%%", self.step, m["loss"],
-                            "/".join(f"{m[f'top1_{i}']:.2f}" for i in range(cfg.ttt_steps)), m["lr"],
-                            m["samples_per_s"], 100 * m["wait_frac"],
-                        )  # fmt: skip
-                        if self._tb is not None:
-                            for k, v in m.items():
-                                if k != "step":
-                                    self._tb.add_scalar(f"train/{k}", v, self.step)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_0']:.2f}",
-                                        sps=f"{m['samples_per_s']:.1f}", wait=f"{m['wait_frac']:.0%}")  # fmt: skip
-                if items and cfg.eval_every > 0 and self.heldout and self.step % cfg.eval_every == 0:
-                    last_eval = self._eval_and_log(stream, metrics_log, history)
-                due = items and self.step % cfg.checkpoint_every == 0
-                if items and time.time() - origin >= next_due_s:
-                    due = True
+                    if hb is not None and hb.samples and keys_log is not None:
+                        append_line(keys_log, {"step": self.step, "keys": hb.keys, "pid": os.getpid(),
+                                               "rank": world.rank})  # fmt: skip
+                    self._log_step(m, metrics_log, bar)
+                    if cfg.eval_every > 0 and self.heldout and self.step % cfg.eval_every == 0:
+                        last_eval = self._eval_and_log(stream, metrics_log, history)
+                at_end = all_ended or (cfg.max_steps is not None and self.step >= cfg.max_steps)
+                clock = bool(stepped and g_clock and global_pending > 0)
+                if clock:
                     next_due_s = (math.floor((time.time() - origin) / every_s) + 1) * every_s
-                at_end = exhausted or (cfg.max_steps is not None and self.step >= cfg.max_steps)
-                drained = bool(pending) and not at_end and self.drained is not None and self.drained(len(pending))
-                if pending and (due or at_end or drained):
-                    last_ckpt = self._checkpoint(stream, pending, trained_pending)
-                    self.skip_keys -= set(trained_pending)
-                    pending, trained_pending = [], []
-                if exhausted:
+                if policy.due(self.step, stepped, at_end, bool(g_drained), global_pending) or clock:
+                    self._checkpoint(stream)
+                    global_pending = 0
+                if all_ended:
                     break
             if cfg.eval_every > 0 and self.heldout and (last_eval is None or last_eval["step"] != self.step):
                 last_eval = self._eval_and_log(stream, metrics_log, history)  # the final weights' figure
-            if keys_log is None:  # not a single sample came
+            g_seen, g_pending = (int(x) for x in world.sum([source.seen, len(policy.pending)]))
+            if g_seen == 0:  # not a single sample came, to any rank
                 if self.resumed_from is None:
                     raise RuntimeError("the stream ended before delivering any sample: nothing to train on")
                 # resumed after the jobs were complete: the newest checkpoint is the result
-                return self._result(history, 0, 0, 0, time.perf_counter() - t_start, wait_s, self.resumed_from, last_eval)
-            if last_ckpt is None or pending or int(last_ckpt.name.removeprefix("step-")) != self.step:
-                last_ckpt = self._checkpoint(stream, pending, trained_pending)
+                return self._result(history, {"samples": 0, "tokens": 0}, run, 0, time.perf_counter() - t_start,
+                                    wait_s, self.resumed_from, last_eval)  # fmt: skip
+            if policy.last_path is None or g_pending or policy.last_step != self.step:
+                self._checkpoint(stream)
         finally:
+            self.data_stats = {"staged": copier.staged, "prefetch": pre.depth, "samples_seen": source.seen}
             if bar is not None:
                 bar.close()
-            for fh in (keys_log, metrics_log):
-                if fh is not None:
-                    fh.close()
+            if metrics_log is not None:
+                metrics_log.close()
             if self._tb is not None:
                 self._tb.flush()
-        return self._result(history, run_samples, run_tokens, skipped, time.perf_counter() - t_start, wait_s, last_ckpt,
+        return self._result(history, g_run, run, skipped, time.perf_counter() - t_start, wait_s, policy.last_path,
                             last_eval)  # fmt: skip
 
-    def _result(self, history, samples, tokens, skipped, wall, wait, ckpt, last_eval=None, window: int = 50) -> TrainResult:  # noqa: ANN001
+    def _log_step(self, m: dict, metrics_log, bar) -> None:  # noqa: ANN001
+        cfg = self.cfg
+        if metrics_log is not None and (self.step % cfg.log_every == 0 or self.step == 1):
+            metrics_log.write(json.dumps(m) + "\n")
+            log.info(
+                "step %d loss %.4f top1 %s lr %.2e %.1f samples/s wait %.0f%%", self.step, m["loss"],
+                "/".join(f"{m[f'top1_{i}']:.2f}" for i in range(cfg.ttt_steps)), m["lr"],
+                m["samples_per_s"], 100 * m["wait_frac"],
+            )  # fmt: skip
+            if self._tb is not None:
+                for k, v in m.items():
+                    if k != "step":
+                        self._tb.add_scalar(f"train/{k}", v, self.step)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_0']:.2f}", sps=f"{m['samples_per_s']:.1f}",
+                            wait=f"{m['wait_frac']:.0%}")  # fmt: skip
+
+    def _result(self, history, g_run, run, skipped, wall, wait, ckpt, last_eval=None, window: int = 50) -> TrainResult:  # noqa: ANN001
         k = self.cfg.ttt_steps
         tail = [h for h in history if "loss" in h][-window:]
         top1 = []
@@ -512,11 +469,14 @@ class Eagle3OnlineTrainer:
             n = sum(h[f"n_{i}"] for h in tail)
             top1.append(sum(h[f"top1_{i}"] * h[f"n_{i}"] for h in tail) / n if n else 0.0)
         loss = sum(h["loss"] for h in tail) / len(tail) if tail else float("nan")
+        ranks = self.world.gather({"rank": self.world.rank, "device": str(self.device), "samples": run["samples"],
+                                   "tokens": run["tokens"], "wait_s": round(wait, 2), "pid": os.getpid()})  # fmt: skip
         return TrainResult(
-            steps=self.step, samples=samples, tokens=tokens, skipped_already_trained=skipped, wall_s=round(wall, 2),
-            wait_s=round(wait, 2), final_checkpoint=str(ckpt) if ckpt else None,
+            steps=self.step, samples=g_run["samples"], tokens=g_run["tokens"], skipped_already_trained=skipped,
+            wall_s=round(wall, 2), wait_s=round(wait, 2), final_checkpoint=str(ckpt) if ckpt else None,
             draft_dir=str(ckpt / M.DRAFT_DIR) if ckpt else None, top1=top1, loss=loss, window=len(tail),
-            history=history,
+            device=str(self.device), autocast=str(self.autocast).removeprefix("torch.") if self.autocast else None,
+            world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
             held_out=len(self.heldout),
         )  # fmt: skip
