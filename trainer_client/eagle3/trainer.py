@@ -225,7 +225,7 @@ class Eagle3OnlineTrainer:
             )
 
     # -- in-run evaluation ----------------------------------------------------------------------
-    def _hold_out(self, smp: Sample) -> bool:
+    def _hold_out(self, smp: Sample, key: str | None = None) -> bool:  # noqa: ARG002 - key: older callers
         """Keep the first ``eval_samples`` samples for evaluation; True if ``smp`` is not to be trained on."""
         cfg = self.cfg
         if cfg.eval_every <= 0 or not self.world.is_writer:
