@@ -746,6 +746,8 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shape, few samples, trainer on CPU")
     ap.add_argument("--dry-run", action="store_true", help="print the command lines of this split and exit")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--share-gpus", action="store_true",
+                    help="allow vLLM and the trainer on the same GPU (one-GPU machines; they compete for it)")
     ap.add_argument("--consumer", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.consumer:
@@ -771,8 +773,9 @@ def main() -> int:  # noqa: C901
     args.consumer_seconds = args.consumer_seconds or (400 if cpu else 120)
     args.vllm_gpu_list = [g for g in args.vllm_gpus.split(",") if g != ""]
     args.trainer_gpu_list = [g for g in args.trainer_gpus.split(",") if g != ""]
-    if set(args.vllm_gpu_list) & set(args.trainer_gpu_list) and not cpu:
-        ap.error(f"--vllm-gpus {args.vllm_gpus} and --trainer-gpus {args.trainer_gpus} overlap")
+    if set(args.vllm_gpu_list) & set(args.trainer_gpu_list) and not cpu and not args.share_gpus:
+        ap.error(f"--vllm-gpus {args.vllm_gpus} and --trainer-gpus {args.trainer_gpus} overlap "
+                 "(--share-gpus to run both on the same GPUs, with --gpu-mem-util leaving the trainer room)")
     try:
         launch.parallel_args(len(args.vllm_gpu_list), args.vllm_tp)
     except ValueError as e:
