@@ -61,7 +61,9 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
     try:
         opt = JobOptions.model_validate_json(options)
     except ValidationError as e:
-        raise HTTPException(422, {"message": "bad options", "errors": json.loads(e.json())}) from e
+        # without the input: it may hold what JSON cannot carry back (-Infinity, found by the fuzz test)
+        errors = json.loads(e.json(include_input=False, include_url=False))
+        raise HTTPException(422, {"message": "bad options", "errors": errors}) from e
     samples, bad = [], []
     # The form parser spooled the file to disk as it arrived; read it a line at a time, not whole
     # (utf-8-sig: a leading BOM, as some editors write, is not part of the first line).

@@ -106,7 +106,7 @@ def test_an_engine_killed_mid_job_loses_nothing(stack):
     th = threading.Thread(target=killer)
 
     def on_sample(used: int) -> None:
-        time.sleep(0.1)  # a paced trainer: production goes on, on both engines, all along
+        time.sleep(0.02)  # a paced trainer, faster than the engines: both stay busy all along
         if used == 6:
             th.start()  # the loop keeps consuming while the killer waits for its moment
 

@@ -32,14 +32,15 @@ HERE = Path(__file__).resolve().parent
 def stack(tiny_model):
     import tempfile
 
-    import zmq.auth
 
     state = Path(tempfile.mkdtemp(prefix="hsstream-rel-state-"))
     keys = state / "keys"
-    (keys / "clients").mkdir(parents=True)
-    zmq.auth.create_certificates(keys, "server")
-    zmq.auth.create_certificates(keys / "clients", "trainer")
-    zmq.auth.create_certificates(keys, "stranger")  # not authorised
+    # as `hsstream keys` writes them: the sidecar and the stream refuse a secret others can read
+    from connector.curve_keys import write_key_pair
+
+    write_key_pair(keys, "server")
+    write_key_pair(keys / "clients", "trainer")
+    write_key_pair(keys, "stranger")  # not authorised
     remote_port = free_port()
     st = start_stack(tiny_model, [2, 6, 9, 12], prefix="hsstream-rel-", env={
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_TRAINER_TIMEOUT_S": "3",

@@ -213,7 +213,12 @@ def test_top_shows_what_the_api_says_while_a_trainer_streams(stack):
         assert clock and clock.group(1) not in later.splitlines()[0], later
         # Ctrl-C quits cleanly
         term.child.sendintr()
-        term.child.expect(pexpect.EOF, timeout=10)
+        try:
+            term.child.expect(pexpect.EOF, timeout=10)
+        except pexpect.TIMEOUT:  # say where it hangs: the Python stacks of the live view
+            spy = str(Path(sys.executable).with_name("py-spy"))
+            dump = subprocess.run([spy, "dump", "--pid", str(term.child.pid)], capture_output=True, text=True)
+            pytest.fail(f"hsstream top did not exit on Ctrl-C within 10 s:\n{dump.stdout}{dump.stderr}\n{term.text()}")
         term.child.close()
         assert term.child.exitstatus == 0, term.text()
     finally:

@@ -73,7 +73,6 @@ class Link:
 
 @pytest.fixture(scope="module")
 def two_hosts(tiny_model):
-    import zmq.auth
 
     link = Link()
     try:
@@ -85,9 +84,11 @@ def two_hosts(tiny_model):
         pytest.fail(f"network namespaces are not available here ({e}): the two-host test cannot run", pytrace=False)
     state = Path(tempfile.mkdtemp(prefix="hsstream-2h-"))
     keys = state / "keys"
-    (keys / "clients").mkdir(parents=True)
-    zmq.auth.create_certificates(keys, "server")
-    zmq.auth.create_certificates(keys / "clients", "trainer")
+    # as `hsstream keys` writes them: the sidecar and the stream refuse a secret others can read
+    from connector.curve_keys import write_key_pair
+
+    write_key_pair(keys, "server")
+    write_key_pair(keys / "clients", "trainer")
     port = free_port()
     st = None
     try:
