@@ -660,61 +660,57 @@ class Supervisor:
         return self._spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"])
 
     def _restart_sidecar(self, dead: launch.Child) -> bool:
-        """Restart a dead sidecar until it answers or ``--max-restarts`` (its own count) are used.
-
-        Survivable like a dead vLLM: the ledger is on disk, so the new sidecar recovers it and
-        reaps stray spool files, and trainers reconnect on its heartbeat."""
+        """Survivable like a dead vLLM: the ledger is on disk, so the new sidecar recovers it and
+        reaps stray spool files, and trainers reconnect on its heartbeat. Its restarts are
+        counted apart from the engines'."""
         c = self.cfg
-        while True:
-            why = describe_exit(dead.proc.returncode)
-            if self.sidecar_restarts >= c.max_restarts:
-                self.say(
-                    f"sidecar died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
-                    f"{self.sidecar_restarts} used): stopping the stack.{self._last_lines(dead)}"
-                )
-                return False
-            self.sidecar_restarts += 1
-            self.say(f"sidecar died ({why}): restarting it ({self.sidecar_restarts}/{c.max_restarts})")
-            _reap_group(dead.proc.pid)
-            t0 = time.monotonic()
-            new = self._spawn_sidecar()
-            try:
-                tick = self._ticker("the sidecar to come back", None, restarting="sidecar")
-                launch.wait_http(f"{c.api_url}/healthz", new, 120, tick)
-            except launch.ProcessDied:
-                dead = new
-                continue
-            self.say(f"sidecar is back after {time.monotonic() - t0:.0f} s "
-                     f"(restart {self.sidecar_restarts}/{c.max_restarts})")  # fmt: skip
-            return True
+        return self._restart(dead, "sidecar_restarts", self._spawn_sidecar, f"{c.api_url}/healthz", 120,
+                             "the sidecar to come back", restarting="sidecar")  # fmt: skip
 
     def _restart_vllm(self, dead: launch.Child) -> bool:
-        """Restart vLLM until it answers again or the restarts are used up; False if used up."""
         c = self.cfg
         name = dead.name
         i = next(j for j in range(c.engines) if engine_name(j) == name)
+
+        def back(new: launch.Child) -> None:
+            self._vllm_shm[name] = group_shm_files(new.proc.pid)
+
+        return self._restart(dead, "restarts", lambda: self._spawn_vllm(i), f"{c.engine_url(i)}/health",
+                             c.ready_timeout_s, "vLLM to come back", before=lambda: self._remove_vllm_shm(name),
+                             after=back)  # fmt: skip
+
+    def _restart(self, dead: launch.Child, count: str, spawn: Callable[[], launch.Child], health: str,
+                 timeout_s: float, waiting: str, *, restarting: str = "", before: Callable[[], None] | None = None,
+                 after: Callable[[launch.Child], None] | None = None) -> bool:  # fmt: skip
+        """Restart a dead child until ``health`` answers or the restarts counted in ``self.<count>``
+        reach ``--max-restarts``; False (and why) once they are used up."""
+        c = self.cfg
+        name = dead.name
         while True:
             why = describe_exit(dead.proc.returncode)
-            if self.restarts >= c.max_restarts:
+            used = getattr(self, count)
+            if used >= c.max_restarts:
                 self.say(
                     f"{name} died ({why}) and no restart is left (--max-restarts {c.max_restarts}, "
-                    f"{self.restarts} used): stopping the stack.{self._last_lines(dead)}"
+                    f"{used} used): stopping the stack.{self._last_lines(dead)}"
                 )
                 return False
-            self.restarts += 1
-            self.say(f"{name} died ({why}): restarting it ({self.restarts}/{c.max_restarts})")
-            _reap_group(dead.proc.pid)  # the API server is gone; its engine and workers may not be
-            self._remove_vllm_shm(name)
+            used += 1
+            setattr(self, count, used)
+            self.say(f"{name} died ({why}): restarting it ({used}/{c.max_restarts})")
+            _reap_group(dead.proc.pid)  # the leader is gone; its children (engine, workers) may not be
+            if before is not None:
+                before()
             t0 = time.monotonic()
-            new = self._spawn_vllm(i)
+            new = spawn()
             try:
-                tick = self._ticker("vLLM to come back", None)
-                launch.wait_http(f"{c.engine_url(i)}/health", new, c.ready_timeout_s, tick)
+                launch.wait_http(health, new, timeout_s, self._ticker(waiting, None, restarting=restarting))
             except launch.ProcessDied:
                 dead = new
                 continue
-            self._vllm_shm[name] = group_shm_files(new.proc.pid)
-            self.say(f"{name} is back after {time.monotonic() - t0:.0f} s (restart {self.restarts}/{c.max_restarts})")
+            if after is not None:
+                after(new)
+            self.say(f"{name} is back after {time.monotonic() - t0:.0f} s (restart {used}/{c.max_restarts})")
             return True
 
     def supervise(self) -> int:

@@ -66,14 +66,8 @@ def engine(spool):
 
 
 def _held(lock_path) -> bool:
-    fd = os.open(lock_path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    assert os.path.exists(lock_path), lock_path
+    return not P.lock_is_free(lock_path)
 
 
 def _vllm_style_load(path):
