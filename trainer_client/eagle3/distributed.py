@@ -108,7 +108,13 @@ class World:
             dist.broadcast(t.data, src=0)
 
     def close(self) -> None:
+        """Leave the process group. After a clean run every rank first meets the others, so
+        that no rank tears its connections down while a peer is still inside a collective on
+        them (a peer's gloo transport then aborted the process now and then, after all the
+        work was done). After an error there is no meeting: the others may be gone."""
         if self._owned and dist.is_initialized():
+            if sys.exc_info()[0] is None:  # called from a ``finally`` without an exception in flight
+                dist.monitored_barrier(group=self._ctrl)  # names a rank that never comes
             dist.destroy_process_group()
             self._owned = False
 
