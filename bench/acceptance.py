@@ -48,6 +48,20 @@ def log(*a: object) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
+def write_result(result: dict, out: str | Path) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def verdict(checks: dict[str, bool]) -> int:
+    """The exit status (0 only if every check passed), after naming each missed check, so a
+    failed run says why in its last lines."""
+    for k, ok in checks.items():
+        if not ok:
+            print(f"MISSED: {k}")
+    return 0 if all(checks.values()) else 1
+
+
 # --------------------------------------------------------------------------------------------
 # Serving (runs in a child process: one engine per process, memory returned when it exits)
 # --------------------------------------------------------------------------------------------
@@ -300,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "passed": all(checks.values()),
         "wall_s": {"total": round(time.perf_counter() - t_all, 1), "verifier": round(t_verifier, 1)},
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, a.out)
     if os.environ.get("OUT"):
         shutil.copy(a.out, Path(os.environ["OUT"]) / Path(a.out).name)
     print(f"\n{'draft':<12}{'T=0':>8}{'T=1':>8}")
@@ -311,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'no CPU fix':<12}{'':>8}{rate('trained_without_cpu_fix', '1.0'):>8.3f}")
     print(f"training: {train['steps']} steps, {train['samples']} samples, {train['tokens']} tokens, {t_train:.0f} s; "
           f"total {result['wall_s']['total']:.0f} s -> {a.out}")  # fmt: skip
-    for k, ok in checks.items():
-        if not ok:
-            print(f"MISSED: {k}")
-    return 0 if result["passed"] else 1
+    return verdict(checks)
 
 
 if __name__ == "__main__":

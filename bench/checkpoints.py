@@ -28,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,6 +145,31 @@ def _device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+_KINDS = {"full": "random checkpoint", "heads": "verifier heads"}
+
+
+def _build(out: str | Path, kind: str, shape: dict, seed: int, force: bool,
+           fill: Callable[[Path, dict], str]) -> Path:  # fmt: skip
+    """Reuse ``out`` if its marker matches the spec; else let ``fill`` write the files into a
+    temporary sibling (it gets the folder and the config, and returns the device it used) and
+    rename that into place, so a reader never sees half a checkpoint and a failed build leaves
+    nothing behind."""
+    out = Path(out).absolute()
+    spec = _spec(kind, shape, seed)
+    if not force and is_current(out, kind, shape, seed):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        dev = fill(tmp, spec["config"])
+        _log(f"wrote {_KINDS[kind]} {out} ({dev}, {time.perf_counter() - t0:.1f} s)")
+        return _publish(tmp, out, spec)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_random_checkpoint(out: str | Path, shape: dict, *, seed: int = 0, device: str | None = None,
                             force: bool = False) -> Path:  # fmt: skip
     """A whole random checkpoint of ``shape``'s architecture (bf16, weights N(0, 0.02), norms 1)
@@ -151,15 +177,8 @@ def write_random_checkpoint(out: str | Path, shape: dict, *, seed: int = 0, devi
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = Path(out).absolute()
-    spec = _spec("full", shape, seed)
-    if not force and is_current(out, "full", shape, seed):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        t0 = time.perf_counter()
-        (tmp / "config.json").write_text(json.dumps(spec["config"], indent=1))
+    def fill(tmp: Path, config: dict) -> str:
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
         cfg = AutoConfig.from_pretrained(str(tmp))
         dev = _device(device)
         with torch.random.fork_rng(devices=[]):
@@ -183,11 +202,9 @@ def write_random_checkpoint(out: str | Path, shape: dict, *, seed: int = 0, devi
         (tmp / "config.json").write_text(json.dumps(cfgj, indent=1))
         write_tokenizer(tmp, shape["vocab_size"])
         del model
-        _log(f"wrote random checkpoint {out} ({dev}, {time.perf_counter() - t0:.1f} s)")
-        return _publish(tmp, out, spec)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return dev
+
+    return _build(out, "full", shape, seed, force, fill)
 
 
 def add_verifier_heads(out: str | Path, shape: dict, *, seed: int = 0, device: str | None = None,
@@ -201,15 +218,7 @@ def add_verifier_heads(out: str | Path, shape: dict, *, seed: int = 0, device: s
     import torch
     from safetensors.torch import save_file
 
-    out = Path(out).absolute()
-    spec = _spec("heads", shape, seed)
-    if not force and is_current(out, "heads", shape, seed):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        t0 = time.perf_counter()
-        cfg = spec["config"]
+    def fill(tmp: Path, cfg: dict) -> str:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
         (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": cfg["bos_token_id"],
                                                                "eos_token_id": cfg["eos_token_id"]}))  # fmt: skip
@@ -224,11 +233,9 @@ def add_verifier_heads(out: str | Path, shape: dict, *, seed: int = 0, device: s
                    "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}  # fmt: skip
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_tokenizer(tmp, v)
-        _log(f"wrote verifier heads {out} ({dev}, {time.perf_counter() - t0:.1f} s)")
-        return _publish(tmp, out, spec)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return dev
+
+    return _build(out, "heads", shape, seed, force, fill)
 
 
 def main(argv: list[str] | None = None) -> int:

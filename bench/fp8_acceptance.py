@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.acceptance import log, verdict, write_result  # noqa: E402
+
 ARMS = ("model", "fp8_e4m3")
-
-
-def log(*a: object) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
 def spread(xs: list[float]) -> dict:
@@ -111,18 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         "passed": all(checks.values()),
         "wall_s": round(time.perf_counter() - t_all, 1),
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, a.out)
     print(f"\n{'payload':<10}{'B/token':>9}{'T=0 mean±sd':>16}{'T=1 mean±sd':>16}")
     for name, s in (("bf16", bf16), ("fp8_e4m3", fp8)):
         print(f"{name:<10}{s['bytes_per_token']['mean']:>9.1f}"
               f"{s['acceptance_T0']['mean']:>10.3f}±{s['acceptance_T0']['stdev']:.3f}"
               f"{s['acceptance_T1']['mean']:>10.3f}±{s['acceptance_T1']['stdev']:.3f}")  # fmt: skip
     print(f"fp8/bf16 bytes {ratio:.3f}; fp8 - bf16: T=0 {d0:+.3f}, T=1 {d1:+.3f} -> {a.out}")
-    for k, ok in checks.items():
-        if not ok:
-            print(f"MISSED: {k}")
-    return 0 if result["passed"] else 1
+    return verdict(checks)
 
 
 if __name__ == "__main__":

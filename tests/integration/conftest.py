@@ -6,14 +6,19 @@ for the stack it needs once.
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from hsstream.demo import Stack
+from hsstream import launch
+from hsstream.demo import Stack, free_port
 
 
 def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = False, env: dict | None = None,
@@ -53,3 +58,37 @@ def submit(stack: Stack, samples: list[dict], **options) -> str:
     r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples, "options": options}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["job_id"]
+
+
+@dataclass(frozen=True)
+class LoneSidecar:
+    url: str
+    port: int
+    env: dict[str, str]
+    child: launch.Child
+    log: Path
+
+
+@contextlib.contextmanager
+def sidecar_without_vllm(model: str, token: str, spool_prefix: str, **settings: str) -> Iterator[LoneSidecar]:
+    """A real `hsstream serve` (uvicorn) with nothing listening at its vLLM URL: the dead-vLLM
+    case, and all that checks of the REST surface need, without an engine start.
+    ``settings`` add or override the sidecar's HSSTREAM_* environment."""
+    run = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
+    spool = Path(tempfile.mkdtemp(prefix=spool_prefix, dir="/dev/shm"))
+    port = free_port()
+    env = launch.child_env({
+        "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run), "HSSTREAM_PORT": str(port),
+        "HSSTREAM_MODEL": model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
+        "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        "HSSTREAM_API_TOKEN": token, **settings,
+    })  # fmt: skip
+    child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        launch.wait_http(f"{url}/healthz", child, 60)
+        yield LoneSidecar(url, port, env, child, run / "sidecar.log")
+    finally:
+        child.stop()
+        shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(spool, ignore_errors=True)

@@ -10,43 +10,25 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from hsstream import launch
-from hsstream.demo import free_port
 from server.ledger import _unpack
+from tests.integration.conftest import sidecar_without_vllm
 
 TOKEN = "s3cret"
 
 
 @contextlib.contextmanager
 def start_sidecar(model: str):
-    run = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
-    spool = Path(tempfile.mkdtemp(prefix="hsstream-api-", dir="/dev/shm"))
-    port = free_port()
-    env = launch.child_env({
-        "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run), "HSSTREAM_PORT": str(port),
-        "HSSTREAM_MODEL": model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
-        "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
-        "HSSTREAM_VLLM_DOWN_DEADLINE_S": "3", "HSSTREAM_API_TOKEN": TOKEN,
-        "HSSTREAM_MAX_BODY_BYTES": "200000", "HSSTREAM_MAX_JSON_BYTES": "200000",
-        "HSSTREAM_SPOOL_BUDGET_BYTES": "2000000",
-    })  # fmt: skip
-    child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        launch.wait_http(f"{url}/healthz", child, 60)
-        with httpx.Client(base_url=url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
-            yield c, env
-    finally:
-        child.stop()
-        shutil.rmtree(run, ignore_errors=True)
-        shutil.rmtree(spool, ignore_errors=True)
+    limits = {"HSSTREAM_VLLM_DOWN_DEADLINE_S": "3", "HSSTREAM_MAX_BODY_BYTES": "200000",
+              "HSSTREAM_MAX_JSON_BYTES": "200000", "HSSTREAM_SPOOL_BUDGET_BYTES": "2000000"}  # fmt: skip
+    with sidecar_without_vllm(model, TOKEN, "hsstream-api-", **limits) as sc:
+        with httpx.Client(base_url=sc.url, headers={"authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
+            yield c, sc.env
 
 
 @pytest.fixture(scope="module")

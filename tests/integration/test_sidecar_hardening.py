@@ -4,43 +4,22 @@ and a few thousand generated requests across every route."""
 
 from __future__ import annotations
 
-import shutil
 import socket
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from hsstream import launch
-from hsstream.demo import free_port
+from tests.integration.conftest import sidecar_without_vllm
 
 TOKEN = "fuzz-token"
 
 
 @pytest.fixture(scope="module")
 def sidecar(tiny_model):
-    run = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
-    spool = Path(tempfile.mkdtemp(prefix="hsstream-hard-", dir="/dev/shm"))
-    port = free_port()
-    env = launch.child_env({
-        "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run), "HSSTREAM_PORT": str(port),
-        "HSSTREAM_MODEL": tiny_model, "HSSTREAM_LAYER_IDS": "2,6,9,12",
-        "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens there
-        "HSSTREAM_VLLM_DOWN_DEADLINE_S": "2", "HSSTREAM_API_TOKEN": TOKEN,
-    })  # fmt: skip
-    child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        launch.wait_http(f"{url}/healthz", child, 60)
-        yield url, port, psutil.Process(child.proc.pid), run / "sidecar.log"
-    finally:
-        child.stop()
-        shutil.rmtree(run, ignore_errors=True)
-        shutil.rmtree(spool, ignore_errors=True)
+    with sidecar_without_vllm(tiny_model, TOKEN, "hsstream-hard-", HSSTREAM_VLLM_DOWN_DEADLINE_S="2") as sc:
+        yield sc.url, sc.port, psutil.Process(sc.child.proc.pid), sc.log
 
 
 def _rss(proc: psutil.Process) -> int:

@@ -19,6 +19,21 @@ from typing import Callable
 GEN, END = "<<GEN>>", "<<END>>"
 
 
+def system_apart(var: str, *, sep: str = "", absent: str = "''") -> str:
+    """Jinja that takes a leading system message out of the turns, as templates that fold it
+    into a user turn do: its content (+ ``sep``) into ``var`` (``absent`` when there is none),
+    the remaining turns into ``loop_messages``."""
+    value = "messages[0]['content']" + (f" + '{sep}'" if sep else "")
+    return ("{%- if messages[0]['role'] == 'system' %}{%- set " + var + " = " + value + " %}"
+            "{%- set loop_messages = messages[1:] %}{%- else %}{%- set " + var + " = " + absent + " %}"
+            "{%- set loop_messages = messages %}{%- endif %}")  # fmt: skip
+
+
+def generation_prompt(header: str) -> str:
+    """Jinja that opens the assistant's turn with ``header`` when add_generation_prompt is set."""
+    return "{%- if add_generation_prompt %}{{- '" + header + "' }}{%- endif %}"
+
+
 @dataclass(frozen=True)
 class Style:
     name: str
@@ -44,7 +59,7 @@ CHATML = Style(
     "{{- '<|im_start|>assistant\\n' }}" + GEN + "{{- m['content'] + '<|im_end|>' }}" + END + "{{- '\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    + generation_prompt("<|im_start|>assistant\\n"),
     ("<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
     lambda c: c + "<|im_end|>",
 )
@@ -57,7 +72,7 @@ LLAMA3 = Style(
     "{%- if m['role'] == 'assistant' %}" + GEN + "{{- m['content'] | trim + '<|eot_id|>' }}" + END +
     "{%- else %}{{- m['content'] | trim + '<|eot_id|>' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}",
+    + generation_prompt("<|start_header_id|>assistant<|end_header_id|>\\n\\n"),
     ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "<|begin_of_text|>", "<|eot_id|>",
     lambda c: c.strip() + "<|eot_id|>",
 )
@@ -65,8 +80,7 @@ LLAMA3 = Style(
 MISTRAL = Style(
     "mistral",
     # [INST] … [/INST] answer</s>; roles must alternate; a system prompt joins the first [INST].
-    "{%- if messages[0]['role'] == 'system' %}{%- set sys = messages[0]['content'] + '\\n\\n' %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set sys = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    system_apart("sys", sep="\\n\\n") +
     "{{- bos_token }}"
     "{%- for m in loop_messages %}"
     "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -81,15 +95,14 @@ MISTRAL = Style(
 GEMMA = Style(
     "gemma",
     "{{- bos_token }}"
-    "{%- if messages[0]['role'] == 'system' %}{%- set first = messages[0]['content'] + '\\n\\n' %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set first = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    + system_apart("first", sep="\\n\\n") +
     "{%- for m in loop_messages %}"
     "{%- set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
     "{{- '<start_of_turn>' + role + '\\n' }}"
     "{%- if role == 'model' %}" + GEN + "{{- m['content'] | trim + '<end_of_turn>' }}" + END + "{{- '\\n' }}"
     "{%- else %}{{- (first if loop.first else '') + m['content'] | trim + '<end_of_turn>\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}",
+    + generation_prompt("<start_of_turn>model\\n"),
     ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<bos>", "<eos>",
     lambda c: c.strip() + "<end_of_turn>",
 )
@@ -98,8 +111,7 @@ LLAMA2 = Style(
     "llama2-system-folded",
     # Llama-2: the system prompt folded into the first user turn inside <<SYS>>, a BOS per
     # exchange, the answer written as ' answer </s>'.
-    "{%- if messages[0]['role'] == 'system' %}{%- set sys = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set sys = false %}{%- set loop_messages = messages %}{%- endif %}"
+    system_apart("sys", absent="false") +
     "{%- for m in loop_messages %}"
     "{%- if loop.index0 == 0 and sys != false %}"
     "{%- set content = '<<SYS>>\\n' + sys + '\\n<</SYS>>\\n\\n' + m['content'] %}"
@@ -129,7 +141,7 @@ QWEN3 = Style(
     "{{- '<|im_end|>' }}" + END + "{{- '\\n' }}"
     "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    + generation_prompt("<|im_start|>assistant\\n"),
     ("<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
     lambda c: c + "<|im_end|>",
     added=("<think>", "</think>"),
@@ -140,8 +152,7 @@ MISTRAL_SYSTEM_LAST = Style(
     "mistral-system-at-last-user",
     # Mistral v0.3's habit: the system prompt goes into the LAST user turn, so the prompt of
     # an earlier assistant turn is no prefix of the whole conversation.
-    "{%- if messages[0]['role'] == 'system' %}{%- set sys = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set sys = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    system_apart("sys") +
     "{%- set ns = namespace(last_user=0) %}{%- for m in loop_messages %}{%- if m['role'] == 'user' %}"
     "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
     "{{- bos_token }}"

@@ -288,7 +288,7 @@ def test_vllm_service_execs_vllm_with_our_connector(profile, monkeypatch, qwen3_
 # ----------------------------------------------------------------------------- hsstream up reads the same .env
 
 
-def test_up_reads_the_same_env_into_the_same_entry_point(tmp_path, monkeypatch, qwen3_8b_shape):
+def test_up_reads_the_same_env_into_the_same_entry_point(tmp_path, monkeypatch, qwen3_8b_shape, up_spawns):
     from hsstream.up import build_config
 
     for k in [k for k in os.environ if k.startswith(("HSSTREAM_", "VLLM_", "MODEL_", "TENSOR_", "DATA_"))]:
@@ -315,17 +315,9 @@ def test_up_reads_the_same_env_into_the_same_entry_point(tmp_path, monkeypatch, 
     # and the process it spawns is that entry point, with those flags
     from hsstream import up
 
-    spawned = []
-
-    class FakePopen:
-        def __init__(self, args, **kw):  # noqa: ANN001, ANN003
-            spawned.append((list(args), kw["env"]))
-            raise OSError("not starting anything in a unit test")
-
-    monkeypatch.setattr(up.subprocess, "Popen", FakePopen)
     with pytest.raises(OSError, match="not starting"):
         up.Supervisor(cfg, echo=False)._spawn_vllm()
-    (args, env), = spawned
+    (args, env), = up_spawns
     assert args == [sys.executable, "-m", "hsstream", "vllm", *cfg.vllm_cli]
     assert env["CUDA_VISIBLE_DEVICES"] == e["VLLM_GPUS"] and env["HSSTREAM_SPOOL_DIR"] == str(cfg.spool_dir)
 

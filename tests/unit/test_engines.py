@@ -12,6 +12,7 @@ import pytest
 
 from server.ledger import Ledger, NewSample, State
 from server.submitter import Engine, Submitter, least_loaded, parse_engine_urls
+from tests.unit.submitter_runs import probe, run_for, run_until, started, wait_until
 
 
 class Engines:
@@ -48,13 +49,6 @@ def job_of(ledger, n):
     return ledger.add_job([NewSample([i, 1, 2], None, f"s{i}", 100) for i in range(n)]).job_id
 
 
-async def wait_until(cond, timeout=5.0):
-    t0 = asyncio.get_running_loop().time()
-    while not cond():
-        assert asyncio.get_running_loop().time() - t0 < timeout, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def test_engine_urls_are_parsed_and_checked():
     assert parse_engine_urls("http://a:8000/, http://b:8001") == ["http://a:8000", "http://b:8001"]
     assert parse_engine_urls("http://a:8000") == ["http://a:8000"]
@@ -86,14 +80,7 @@ def test_requests_are_spread_and_a_slow_engine_gets_fewer():
     fake.delay.update(a=0.1, b=0.01)
     sub = submitter(led, fake, ["a", "b"], concurrency=4)
 
-    async def go():
-        await sub.start()
-        try:
-            await wait_until(lambda: sum(map(len, fake.prompts.values())) == 60)
-        finally:
-            await sub.stop()
-
-    asyncio.run(go())
+    asyncio.run(run_until(sub, lambda: sum(map(len, fake.prompts.values())) == 60))
     a, b = len(fake.prompts["a"]), len(fake.prompts["b"])
     assert a + b == 60 and sorted(fake.prompts["a"] + fake.prompts["b"]) == list(range(60))  # each once
     assert 0 < a < b / 2  # least-loaded: the fast engine drains more of the queue
@@ -108,14 +95,7 @@ def test_equal_engines_share_evenly():
     fake.delay.update(a=0.02, b=0.02)
     sub = submitter(led, fake, ["a", "b"], concurrency=2)
 
-    async def go():
-        await sub.start()
-        try:
-            await wait_until(lambda: sum(map(len, fake.prompts.values())) == 40)
-        finally:
-            await sub.stop()
-
-    asyncio.run(go())
+    asyncio.run(run_until(sub, lambda: sum(map(len, fake.prompts.values())) == 40))
     assert abs(len(fake.prompts["a"]) - len(fake.prompts["b"])) <= 4
 
 
@@ -128,8 +108,7 @@ def test_an_unreachable_engine_costs_no_attempt_and_comes_back():
     sub = submitter(led, fake, ["a", "b"], concurrency=4)
 
     async def go():
-        await sub.start()
-        try:
+        async with started(sub):
             await wait_until(lambda: len(fake.prompts["a"]) == 20)
             assert not sub.engines[1].up and sub.engines[0].up and sub.down_since is None
             fake.dead.clear()  # b starts answering: its probe brings it back
@@ -137,8 +116,6 @@ def test_an_unreachable_engine_costs_no_attempt_and_comes_back():
             job2 = job_of(led, 20)
             await wait_until(lambda: sum(map(len, fake.prompts.values())) == 40)
             return job2
-        finally:
-            await sub.stop()
 
     job2 = asyncio.run(go())
     assert fake.prompts["b"] and sorted(fake.prompts["a"] + fake.prompts["b"]) == sorted(list(range(20)) * 2)
@@ -157,8 +134,7 @@ def test_an_engine_killed_mid_request_and_after_answering_loses_nothing():
     sub = submitter(led, fake, ["a", "b"], concurrency=2)
 
     async def go():
-        await sub.start()
-        try:
+        async with started(sub):
             # b answers at once; keep it busy-looking so a also gets requests
             await wait_until(lambda: len(fake.prompts["b"]) >= 1 and sub.engines[0].in_flight >= 1)
             answered_by_b = {k for k in sub.engines[1].answered}
@@ -167,8 +143,6 @@ def test_an_engine_killed_mid_request_and_after_answering_loses_nothing():
             fake.delay["a"] = 0.01
             await wait_until(lambda: not sub.engines[1].up)
             return answered_by_b
-        finally:
-            await sub.stop()
 
     lost = asyncio.run(go())
     for s in led.job_samples(job):
@@ -185,14 +159,7 @@ def test_every_engine_down_past_the_deadline_fails_with_the_reason():
     fake.dead.update({"a", "b"})
     sub = submitter(led, fake, ["a", "b"], down_deadline_s=0.5)
 
-    async def go():
-        await sub.start()
-        try:
-            await wait_until(lambda: all(s.state == State.failed for s in led.job_samples(job)), timeout=6)
-        finally:
-            await sub.stop()
-
-    asyncio.run(go())
+    asyncio.run(run_until(sub, lambda: all(s.state == State.failed for s in led.job_samples(job)), timeout=6))
     s = led.job_samples(job)[0]
     assert "vLLM at http://a, http://b unreachable for more than 0 s" in s.errors[-1]
     assert s.attempt >= 1 and len(s.errors) == 1  # waiting spent nothing; only the deadline failed it
@@ -205,14 +172,7 @@ def test_one_engine_down_does_not_start_the_deadline():
     fake.dead.add("b")
     sub = submitter(led, fake, ["a", "b"], down_deadline_s=0.2)
 
-    async def go():
-        await sub.start()
-        try:
-            await asyncio.sleep(1.0)
-        finally:
-            await sub.stop()
-
-    asyncio.run(go())
+    asyncio.run(run_for(sub, 1.0))
     assert all(s.state == State.submitted for s in led.job_samples(job))
 
 
@@ -223,21 +183,14 @@ def test_admission_uses_the_smallest_engine_limit():
     limits = []
     sub.on_engine_limit = limits.append
 
-    async def probe():
-        await sub.start()
-        try:
-            return await sub.probe_engine()
-        finally:
-            await sub.stop()
-
-    assert asyncio.run(probe()) == 512 and limits[-1] == 512
+    assert asyncio.run(probe(sub)) == 512 and limits[-1] == 512
     assert [e.max_model_len for e in sub.engines] == [2048, 512]
 
 
 # ----------------------------------------------------------------------------- hsstream up --engines N
 
 
-def test_up_starts_n_engines_on_consecutive_ports_with_their_own_cores(monkeypatch):
+def test_up_starts_n_engines_on_consecutive_ports_with_their_own_cores(monkeypatch, up_spawns):
     import os
     import sys
 
@@ -252,19 +205,11 @@ def test_up_starts_n_engines_on_consecutive_ports_with_their_own_cores(monkeypat
     cfg = up.build_config(model="some/hub-model", layer_ids="2,6,9", engines=2)
     assert cfg.env["HSSTREAM_VLLM_URL"] == "http://127.0.0.1:8200,http://127.0.0.1:8201"
     assert parse_engine_urls(cfg.env["HSSTREAM_VLLM_URL"]) == [cfg.engine_url(0), cfg.engine_url(1)]
-    spawned = []
-
-    class FakePopen:
-        def __init__(self, args, **kw):  # noqa: ANN001, ANN003
-            spawned.append((list(args), kw["env"]))
-            raise OSError("not starting anything in a unit test")
-
-    monkeypatch.setattr(up.subprocess, "Popen", FakePopen)
     sup = up.Supervisor(cfg, echo=False)
     for i in range(2):
         with pytest.raises(OSError, match="not starting"):
             sup._spawn_vllm(i)
-    (a0, env0), (a1, env1) = spawned
+    (a0, env0), (a1, env1) = up_spawns
     assert a0[:4] == [sys.executable, "-m", "hsstream", "vllm"]
     assert a0[a0.index("--port") + 1] == "8200" and a1[a1.index("--port") + 1] == "8201"
     assert (env0["VLLM_CPU_OMP_THREADS_BIND"], env1["VLLM_CPU_OMP_THREADS_BIND"]) == ("0-1", "2-3")

@@ -18,6 +18,7 @@ from server.model_shape import SampleSizer, Shape, read_config, shape_from_confi
 from server.schemas import JobOptions, SampleIn
 from server.submitter import Submitter
 from server.tokenization import SampleRejected, Tokenizer
+from tests.unit.submitter_runs import probe, run_for, started
 
 
 class FakeVllm:
@@ -35,14 +36,6 @@ class FakeVllm:
 
 def submitter(ledger, fake, **kw):
     return Submitter(ledger, "http://vllm", transport=httpx.MockTransport(fake), notice_timeout_s=600, **kw)
-
-
-async def run_for(sub, seconds):
-    await sub.start()
-    try:
-        await asyncio.sleep(seconds)
-    finally:
-        await sub.stop()
 
 
 def test_samples_queued_before_the_engine_limit_fail_at_once_without_an_attempt():
@@ -71,14 +64,7 @@ def test_engine_limit_reaches_admission():
     sub = submitter(led, FakeVllm(512), budget_bytes=10**9)
     sub.on_engine_limit = tok.set_engine_limit
 
-    async def probe():
-        await sub.start()
-        try:
-            return await sub.probe_engine()
-        finally:
-            await sub.stop()
-
-    assert asyncio.run(probe()) == 512
+    assert asyncio.run(probe(sub)) == 512
     with pytest.raises(SampleRejected, match=r"1890 tokens, more than vLLM's max_model_len of 512"):
         tok(SampleIn(token_ids=[1] * 1890), opt)
 
@@ -100,8 +86,7 @@ def test_unknown_size_one_in_flight_until_the_first_notice_then_by_the_learned_s
     sub = submitter(led, fake, budget_bytes=budget, sizer=sizer)
 
     async def scenario():
-        await sub.start()
-        try:
+        async with started(sub):
             await asyncio.sleep(0.5)
             assert len(fake.prompts) == 1 and sub.in_flight == 1  # the rest wait for the size
             first = next(s for s in led.job_samples(job.job_id) if s.state == State.submitted)
@@ -109,8 +94,6 @@ def test_unknown_size_one_in_flight_until_the_first_notice_then_by_the_learned_s
             assert sizer.learn(n)
             led.on_notice(n, per_sample)
             await asyncio.sleep(0.5)
-        finally:
-            await sub.stop()
 
     asyncio.run(scenario())
     states = [s.state for s in led.job_samples(job.job_id)]
@@ -128,16 +111,13 @@ def test_learned_size_fails_samples_larger_than_the_whole_budget():
     sub = submitter(led, FakeVllm(None), budget_bytes=1_000_000, sizer=sizer)
 
     async def scenario():
-        await sub.start()
-        try:
+        async with started(sub):
             await asyncio.sleep(0.3)
             first = led.job_samples(job.job_id)[0]
             n = notice_for(first)
             sizer.learn(n)
             led.on_notice(n, 20_000)
             await asyncio.sleep(0.3)
-        finally:
-            await sub.stop()
 
     asyncio.run(scenario())
     huge = led.job_samples(job.job_id)[1]
