@@ -1,6 +1,6 @@
 """Limits known only at run time: the engine's max_model_len and the sample size.
 
-The submitter's logic against a fake vLLM (httpx.MockTransport) and a real ledger; the same
+The submitter's logic against a fake vLLM (at its HTTP seam) and a real ledger; the same
 paths against a real engine are in tests/integration/test_engine_limits.py.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from connector import protocol as P
@@ -17,6 +16,8 @@ from server.ledger import Ledger, NewSample, State
 from server.model_shape import SampleSizer, Shape, read_config, shape_from_config
 from server.schemas import JobOptions, SampleIn
 from server.submitter import Submitter
+from server.vllm_http import Reply
+from tests.unit.fake_vllm_http import FakeHttp, Request, reply
 from server.tokenization import SampleRejected, Tokenizer
 
 
@@ -25,16 +26,16 @@ class FakeVllm:
         self.max_model_len = max_model_len
         self.prompts: list[list[int]] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
+    def __call__(self, request: Request) -> Reply:
+        if request.path == "/v1/models":
             card = {"id": "m"} | ({"max_model_len": self.max_model_len} if self.max_model_len else {})
-            return httpx.Response(200, json={"data": [card]})
-        self.prompts.append(json.loads(request.content)["prompt"])
-        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            return reply(200, {"data": [card]})
+        self.prompts.append(request.body["prompt"])
+        return reply(200, {"choices": [{"text": "x"}]})
 
 
 def submitter(ledger, fake, **kw):
-    return Submitter(ledger, "http://vllm", transport=httpx.MockTransport(fake), notice_timeout_s=600, **kw)
+    return Submitter(ledger, "http://vllm", client=FakeHttp(fake), notice_timeout_s=600, **kw)
 
 
 async def run_for(sub, seconds):
