@@ -176,3 +176,20 @@ def test_no_tokenizer_still_takes_token_ids(tmp_path):
     assert tok(SampleIn(token_ids=[1, 2, 3]), JobOptions()).token_ids == [1, 2, 3]
     with pytest.raises(SampleRejected, match="no tokenizer .*none could be loaded from"):
         tok(SampleIn(prompt="hello"), JobOptions())
+
+
+def test_a_nearly_full_spool_filesystem_stops_submission_and_a_yes_is_trusted_only_briefly(tmp_path, monkeypatch):
+    import server.submitter as sm
+
+    sub = Submitter(Ledger(), "http://vllm", budget_bytes=10**9, spool_dir=str(tmp_path), fs_reserve_bytes=2**62)
+    assert not sub._fs_has_room() and not sub._fs_has_room()  # a "no" is asked again each time
+    sub.fs_reserve_bytes = 0
+    assert sub._fs_has_room()
+    sub.fs_reserve_bytes = 2**62  # the filesystem fills up
+    monkeypatch.setattr(sm, "FS_CHECK_S", 60.0)
+    assert sub._fs_has_room()  # within the window: the last "yes"
+    monkeypatch.setattr(sm, "FS_CHECK_S", 0.0)
+    assert not sub._fs_has_room()  # past it: asked again
+    sub.spool_dir = str(tmp_path / "gone")
+    sub.fs_reserve_bytes = 0
+    assert not sub._fs_has_room()  # an unreadable spool is no room
