@@ -193,7 +193,8 @@ def main() -> int:
     print("\nper round: sidecar ÷ direct", " ".join(f"{x:.3f}" for x in ratios))
     print("trend over the rounds (slope per round ÷ first round):", trend)
     print(f"sidecar last/first {per_round('sidecar')[-1] / per_round('sidecar')[0]:.3f}, "
-          f"direct last/first {per_round('direct')[-1] / per_round('direct')[0]:.3f}")
+          f"direct last/first {per_round('direct')[-1] / per_round('direct')[0]:.3f}, "
+          f"(sidecar ÷ direct) last/first {ratios[-1] / ratios[0]:.3f}")
     print("\n| path | tok/s (mean) | ÷ direct |\n|---|---|---|")
     print(f"| direct to vLLM | {d:,.0f} | 1.000 |\n| through sidecar + HiddenStateStream | {s:,.0f} | "
           f"{statistics.mean(ratios):.3f} |")  # fmt: skip
@@ -206,6 +207,9 @@ def main() -> int:
            # Decay as jobs accumulate: the last round's rate over the first's, per path.
            "sidecar_last_over_first": round(per_round("sidecar")[-1] / per_round("sidecar")[0], 4),
            "direct_last_over_first": round(per_round("direct")[-1] / per_round("direct")[0], 4),
+           # The same, each round's sidecar rate taken relative to the direct round beside it (the
+           # machine's load moves both): last round's ratio over the first's.
+           "ratio_last_over_first": round(ratios[-1] / ratios[0], 4),
            # Growth independent of the machine's noise: slope per round relative to the first round.
            "sidecar_trend_per_round": trend,
            "ratio_sidecar_to_direct_median": round(statistics.median(ratios), 4),
