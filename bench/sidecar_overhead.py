@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -35,6 +36,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from connector.protocol import lock_path_for  # noqa: E402
 
 
 def prompts(n: int, plen: int, seed: int) -> list[list[int]]:
@@ -55,6 +58,9 @@ async def direct(vllm: str, ps: list[list[int]], concurrency: int) -> float:
             while not os.path.exists(path):  # the file lands after the response
                 await asyncio.sleep(0.002)
             os.unlink(path)
+            # The Example connector's contract: the reader removes the companion lock with the file.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path_for(path))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in ps))
@@ -142,8 +148,10 @@ def main() -> int:
         stack.start()
         vllm = f"http://127.0.0.1:{stack.vllm_port}"
         ntok = args.n_prompts * args.prompt_len
-        asyncio.run(direct(vllm, prompts(8, args.prompt_len, 99), args.concurrency))  # warm up both paths
-        via_sidecar(stack, prompts(8, args.prompt_len, 98))
+        # Warm up both paths with enough prompts to open every connection of the concurrency.
+        warm = max(8, 2 * args.concurrency)
+        asyncio.run(direct(vllm, prompts(warm, args.prompt_len, 99), args.concurrency))
+        via_sidecar(stack, prompts(warm, args.prompt_len, 98))
         side = sidecar_proc(stack)
         me = psutil.Process()
         ledger = stack.run_dir / "ledger.sqlite"
@@ -215,7 +223,7 @@ def main() -> int:
            "ratio_sidecar_to_direct_median": round(statistics.median(ratios), 4),
            "sidecar_profiles_first_last_round": profiles,
            "loadavg_after": [round(x, 2) for x in os.getloadavg()], "runs": rows,
-           "spool_files_left": len(left)}  # fmt: skip
+           "spool_files_left": len(left), "spool_files_left_first": left[:5]}  # fmt: skip
     out = Path(args.out)
     out.write_text(json.dumps(doc, indent=1))
     print("wrote", out)
