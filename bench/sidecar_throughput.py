@@ -15,6 +15,7 @@ yields (start-up and drain left out) and over the whole job. The profile's top f
 inclusive, in the sidecar process) say where the sidecar's time goes.
 
     python bench/sidecar_throughput.py --rounds 5 --out bench/results/sidecar_throughput.json
+    python bench/sidecar_throughput.py --jobs 20 --no-profile --out bench/results/sidecar_successive_jobs.json
 """
 
 from __future__ import annotations
@@ -199,6 +200,26 @@ def run_once(a: argparse.Namespace) -> dict:
             prof.wait(60)
         status = httpx.get(f"{api}/v1/jobs/{job}", timeout=10).json()
         left = P.own_spool_entries(spool)
+        # More jobs through the same sidecar (--jobs): does anything it keeps grow per job?
+        import psutil
+
+        successive = [{"job": 0, "samples_per_s": round(len(stamps) / (t_end - t_submit), 1),
+                       "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(len(stamps), 1), 3),
+                       "sidecar_rss_mib": round(psutil.Process(sidecar.pid).memory_info().rss / 2**20, 1)}]  # fmt: skip
+        for j in range(1, a.jobs):
+            c0, t0 = cpu_of(sidecar.pid), time.perf_counter()
+            r = httpx.post(f"{api}/v1/jobs", json={"samples": [{"token_ids": token_ids}] * a.samples}, timeout=120)
+            r.raise_for_status()
+            with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[r.json()["job_id"]], spool_dir=spool,
+                                   credit=a.credit, timeout_s=60) as s:  # fmt: skip
+                n_j = sum(1 for _ in s)
+            dt = time.perf_counter() - t0
+            successive.append({"job": j, "yielded": n_j, "samples_per_s": round(n_j / dt, 1),
+                               "sidecar_cpu_ms_per_sample": round(1000 * (cpu_of(sidecar.pid) - c0) / max(n_j, 1), 3),
+                               "sidecar_rss_mib": round(psutil.Process(sidecar.pid).memory_info().rss / 2**20, 1),
+                               "load_avg_1": round(os.getloadavg()[0], 2)})  # fmt: skip
+            print(f"  job {j}: {successive[-1]}", flush=True)
+        left = P.own_spool_entries(spool)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -222,6 +243,13 @@ def run_once(a: argparse.Namespace) -> dict:
         "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(n, 1), 3),
         "sidecar_bound_samples_per_cpu_s": round(n / cpu["sidecar"], 1) if cpu["sidecar"] else None, "stream": {k: round(v, 3) if isinstance(v, float) else v for k, v in stream_stats.items()},
     }  # fmt: skip
+    if len(successive) > 1:
+        from bench.sidecar_overhead import slope_rel
+
+        res["successive_jobs"] = successive
+        res["successive_jobs_trend_per_job"] = {k: slope_rel([x[k] for x in successive]) for k in
+                                                ("samples_per_s", "sidecar_cpu_ms_per_sample", "sidecar_rss_mib")}  # fmt: skip
+        res["successive_jobs_all_yielded"] = all(x.get("yielded", a.samples) == a.samples for x in successive)
     if raw.exists() and raw.stat().st_size:
         res["sidecar_profile"] = profile_summary(raw)
         if os.environ.get("HSSTREAM_BENCH_KEEP_PROFILE"):
@@ -237,6 +265,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="the sidecar's HSSTREAM_MAX_CONCURRENCY")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1, help="jobs one after another through each round's sidecar "
+                    "(the first is the measured one): per-job rate, CPU and RSS show anything growing per job")
     ap.add_argument("--out", default=None)
     ap.add_argument("--spool-parent", default="/dev/shm", help="a tmpfs for the spool (default /dev/shm)")
     ap.add_argument("--stand-in", nargs=4, metavar=("PORT", "SPOOL", "NOTICE_EP", "IDS"), help=argparse.SUPPRESS)
@@ -283,7 +313,8 @@ def main() -> int:
     }  # fmt: skip
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    ok = all(r["yielded"] == a.samples and not r["left_in_spool"] and not r["failed"] for r in runs)
+    ok = all(r["yielded"] == a.samples and not r["left_in_spool"] and not r["failed"]
+             and r.get("successive_jobs_all_yielded", True) for r in runs)
     return 0 if ok else 1
 
 

@@ -269,7 +269,19 @@ class Ledger:
             self._db.execute("ROLLBACK")
             raise
         self._in_tx = False
-        self._db.execute("COMMIT")
+        self._commit()
+
+    def _commit(self) -> None:
+        """COMMIT; if it fails, the connection is left outside any transaction (SQLite rolls
+        back itself on a full disk or an I/O error; anything else is rolled back here)."""
+        try:
+            self._db.execute("COMMIT")
+        except BaseException:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # already rolled back by SQLite
+            raise
 
     @contextmanager
     def group(self):  # noqa: ANN202
@@ -288,14 +300,7 @@ class Ledger:
                 yield
             finally:
                 self._in_tx = False
-                try:
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    try:
-                        self._db.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass  # already rolled back by SQLite (disk full, I/O error)
-                    raise
+                self._commit()
 
     def _enqueue(self, s: Sample, *, front: bool = False) -> None:
         """QUEUED again; the caller saves. At the front for samples that were already under way."""
