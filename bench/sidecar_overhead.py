@@ -14,7 +14,11 @@ disk. The trend of each over the rounds (least-squares slope, relative to the fi
 the JSON; ``--profile`` records the sidecar with py-spy during the first and the last sidecar
 round and keeps both summaries.
 
-    python bench/sidecar_overhead.py --rounds 8 --n-prompts 512 --profile   # tiny model, CPU
+    python bench/sidecar_overhead.py --rounds 8 --n-prompts 512 --split 4   # tiny model, CPU
+    python bench/sidecar_overhead.py --rounds 8 --n-prompts 512 --profile   # where the sidecar's time goes
+
+``--split K`` interleaves the two paths within each round, K parts each, so a burst of load on
+the machine falls on both: a round's rate is what each path did over its K parts.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--split", type=int, default=1, help="parts per round, the two paths alternating part by part")
     ap.add_argument("--profile", action="store_true", help="py-spy the sidecar in the first and the last round")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sidecar_overhead_cpu.json"))
     args = ap.parse_args()
@@ -157,30 +162,42 @@ def main() -> int:
         ledger = stack.run_dir / "ledger.sqlite"
         for r in range(args.rounds):
             ps = prompts(args.n_prompts, args.prompt_len, r)
-            for mode in (("direct", "sidecar") if r % 2 == 0 else ("sidecar", "direct")):
-                row: dict = {"round": r, "mode": mode}
-                if mode == "direct":
-                    dt = asyncio.run(direct(vllm, ps, args.concurrency))
-                else:
-                    spy = Spy(side.pid, stack.run_dir / f"spy{r}.txt") if args.profile and r in (0, args.rounds - 1) else None
-                    c0, m0 = cpu_s(side), cpu_s(me)
-                    dt = via_sidecar(stack, ps)
+            # --split K: the round's prompts in K parts, the paths alternating part by part, so
+            # both see the same few seconds of the machine's load; a round's rate is over its parts.
+            k = max(1, args.split)
+            parts = [ps[i * len(ps) // k:(i + 1) * len(ps) // k] for i in range(k)]
+            secs = {"direct": 0.0, "sidecar": 0.0}
+            spy = Spy(side.pid, stack.run_dir / f"spy{r}.txt") if args.profile and r in (0, args.rounds - 1) else None
+            cpu_side = cpu_stream = 0.0
+            for i, part in enumerate(parts):
+                for mode in (("direct", "sidecar") if (r + i) % 2 == 0 else ("sidecar", "direct")):
+                    if mode == "direct":
+                        secs[mode] += asyncio.run(direct(vllm, part, args.concurrency))
+                    else:
+                        c0, m0 = cpu_s(side), cpu_s(me)
+                        secs[mode] += via_sidecar(stack, part)
+                        cpu_side += cpu_s(side) - c0
+                        cpu_stream += cpu_s(me) - m0
+            if spy is not None:
+                profiles["first" if r == 0 else "last"] = spy.summary()
+            load = round(os.getloadavg()[0], 2)
+            for mode in ("direct", "sidecar"):
+                dt = secs[mode]
+                row: dict = {"round": r, "mode": mode, "seconds": round(dt, 3), "tok_per_s": round(ntok / dt, 1),
+                             "load_avg_1": load}  # fmt: skip
+                if mode == "sidecar":
                     row.update({
-                        "sidecar_cpu_ms_per_sample": round(1000 * (cpu_s(side) - c0) / args.n_prompts, 3),
-                        "stream_cpu_ms_per_sample": round(1000 * (cpu_s(me) - m0) / args.n_prompts, 3),
+                        "sidecar_cpu_ms_per_sample": round(1000 * cpu_side / args.n_prompts, 3),
+                        "stream_cpu_ms_per_sample": round(1000 * cpu_stream / args.n_prompts, 3),
                         "sidecar_rss_mib": round(side.memory_info().rss / 2**20, 1), "sidecar_fds": side.num_fds(),
                         "sidecar_threads": side.num_threads(),
                         "ledger_bytes": sum(f.stat().st_size for f in ledger.parent.glob(ledger.name + "*")),
                     })  # fmt: skip
-                    if spy is not None:
-                        profiles["first" if r == 0 else "last"] = spy.summary()
-                row.update({"seconds": round(dt, 3), "tok_per_s": round(ntok / dt, 1),
-                            "load_avg_1": round(os.getloadavg()[0], 2)})  # fmt: skip
                 rows.append(row)
                 extra = (f"  sidecar {row['sidecar_cpu_ms_per_sample']} ms CPU/sample, stream "
                          f"{row['stream_cpu_ms_per_sample']}, RSS {row['sidecar_rss_mib']} MiB, fds {row['sidecar_fds']}, "
                          f"ledger {row['ledger_bytes'] / 2**20:.1f} MiB") if mode == "sidecar" else ""  # fmt: skip
-                print(f"round {r} {mode:8s} {ntok / dt:10,.0f} tok/s  load {row['load_avg_1']}{extra}", flush=True)
+                print(f"round {r} {mode:8s} {ntok / dt:10,.0f} tok/s  load {load}{extra}", flush=True)
         left = stack.spool_files()
     finally:
         stack.stop()
