@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from connector import protocol as P
 from server.ledger import Ledger, Sample, State
 from server.model_shape import SampleSizer, over_budget_reason, too_long_reason
-from server.vllm_http import AiohttpClient, HttpError, Http, TimedOut, Unreachable
+from server.vllm_http import AiohttpClient, Http, HttpError, TimedOut, Unreachable
 
 log = logging.getLogger("hsstream.sidecar")
 

@@ -35,7 +35,7 @@ class Vllm:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         if self.mode == "slow":
-            await asyncio.sleep(5)
+            await asyncio.sleep(2)
         if self.mode == "drop":  # the server dies mid-request: the connection closes, no answer
             request.transport.close()
             await asyncio.sleep(1)
