@@ -14,9 +14,8 @@ One job of ``--samples`` samples goes through; the rate is taken over the middle
 yields (start-up and drain left out) and over the whole job. The profile's top frames (self and
 inclusive, in the sidecar process) say where the sidecar's time goes.
 
-    python bench/sidecar_throughput.py --compare --rounds 3 --out bench/results/sidecar_throughput.json
-
-``--compare`` also runs the sidecar with one httpx client (before ``ShardedClient``), interleaved.
+    python bench/sidecar_throughput.py --rounds 5 --out bench/results/sidecar_throughput.json
+    python bench/sidecar_throughput.py --jobs 20 --no-profile --out bench/results/sidecar_successive_jobs.json
 """
 
 from __future__ import annotations
@@ -100,7 +99,7 @@ def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> Non
 
 def profile_summary(raw: Path, top: int = 15) -> dict:
     """py-spy's collapsed stacks → the frames with the most samples: self (where the CPU is) and
-    inclusive for this project's and the HTTP client's functions (which part of the work)."""
+    inclusive for this project's and the vLLM client's (aiohttp) functions (which part of the work)."""
     self_c: collections.Counter = collections.Counter()
     incl: collections.Counter = collections.Counter()
     total = 0
@@ -119,7 +118,7 @@ def profile_summary(raw: Path, top: int = 15) -> dict:
             ours = path.startswith(root) or (
                 "site-packages" not in path and path.split("/")[0] in ("server", "connector", "trainer_client", "hsstream"))
             short = path[len(root):] if path.startswith(root) else "/".join(path.split("/")[-2:])
-            frames.append((f"{func} ({short})", ours or "/httpx/" in path or "/httpcore/" in path))
+            frames.append((f"{func} ({short})", ours or "/aiohttp/" in path))
         if not frames:
             continue
         total += k
@@ -130,12 +129,11 @@ def profile_summary(raw: Path, top: int = 15) -> dict:
     def share(c: collections.Counter) -> list:
         return [[f, round(v / total, 4)] for f, v in c.most_common(top)]
 
-    return {"samples": total, "self": share(self_c), "inclusive_ours_and_http_client": share(incl)}
+    return {"samples": total, "self": share(self_c), "inclusive_ours_and_aiohttp": share(incl)}
 
 
-def run_once(a: argparse.Namespace, arm: str) -> dict:
+def run_once(a: argparse.Namespace) -> dict:
     from trainer_client import HiddenStateStream
-
 
     spool = Path(tempfile.mkdtemp(prefix="hsstream-tput-", dir=a.spool_parent))
     run = Path(tempfile.mkdtemp(prefix="hsstream-tput-run-"))
@@ -147,11 +145,8 @@ def run_once(a: argparse.Namespace, arm: str) -> dict:
     procs: list[subprocess.Popen] = []
     log = open(run / "sidecar.log", "w")  # noqa: SIM115
     try:
-        # The arm "one_client": the sidecar as it was before ShardedClient (one httpx pool), for the comparison.
-        cmd = [sys.executable, "-m", "hsstream", "serve"] if arm == "sharded" else [sys.executable, "-c",
-               "import sys, server.submitter as s; s.CONNECTIONS_PER_SHARD = 10**6; "
-               "from hsstream.cli import main; sys.argv = ['hsstream', 'serve']; main()"]  # fmt: skip
-        sidecar = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
+        sidecar = subprocess.Popen([sys.executable, "-m", "hsstream", "serve"], env=env, stdout=log, stderr=log,
+                                   cwd=ROOT, start_new_session=True)  # fmt: skip
         procs.append(sidecar)
         api = f"http://127.0.0.1:{aport}"
         for _ in range(300):
@@ -205,6 +200,26 @@ def run_once(a: argparse.Namespace, arm: str) -> dict:
             prof.wait(60)
         status = httpx.get(f"{api}/v1/jobs/{job}", timeout=10).json()
         left = P.own_spool_entries(spool)
+        # More jobs through the same sidecar (--jobs): does anything it keeps grow per job?
+        import psutil
+
+        successive = [{"job": 0, "samples_per_s": round(len(stamps) / (t_end - t_submit), 1),
+                       "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(len(stamps), 1), 3),
+                       "sidecar_rss_mib": round(psutil.Process(sidecar.pid).memory_info().rss / 2**20, 1)}]  # fmt: skip
+        for j in range(1, a.jobs):
+            c0, t0 = cpu_of(sidecar.pid), time.perf_counter()
+            r = httpx.post(f"{api}/v1/jobs", json={"samples": [{"token_ids": token_ids}] * a.samples}, timeout=120)
+            r.raise_for_status()
+            with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[r.json()["job_id"]], spool_dir=spool,
+                                   credit=a.credit, timeout_s=60) as s:  # fmt: skip
+                n_j = sum(1 for _ in s)
+            dt = time.perf_counter() - t0
+            successive.append({"job": j, "yielded": n_j, "samples_per_s": round(n_j / dt, 1),
+                               "sidecar_cpu_ms_per_sample": round(1000 * (cpu_of(sidecar.pid) - c0) / max(n_j, 1), 3),
+                               "sidecar_rss_mib": round(psutil.Process(sidecar.pid).memory_info().rss / 2**20, 1),
+                               "load_avg_1": round(os.getloadavg()[0], 2)})  # fmt: skip
+            print(f"  job {j}: {successive[-1]}", flush=True)
+        left = P.own_spool_entries(spool)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -219,7 +234,7 @@ def run_once(a: argparse.Namespace, arm: str) -> dict:
     steady = (hi - lo) / (stamps[hi] - stamps[lo]) if n > 20 else float("nan")
     whole = n / (t_end - t_submit)
     res = {
-        "arm": arm, "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
         "samples": a.samples, "yielded": n, "consumed": status["counts"].get("consumed"),
         "failed": status["counts"].get("failed"), "left_in_spool": len(left),
         "file_bytes": len(sample_bytes(token_ids)[0]), "credit": a.credit, "concurrency": a.concurrency,
@@ -228,6 +243,13 @@ def run_once(a: argparse.Namespace, arm: str) -> dict:
         "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(n, 1), 3),
         "sidecar_bound_samples_per_cpu_s": round(n / cpu["sidecar"], 1) if cpu["sidecar"] else None, "stream": {k: round(v, 3) if isinstance(v, float) else v for k, v in stream_stats.items()},
     }  # fmt: skip
+    if len(successive) > 1:
+        from bench.sidecar_overhead import slope_rel
+
+        res["successive_jobs"] = successive
+        res["successive_jobs_trend_per_job"] = {k: slope_rel([x[k] for x in successive]) for k in
+                                                ("samples_per_s", "sidecar_cpu_ms_per_sample", "sidecar_rss_mib")}  # fmt: skip
+        res["successive_jobs_all_yielded"] = all(x.get("yielded", a.samples) == a.samples for x in successive)
     if raw.exists() and raw.stat().st_size:
         res["sidecar_profile"] = profile_summary(raw)
         if os.environ.get("HSSTREAM_BENCH_KEEP_PROFILE"):
@@ -243,7 +265,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="the sidecar's HSSTREAM_MAX_CONCURRENCY")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--compare", action="store_true", help="also run the sidecar with one httpx client, interleaved")
+    ap.add_argument("--jobs", type=int, default=1, help="jobs one after another through each round's sidecar "
+                    "(the first is the measured one): per-job rate, CPU and RSS show anything growing per job")
     ap.add_argument("--out", default=None)
     ap.add_argument("--spool-parent", default="/dev/shm", help="a tmpfs for the spool (default /dev/shm)")
     ap.add_argument("--stand-in", nargs=4, metavar=("PORT", "SPOOL", "NOTICE_EP", "IDS"), help=argparse.SUPPRESS)
@@ -252,30 +275,31 @@ def main() -> int:
         stand_in(int(a.stand_in[0]), a.stand_in[1], a.stand_in[2], json.loads(a.stand_in[3]))
         return 0
 
-    arms = ["one_client", "sharded"] if a.compare else ["sharded"]
     runs = []
     for r in range(a.rounds):
-        for arm in arms:  # interleaved: both arms see the same machine noise
-            res = run_once(a, arm)
-            runs.append(res)
-            print(f"round {r} {arm:10s}: {res['samples_per_s_steady']:7.1f} samples/s steady, "
-                  f"{res['samples_per_s_whole_job']:7.1f} whole job, sidecar {res['sidecar_cpu_ms_per_sample']} ms CPU/sample, "
-                  f"yielded {res['yielded']}/{a.samples}, failed {res['failed']}, left in spool {res['left_in_spool']}")
-    summary = {}
-    for arm in arms:
-        rs = [r for r in runs if r["arm"] == arm]
-        summary[arm] = {k: round(statistics.median(r[k] for r in rs), 3) for k in
-                        ("samples_per_s_steady", "samples_per_s_whole_job", "sidecar_cpu_ms_per_sample",
-                         "sidecar_bound_samples_per_cpu_s")}  # fmt: skip
-    print("\n| sidecar HTTP client | samples/s (steady, median) | samples/s (whole job) | sidecar CPU ms/sample | samples per sidecar CPU-s |")
-    print("|---|---|---|---|---|")
-    for arm, m in summary.items():
-        print(f"| {arm} | {m['samples_per_s_steady']} | {m['samples_per_s_whole_job']} | {m['sidecar_cpu_ms_per_sample']} "
-              f"| {m['sidecar_bound_samples_per_cpu_s']} |")
+        res = run_once(a)
+        runs.append(res)
+        print(f"round {r}: {res['samples_per_s_steady']:7.1f} samples/s steady, "
+              f"{res['samples_per_s_whole_job']:7.1f} whole job, sidecar {res['sidecar_cpu_ms_per_sample']} ms CPU/sample, "
+              f"yielded {res['yielded']}/{a.samples}, failed {res['failed']}, left in spool {res['left_in_spool']}, "
+              f"load average {res['load_avg_1_5_15'][0]}", flush=True)  # fmt: skip
+    summary = {k: round(statistics.median(r[k] for r in runs), 3) for k in
+               ("samples_per_s_steady", "samples_per_s_whole_job", "sidecar_cpu_ms_per_sample",
+                "sidecar_bound_samples_per_cpu_s")}  # fmt: skip
+    # CPU per sample of each process (median over rounds): what bounds the rate on a quiet machine.
+    summary["cpu_ms_per_sample"] = {p: round(statistics.median(1000 * r["cpu_s_during_job"][p] / max(r["yielded"], 1)
+                                                               for r in runs), 3) for p in ("sidecar", "stand_in", "trainer")}  # fmt: skip
+    summary["rounds"] = len(runs)
+    summary["meets_target"] = summary["samples_per_s_steady"] >= 500
+    print("\n| samples/s (steady, median) | samples/s (whole job) | sidecar CPU ms/sample | samples per sidecar CPU-s |")
+    print("|---|---|---|---|")
+    print(f"| {summary['samples_per_s_steady']} | {summary['samples_per_s_whole_job']} | "
+          f"{summary['sidecar_cpu_ms_per_sample']} | {summary['sidecar_bound_samples_per_cpu_s']} |")
+    print("CPU ms per sample (median):", summary["cpu_ms_per_sample"])
     prof = next((r["sidecar_profile"] for r in reversed(runs) if "sidecar_profile" in r), None)
     if prof:
-        print("\nsidecar (last run), inclusive share of py-spy samples (all threads; this project's and httpx's frames):")
-        for f, v in prof["inclusive_ours_and_http_client"]:
+        print("\nsidecar (last run), inclusive share of py-spy samples (all threads; this project's and aiohttp's frames):")
+        for f, v in prof["inclusive_ours_and_aiohttp"]:
             print(f"  {v:6.1%}  {f}")
         print("sidecar, self share:")
         for f, v in prof["self"]:
@@ -289,7 +313,8 @@ def main() -> int:
     }  # fmt: skip
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    ok = all(r["yielded"] == a.samples and not r["left_in_spool"] and not r["failed"] for r in runs)
+    ok = all(r["yielded"] == a.samples and not r["left_in_spool"] and not r["failed"]
+             and r.get("successive_jobs_all_yielded", True) for r in runs)
     return 0 if ok else 1
 
 

@@ -32,6 +32,9 @@ from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
 
+#: Most trainer messages applied in one ledger transaction (the lock is held meanwhile).
+BATCH = 256
+
 
 @dataclass(frozen=True)
 class CurveServer:
@@ -111,6 +114,8 @@ class DeliveryService(SocketThread):
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
                       "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
+        # (sender, key, file) to release and delete once the messages' ledger group is on disk
+        self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
         # One sender per transport this sidecar offers; Mooncake only when configured.
         self.senders: dict[str, Sender] = {"spool": make_sender("spool"), "zmq": make_sender("zmq")}
         if mooncake is not None:
@@ -157,15 +162,16 @@ class DeliveryService(SocketThread):
             while not self.stopping:
                 for sock, _ in poller.poll(20):
                     tag = next(t for t, s in self._socks.items() if s is sock)
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._on_message(tag + frames[0], frames[1:])
-                        except Exception:  # noqa: BLE001 - one bad message must not end the thread
-                            log.exception("trainer message handling failed")
+                    more = True
+                    while more:
+                        batch = []
+                        while len(batch) < BATCH:
+                            try:
+                                batch.append(sock.recv_multipart(zmq.NOBLOCK))
+                            except zmq.Again:
+                                more = False
+                                break
+                        self._on_messages(tag, batch)
                 try:
                     self._dispatch()
                 except Exception:  # noqa: BLE001
@@ -178,6 +184,25 @@ class DeliveryService(SocketThread):
                 sender.close()
             if auth is not None:
                 auth.stop()  # type: ignore[attr-defined]
+
+    def _on_messages(self, tag: bytes, batch: list[list[bytes]]) -> None:
+        """The messages that arrived together, in one ledger group (one commit for their acks
+        and receipts); files the sidecar deletes for remote trainers go once it is on disk."""
+        self._after = []
+        try:
+            with self.ledger.group():
+                for frames in batch:
+                    try:
+                        self._on_message(tag + frames[0], frames[1:])
+                    except Exception:  # noqa: BLE001 - one bad message must not end the thread
+                        log.exception("trainer message handling failed")
+        except Exception:  # noqa: BLE001 - the commit failed: the trainers' leases lapse or are acked again
+            log.exception("writing %d trainer message(s) to the ledger failed", len(batch))
+        finally:
+            after, self._after = self._after or [], None
+        for sender, key, file in after:
+            sender.release(key)
+            P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
 
     def _on_message(self, owner: bytes, frames: list[bytes]) -> None:
         try:
@@ -207,8 +232,11 @@ class DeliveryService(SocketThread):
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
                 if self.ledger.received(owner, k) and sender is not None and sender.sidecar_deletes:
-                    sender.release(k)
-                    P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
+                    if self._after is not None:  # inside _on_messages: once the group is on disk
+                        self._after.append((sender, k, file))
+                    else:
+                        sender.release(k)
+                        P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             try:
                 acked, dup = self.ledger.ack_many(owner, msg.keys)
@@ -270,10 +298,8 @@ class DeliveryService(SocketThread):
                 except zmq.ZMQError:
                     pass  # unreachable: handled below on its next delivery, or by its timeout
             try:
-                while peer.credit > 0:
-                    s = self.ledger.lease_next(owner, peer.jobs)
-                    if s is None:
-                        break
+                # All this pass's leases in one commit, before any DELIVER leaves.
+                for s in self.ledger.lease_many(owner, peer.jobs, peer.credit):
                     assert s.notice is not None
                     d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask,
                                   label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip

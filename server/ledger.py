@@ -6,7 +6,11 @@ transition is checked against the current state and attempt (a late notice for a
 attempt cannot resurrect a sample; a second ack cannot count twice).
 
 Every transition is written through to SQLite (WAL) before the lock is released, so a
-sidecar killed at any moment restarts from a state it had really reached. On restart,
+sidecar killed at any moment restarts from a state it had really reached. A thread with
+several transitions at hand (the notices that arrived together, the messages of one poll, the
+leases of one delivery pass) applies them in one :meth:`Ledger.group`: one transaction, one
+commit instead of one per transition, and the lock held until it is on disk, so no other
+thread, REST call or trainer hears of a state before it is durable. On restart,
 SUBMITTED and LEASED samples cannot be trusted (the request or the trainer may be gone) and
 are recovered: see :meth:`Ledger.recover`.
 
@@ -71,6 +75,15 @@ class Sample:
     prompt_len: int = -1  # regenerate mode: token_ids beyond this are vLLM's reply
     qpos: int = 0  # place in the queue while QUEUED
     saved: State | None = None  # the state SQLite holds (per-job counts follow it)
+    # The notice as JSON, made once per notice rather than at each of its transitions.
+    _notice_json: tuple[P.Notice, str] | None = field(default=None, repr=False, compare=False)
+
+    def notice_json(self) -> str | None:
+        if self.notice is None:
+            return None
+        if self._notice_json is None or self._notice_json[0] is not self.notice:
+            self._notice_json = (self.notice, self.notice.model_dump_json())
+        return self._notice_json[1]
 
 
 @dataclass
@@ -180,6 +193,7 @@ class Ledger:
         self._db.executescript(_INDEXES)
         self.listeners: list[Listener] = []
         self._deferred: list[tuple] | None = None  # listener events held back by ack_many
+        self._in_tx = False  # a transaction is open (under the lock): _tx nests as a savepoint
 
     def _migrate(self) -> None:
         """Ledgers written before the queue and the job summaries moved into SQLite."""
@@ -204,7 +218,7 @@ class Ledger:
         self._db.execute(
             "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=? "
             "WHERE job_id=? AND epoch=? AND idx=?",
-            (s.state.value, s.attempt, s.notice.model_dump_json() if s.notice else None, s.on_disk_bytes,
+            (s.state.value, s.attempt, s.notice_json(), s.on_disk_bytes,
              json.dumps(s.errors) if s.errors else None, s.qpos, s.key.job, s.key.epoch, s.key.index),
         )  # fmt: skip
         if s.state in IN_FLIGHT:
@@ -234,14 +248,59 @@ class Ledger:
 
     @contextmanager
     def _tx(self):  # noqa: ANN202
-        """One transaction; rolled back on error so the connection never stays inside one."""
+        """One transaction; rolled back on error so the connection never stays inside one.
+        Inside a :meth:`group` it is a savepoint: rolled back alone, committed with the group."""
+        if self._in_tx:
+            self._db.execute("SAVEPOINT tx")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK TO tx")
+                self._db.execute("RELEASE tx")
+                raise
+            self._db.execute("RELEASE tx")
+            return
         self._db.execute("BEGIN")
+        self._in_tx = True
         try:
             yield
         except BaseException:
+            self._in_tx = False
             self._db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
+        self._in_tx = False
+        self._commit()
+
+    def _commit(self) -> None:
+        """COMMIT; if it fails, the connection is left outside any transaction (SQLite rolls
+        back itself on a full disk or an I/O error; anything else is rolled back here)."""
+        try:
+            self._db.execute("COMMIT")
+        except BaseException:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # already rolled back by SQLite
+            raise
+
+    @contextmanager
+    def group(self):  # noqa: ANN202
+        """Several transitions, one commit: the lock is held from the first to the commit, so
+        nothing outside the group sees a state SQLite does not hold yet (REST reads take the
+        lock too). On an error part-way, what was applied is committed (as if each transition
+        had committed alone, which is what happens outside a group) and the error propagates.
+        A group inside a transaction joins it."""
+        with self._lock:
+            if self._in_tx:
+                yield
+                return
+            self._db.execute("BEGIN")
+            self._in_tx = True
+            try:
+                yield
+            finally:
+                self._in_tx = False
+                self._commit()
 
     def _enqueue(self, s: Sample, *, front: bool = False) -> None:
         """QUEUED again; the caller saves. At the front for samples that were already under way."""
@@ -684,6 +743,49 @@ class Ledger:
                     return s
                 self._ready.pop(job, None)
             return None
+
+    def lease_many(self, owner: bytes, jobs: list[str] | None, n: int) -> list[Sample]:
+        """Up to ``n`` samples as :meth:`lease_next` gives them, in one transaction: the caller
+        sends them once this returns, so every lease a trainer hears of is on disk. If the write
+        fails, none is leased: they are READY again, at the front, and the error propagates."""
+        out: list[Sample] = []
+        if n <= 0:
+            return out
+        with self._lock:
+            self._deferred = []
+            try:
+                with self._tx():
+                    for job in list(self._ready) if jobs is None else jobs:
+                        dq = self._ready.get(job)
+                        while dq and len(out) < n:
+                            s = dq.popleft()
+                            if s.state != State.ready:
+                                continue
+                            out.append(s)
+                            s.state = State.leased
+                            s.lease_owner = owner
+                            self._save(s)
+                        if not dq:
+                            self._ready.pop(job, None)
+                        if len(out) >= n:
+                            break
+            except BaseException:
+                for s in reversed(out):
+                    if s.saved == State.leased:  # its write went through before the failure: undo the counts
+                        s.saved = State.ready
+                        self._n_ready += 1
+                        if (job := self.jobs.get(s.key.job)) is not None:
+                            job.state_counts[State.leased.value] -= 1
+                            job.state_counts[State.ready.value] += 1
+                    s.state, s.lease_owner = State.ready, None
+                    self._ready.setdefault(s.key.job, deque()).appendleft(s)
+                self._deferred = None
+                raise
+            events, self._deferred = self._deferred, None
+            for ev in events:
+                for fn in self.listeners:
+                    fn(*ev)
+            return out
 
     def received(self, owner: bytes, key: P.SampleKey) -> int:
         """The trainer holds the bytes and the file is gone: its spool bytes are free again.

@@ -3,6 +3,9 @@
 A notice is input from another process: it is decoded strictly and its file name checked
 against the spool before anything is touched. A notice naming a path outside the spool is
 refused and logged; its "file" is left alone, since it is not ours.
+
+The notices that have arrived together (up to ``BATCH``) go into the ledger as one group: one
+commit for all of them, and the files of refused ones deleted only after it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from server.ledger import Ledger
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
+
+#: Most notices applied in one ledger transaction (the lock is held meanwhile).
+BATCH = 256
 
 
 def prepare_ipc(endpoint: str) -> None:
@@ -58,22 +64,46 @@ class NoticeReceiver(SocketThread):
         try:
             while not self.stopping:
                 if sock.poll(200):
-                    raw = sock.recv()
-                    try:
-                        self.handle(raw)
-                    except Exception:  # noqa: BLE001 - one bad notice must not end the thread
-                        log.exception("notice handling failed")
+                    raws = [sock.recv()]
+                    while len(raws) < BATCH:
+                        try:
+                            raws.append(sock.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+                    self.handle_batch(raws)
         finally:
             sock.close()
 
     def handle(self, raw: bytes) -> None:
+        self.handle_batch([raw])
+
+    def handle_batch(self, raws: list[bytes]) -> None:
+        """Apply notices in one ledger group; delete the files it refused once that is on disk."""
+        delete: list[str] = []
+        try:
+            with self.ledger.group():
+                for raw in raws:
+                    try:
+                        if (name := self._apply(raw)) is not None:
+                            delete.append(name)
+                    except Exception:  # noqa: BLE001 - one bad notice must not end the thread
+                        log.exception("notice handling failed")
+        except Exception:  # noqa: BLE001 - the commit failed: keep the files, the notice timeout settles them
+            log.exception("writing %d notice(s) to the ledger failed", len(raws))
+            return
+        for name in delete:
+            self.stats["deleted"] += 1
+            P.remove_from_spool(self.spool, name)
+
+    def _apply(self, raw: bytes) -> str | None:
+        """One notice into the ledger; returns its file if the ledger refused it (to delete)."""
         self.stats["notices"] += 1
         try:
             n = P.Notice.decode(raw)
         except P.ProtocolError as e:
             self.stats["refused"] += 1
             log.error("refused notice: %s", e)
-            return
+            return None
         self.last_notice_at = time.monotonic()  # a connector is talking (readyz: notices_stopped)
         path = None
         if n.file is not None:
@@ -88,11 +118,11 @@ class NoticeReceiver(SocketThread):
                 self.stats["refused"] += 1
                 why = e if isinstance(e, P.UnsafePathError) else f"file {n.file} missing"
                 log.error("refused notice for %s (key %s, attempt %d): %s", n.request_id, n.key, n.attempt, why)
-                return
+                return None
         if n.key is None:
             # A request that did not come through us (drop-in use of the connector): not ours.
             self.stats["foreign"] += 1
-            return
+            return None
         try:
             size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
         except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
@@ -100,5 +130,5 @@ class NoticeReceiver(SocketThread):
         if self.observe is not None:
             self.observe(n)  # e.g. the sample size, learned before the ledger frees the sample's estimate
         if self.ledger.on_notice(n, size) == "delete" and path is not None:
-            self.stats["deleted"] += 1
-            P.remove_from_spool(self.spool, n.file)
+            return n.file
+        return None

@@ -1,18 +1,18 @@
 """Several vLLM engines behind one sidecar: the submitter's spreading and per-engine failure
-logic, against fake engines (httpx.MockTransport) and a real ledger. The same with real
+logic, against fake engines (at the submitter's HTTP seam) and a real ledger. The same with real
 engines, one SIGKILLed mid-job: tests/integration/test_engines.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
-import httpx
 import pytest
 
 from server.ledger import Ledger, NewSample, State
 from server.submitter import Engine, Submitter, least_loaded, parse_engine_urls
+from server.vllm_http import Reply, Unreachable
 from tests.unit.submitter_runs import probe, run_for, run_until, started, wait_until
+from tests.unit.fake_vllm_http import FakeHttp, Request, reply
 
 
 class Engines:
@@ -24,25 +24,25 @@ class Engines:
         self.max_model_len = max_model_len or {}
         self.prompts: dict[str, list[int]] = {h: [] for h in hosts}  # host -> sample labels
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
+    async def __call__(self, request: Request) -> Reply:
+        host = request.host
         if host in self.dead:
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/health":
-            return httpx.Response(200)
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": self.max_model_len.get(host, 4096)}]})
+            raise Unreachable("connection refused")
+        if request.path == "/health":
+            return reply(200)
+        if request.path == "/v1/models":
+            return reply(200, {"data": [{"id": "m", "max_model_len": self.max_model_len.get(host, 4096)}]})
         await asyncio.sleep(self.delay[host])
         if host in self.dead:  # killed while the request ran
-            raise httpx.RemoteProtocolError("server disconnected", request=request)
-        self.prompts[host].append(json.loads(request.content)["prompt"][0])
-        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            raise Unreachable("server disconnected")
+        self.prompts[host].append(request.body["prompt"][0])
+        return reply(200, {"choices": [{"text": "x"}]})
 
 
 def submitter(ledger, fake, hosts, **kw):
     kw.setdefault("notice_timeout_s", 600)
     kw.setdefault("budget_bytes", 10**9)
-    return Submitter(ledger, ",".join(f"http://{h}" for h in hosts), transport=httpx.MockTransport(fake), **kw)
+    return Submitter(ledger, ",".join(f"http://{h}" for h in hosts), client=FakeHttp(fake), **kw)
 
 
 def job_of(ledger, n):

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 
-import httpx
 import pytest
 
 from server.ledger import Ledger, NewSample, State
 from server.submitter import Submitter
+from server.vllm_http import Reply
+from tests.unit.fake_vllm_http import FakeHttp, Request, reply
 
 
 def _ledger(n: int, **kw) -> tuple[Ledger, list]:
@@ -25,14 +26,14 @@ def test_notice_timeout_counts_from_the_response_not_from_submission():
     ledger, (key,) = _ledger(1)
     sub = Submitter(ledger, "http://vllm", budget_bytes=10**9, notice_timeout_s=0.3)
 
-    async def vllm(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
+    async def vllm(request: Request) -> Reply:
+        if request.path == "/v1/models":
+            return reply(200, {"data": [{"id": "m"}]})
         await asyncio.sleep(0.6)  # the request itself takes twice the notice timeout
-        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+        return reply(200, {"choices": [{"text": "x"}]})
 
     async def run() -> None:
-        sub._client = httpx.AsyncClient(transport=httpx.MockTransport(vllm))
+        sub._client = FakeHttp(vllm)
         s = ledger.next_to_submit(10**9)
         sem = asyncio.Semaphore(1)
         await sem.acquire()

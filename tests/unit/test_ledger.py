@@ -271,3 +271,89 @@ def test_busy_notice_resubmits_without_spending_an_attempt():
     again = led.next_to_submit(10**9)
     assert again.key == s.key and again.attempt == 1 and not again.errors and led.reserved_bytes == 100
     assert j.counts()["failed"] == 0 and j.n_errors == 0
+
+
+class _CountingDb:
+    """A sqlite connection that counts COMMITs and can fail the n-th one (disk full at commit,
+    where a WAL write really fails)."""
+
+    def __init__(self, db, fail_commit_at: int | None = None) -> None:  # noqa: ANN001
+        self.db, self.commits, self.fail_commit_at = db, 0, fail_commit_at
+
+    def execute(self, sql: str, *a):  # noqa: ANN002, ANN201
+        if sql == "COMMIT":
+            self.commits += 1
+            if self.commits == self.fail_commit_at:
+                import sqlite3
+
+                self.db.execute("ROLLBACK")  # what SQLite does itself on SQLITE_FULL
+                raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *a)
+
+
+def _ready(led, n, tmp_files=True):  # noqa: ANN001, ANN202
+    led.add_job(new(n))
+    out = []
+    for i in range(n):
+        s = led.next_to_submit(10**9)
+        led.on_notice(ok_notice(s, f"f{i}.safetensors"), 100)
+        out.append(s)
+    return out
+
+
+def test_a_group_is_one_commit_seen_by_no_one_before_it_and_keeps_what_was_applied_on_error(tmp_path):
+    import sqlite3
+    import threading
+
+    path = tmp_path / "l.sqlite"
+    led = Ledger(path)
+    s = _ready(led, 3)
+    other = sqlite3.connect(path)  # another reader of the file (a restarted sidecar would read this)
+    led._db = counting = _CountingDb(led._db)
+    seen = []
+    with led.group():
+        for x in s:
+            led.lease_next(b"t", None)
+            led.ack(b"t", x.key)
+        assert {r[0] for r in other.execute("SELECT state FROM samples")} == {"ready"}  # nothing on disk yet
+        t = threading.Thread(target=lambda: seen.append(led.job_view(s[0].key.job).counts()["consumed"]))
+        t.start()
+        t.join(0.2)
+        assert t.is_alive() and not seen  # a REST read waits for the commit
+    t.join(5)
+    assert seen == [3] and counting.commits == 1
+    assert {r[0] for r in other.execute("SELECT state FROM samples")} == {"consumed"}
+    # an error part-way: what was applied before it is committed, as one commit per transition would have
+    led2 = Ledger(tmp_path / "l2.sqlite")
+    s2 = _ready(led2, 2)
+    try:
+        with led2.group():
+            led2.lease_next(b"t", None)
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    states = dict(sqlite3.connect(tmp_path / "l2.sqlite").execute("SELECT idx, state FROM samples").fetchall())
+    assert states == {s2[0].key.index: "leased", s2[1].key.index: "ready"}
+
+
+def test_lease_many_is_one_commit_and_leases_none_if_it_fails(tmp_path):
+    led = Ledger(tmp_path / "l.sqlite")
+    s = _ready(led, 5)
+    job = led.jobs[s[0].key.job]
+    led._db = counting = _CountingDb(led._db, fail_commit_at=1)
+    try:
+        led.lease_many(b"t", None, 3)
+        raise AssertionError("the failed commit must propagate")
+    except Exception as e:  # noqa: BLE001
+        assert "disk is full" in str(e)
+    # none leased, in memory or on disk; the counts as before
+    assert [led.get(x.key).state for x in s] == [State.ready] * 5
+    assert all(led.get(x.key).lease_owner is None for x in s)
+    assert led.ready_count() == 5 and job.counts()["ready"] == 5 and job.counts()["leased"] == 0
+    got = led.lease_many(b"t", None, 3)
+    assert [x.key for x in got] == [x.key for x in s[:3]]  # the same ones, in the same order
+    assert counting.commits == 2 and led.ready_count() == 2 and job.counts()["leased"] == 3
+    assert [x.key for x in led.lease_many(b"t", None, 10)] == [x.key for x in s[3:]]
+    assert led.lease_many(b"t", None, 10) == []
+    on_disk = {r[0] for r in led._db.db.execute("SELECT state FROM samples")}
+    assert on_disk == {"leased"}

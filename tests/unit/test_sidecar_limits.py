@@ -1,6 +1,6 @@
 """Limits known only at run time: the engine's max_model_len and the sample size.
 
-The submitter's logic against a fake vLLM (httpx.MockTransport) and a real ledger; the same
+The submitter's logic against a fake vLLM (at its HTTP seam) and a real ledger; the same
 paths against a real engine are in tests/integration/test_engine_limits.py.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from connector import protocol as P
@@ -17,6 +16,8 @@ from server.ledger import Ledger, NewSample, State
 from server.model_shape import SampleSizer, Shape, read_config, shape_from_config
 from server.schemas import JobOptions, SampleIn
 from server.submitter import Submitter
+from server.vllm_http import Reply
+from tests.unit.fake_vllm_http import FakeHttp, Request, reply
 from server.tokenization import SampleRejected, Tokenizer
 from tests.unit.submitter_runs import probe, run_for, started
 
@@ -26,16 +27,16 @@ class FakeVllm:
         self.max_model_len = max_model_len
         self.prompts: list[list[int]] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
+    def __call__(self, request: Request) -> Reply:
+        if request.path == "/v1/models":
             card = {"id": "m"} | ({"max_model_len": self.max_model_len} if self.max_model_len else {})
-            return httpx.Response(200, json={"data": [card]})
-        self.prompts.append(json.loads(request.content)["prompt"])
-        return httpx.Response(200, json={"choices": [{"text": "x"}]})
+            return reply(200, {"data": [card]})
+        self.prompts.append(request.body["prompt"])
+        return reply(200, {"choices": [{"text": "x"}]})
 
 
 def submitter(ledger, fake, **kw):
-    return Submitter(ledger, "http://vllm", transport=httpx.MockTransport(fake), notice_timeout_s=600, **kw)
+    return Submitter(ledger, "http://vllm", client=FakeHttp(fake), notice_timeout_s=600, **kw)
 
 
 def test_samples_queued_before_the_engine_limit_fail_at_once_without_an_attempt():
@@ -155,3 +156,20 @@ def test_no_tokenizer_still_takes_token_ids(tmp_path):
     assert tok(SampleIn(token_ids=[1, 2, 3]), JobOptions()).token_ids == [1, 2, 3]
     with pytest.raises(SampleRejected, match="no tokenizer .*none could be loaded from"):
         tok(SampleIn(prompt="hello"), JobOptions())
+
+
+def test_a_nearly_full_spool_filesystem_stops_submission_and_a_yes_is_trusted_only_briefly(tmp_path, monkeypatch):
+    import server.submitter as sm
+
+    sub = Submitter(Ledger(), "http://vllm", budget_bytes=10**9, spool_dir=str(tmp_path), fs_reserve_bytes=2**62)
+    assert not sub._fs_has_room() and not sub._fs_has_room()  # a "no" is asked again each time
+    sub.fs_reserve_bytes = 0
+    assert sub._fs_has_room()
+    sub.fs_reserve_bytes = 2**62  # the filesystem fills up
+    monkeypatch.setattr(sm, "FS_CHECK_S", 60.0)
+    assert sub._fs_has_room()  # within the window: the last "yes"
+    monkeypatch.setattr(sm, "FS_CHECK_S", 0.0)
+    assert not sub._fs_has_room()  # past it: asked again
+    sub.spool_dir = str(tmp_path / "gone")
+    sub.fs_reserve_bytes = 0
+    assert not sub._fs_has_room()  # an unreadable spool is no room

@@ -114,3 +114,27 @@ def test_ack_is_exactly_once(setup):
     assert ledger.ack(b"t1", s.key)
     assert not ledger.ack(b"t1", s.key)  # a repeat changes nothing
     assert job.counts()["consumed"] == 1 and job.tokens_consumed == 3 and ledger.reserved_bytes == 0
+
+
+def test_notices_that_arrive_together_are_one_commit_and_refused_files_go_after_it(tmp_path):
+    from tests.unit.test_ledger import _CountingDb
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ledger = Ledger(tmp_path / "l.sqlite")
+    job = ledger.add_job([NewSample([1, 2, 3], None, f"s{i}", 30) for i in range(4)])
+    for _ in range(4):
+        ledger.next_to_submit(budget=10**9)
+    keys = [s.key for s in ledger.job_samples(job.job_id)]
+    raws = []
+    for i, k in enumerate(keys):
+        (spool / f"hs-{i}.safetensors").write_bytes(b"x" * 30)
+        raws.append(notice(k, f"hs-{i}.safetensors", attempt=0))
+    (spool / "hs-late.safetensors").write_bytes(b"x" * 30)
+    raws.append(notice(keys[0], "hs-late.safetensors", attempt=7))  # an attempt that was never made
+    ledger._db = counting = _CountingDb(ledger._db)
+    rx = NoticeReceiver("inproc://unused", spool, ledger)
+    rx.handle_batch(raws)
+    assert counting.commits == 1 and rx.stats["notices"] == 5 and rx.stats["deleted"] == 1
+    assert [ledger.get(k).state for k in keys] == [State.ready] * 4
+    assert sorted(os.listdir(spool)) == [f"hs-{i}.safetensors" for i in range(4)]
