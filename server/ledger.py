@@ -781,10 +781,7 @@ class Ledger:
                     self._ready.setdefault(s.key.job, deque()).appendleft(s)
                 self._deferred = None
                 raise
-            events, self._deferred = self._deferred, None
-            for ev in events:
-                for fn in self.listeners:
-                    fn(*ev)
+            self._tell_deferred()
             return out
 
     def received(self, owner: bytes, key: P.SampleKey) -> int:
@@ -852,11 +849,15 @@ class Ledger:
                 self.reserved_bytes, self._n_ready = saved[2], saved[3]
                 self._deferred = None
                 raise
-            events, self._deferred = self._deferred, None
-            for ev in events:
-                for fn in self.listeners:
-                    fn(*ev)
+            self._tell_deferred()
             return acked, len(keys) - acked
+
+    def _tell_deferred(self) -> None:
+        """The listeners hear the transitions of a group once it is on disk, never before."""
+        events, self._deferred = self._deferred or [], None
+        for ev in events:
+            for fn in self.listeners:
+                fn(*ev)
 
     def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:
         """The trainer found the sample invalid: regenerate it. Returns a file to delete."""
