@@ -798,6 +798,7 @@ class HiddenStateStream:
         Samples the pool still holds (delivered, not yet yielded) are finished first and settled
         as usual — an invalid one reported failed, a read one's file removed and RECEIVED sent —
         but not yielded or acked, so the sidecar produces them again; then the workers stop."""
+        unread: list[str] = []
         for d, job in self._pool.close():
             self._held.pop(d.notice.key, None)  # type: ignore[arg-type]
             if self._sock is None:
@@ -805,7 +806,9 @@ class HiddenStateStream:
             try:
                 self._settle(d, job)
             except StreamError as e:  # the error the loop saw (or will not see now): the lease goes back
-                log.warning("closing: %s", e)
+                unread.append(str(e))
+        if unread:
+            log.warning("closing: %d delivered sample(s) not read, their leases go back: %s", len(unread), unread[0])
         self._view_job = None
         if self._sock is not None:
             if self.ack_mode == "use":

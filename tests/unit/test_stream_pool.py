@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from connector import protocol as P
 from trainer_client import HiddenStateStream, StreamError
+from trainer_client import stream as S
 from trainer_client.check_pool import THREAD_PREFIX
 from trainer_client.stream import InvalidSample, to_device_checked
 
@@ -87,11 +88,21 @@ def _workers_alive() -> list[str]:
 
 
 @pytest.mark.parametrize("workers", [0, 1, 4])
-def test_a_burst_is_yielded_in_delivery_order_with_one_invalid_sample_failed_once(tmp_path, workers):
+def test_a_burst_is_yielded_in_delivery_order_with_one_invalid_sample_failed_once(tmp_path, workers, monkeypatch):
     spool = tmp_path / "spool"
     spool.mkdir()
-    # The first sample is 64x larger, so with several workers it finishes last.
-    ds = [write_sample(spool, i, tokens=2048 if i == 0 else 32, bad="nan" if i == 5 else None) for i in range(16)]
+    ds = [write_sample(spool, i, bad="nan" if i == 5 else None) for i in range(16)]
+    real, finished = S.load_and_check, []
+
+    def slow_first(spool_, d, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if d.notice.key.index == 0:
+            time.sleep(0.3)  # with workers, the first delivery is checked last
+        try:
+            return real(spool_, d, *a, **kw)
+        finally:
+            finished.append(d.notice.key.index)
+
+    monkeypatch.setattr(S, "load_and_check", slow_first)
     sc = FakeSidecar(tmp_path, ds)
     try:
         with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=16, timeout_s=20, workers=workers) as s:
@@ -113,6 +124,8 @@ def test_a_burst_is_yielded_in_delivery_order_with_one_invalid_sample_failed_onc
     assert t["received"] <= t["started"] <= t["checked"] <= t["handed"]
     assert {"read_s", "checksum_s", "finite_s"} <= set(t)
     assert not _workers_alive()
+    if workers > 1:
+        assert finished[-1] == 0  # checked out of order, yielded in order
 
 
 def test_the_pool_never_holds_more_than_the_credit_even_from_a_sidecar_that_ignores_it(tmp_path):
