@@ -669,6 +669,8 @@ class HiddenStateStream:
                     deadline = time.monotonic() + self.timeout_s
                     self.stats["delivered"] += 1
                     self._submit(msg, P.payload_of(frames))
+                    if self.workers == 0:
+                        break  # checked inline already: hand it over before reading the next
                 # else a heartbeat: the sidecar is alive, but it is no sample (timeout_s runs on)
 
     def _admit(self, d: P.Deliver) -> bool:
