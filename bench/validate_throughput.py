@@ -248,16 +248,16 @@ def main() -> int:
     print(f"\nbursts of {a.burst_size} deliveries, notice -> handed to the loop ({a.bursts} bursts each, interleaved)")
     print(f"{'workers':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'queue p50':>10s} {'check p50':>10s} "
           f"{'in-order p50':>13s} {'samples/s':>10s}")  # fmt: skip
-    for w, rows in lat.items():
-        ms = [r["latency_ms"] for r in rows]
+    for w, samples in lat.items():
+        ms = [r["latency_ms"] for r in samples]
         # per burst: samples / (last handed - first sent); the median over bursts
-        per = [rows[i : i + a.burst_size] for i in range(0, len(rows), a.burst_size)]
+        per = [samples[i : i + a.burst_size] for i in range(0, len(samples), a.burst_size)]
         rate = statistics.median(len(b) / (max(r["handed"] for r in b) - min(r["sent"] for r in b)) for b in per)
         row = {"workers": w, "latency_ms": {"p50": round(pctl(ms, 0.5), 2), "p99": round(pctl(ms, 0.99), 2),
                                             "max": round(max(ms), 2), "n": len(ms)},
-               "queue_ms_p50": round(pctl([r["queue_ms"] for r in rows], 0.5), 2),
-               "check_ms_p50": round(pctl([r["check_ms"] for r in rows], 0.5), 2),
-               "in_order_ms_p50": round(pctl([r["in_order_ms"] for r in rows], 0.5), 2),
+               "queue_ms_p50": round(pctl([r["queue_ms"] for r in samples], 0.5), 2),
+               "check_ms_p50": round(pctl([r["check_ms"] for r in samples], 0.5), 2),
+               "in_order_ms_p50": round(pctl([r["in_order_ms"] for r in samples], 0.5), 2),
                "burst_samples_per_s_p50": round(rate, 1)}  # fmt: skip
         bursts.append(row)
         print(f"{w:8d} {row['latency_ms']['p50']:8.1f} {row['latency_ms']['p99']:8.1f} {row['latency_ms']['max']:8.1f} "
