@@ -336,21 +336,33 @@ def consume_train(spec: dict) -> dict:
     from trainer_client.eagle3.run import drained_probe
     from trainer_client.eagle3.trainer import Eagle3OnlineTrainer
 
-    dev = _device(spec)
+    from trainer_client.eagle3.config import resolve_device
+    from trainer_client.eagle3.distributed import World
+
+    world = None
+    if World.env_size() > 1:  # a rank under torchrun (--trainer-nproc): cuda:LOCAL_RANK, gloo on CPU
+        n = World.env_size()
+        dev = resolve_device(spec["device"], local_rank=World.env_local_rank(), world_size=n)
+        world = World.from_env(dev)
+        spec = {**spec, "n_samples": max(1, spec["n_samples"] // n)}  # steps: every rank trains one sample each
+    else:
+        dev = _device(spec)
     spec = {**spec, "device_str": str(dev)}
     cfg, unsupported = train_config(spec)
     counts = V.token_counts_from_file(spec["token_counts"])
     t0 = time.perf_counter()
     probe: list = []  # the job is announced only once the trainer is ready
+    writer = world is None or world.is_writer
 
     def drained(pending: int) -> bool:
         return bool(probe) and probe[0](pending)
 
-    trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained)
+    trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained if writer else None, world=world)
     trainer.prepare()  # speculators' import, verifier heads: before the stream (leases would lapse)
     res: dict = {"prepare_s": round(time.perf_counter() - t0, 1), "config_fields_not_supported": unsupported}
     job = _wait_for_job(spec)
-    probe.append(drained_probe(spec["api"], [job]))
+    if writer:  # as hsstream train: rank 0 asks the sidecar, the ranks agree through their collectives
+        probe.append(drained_probe(spec["api"], [job]))
     with open(spec["records"], "w", buffering=1) as rec, \
             HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
                               ack="manual", timeout_s=60, workers=spec.get("stream_workers"),
@@ -369,6 +381,12 @@ def consume_train(spec: dict) -> dict:
 
 def consumer_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("ranks", 1) > 1:  # under torchrun: this rank's own files, named by the orchestrator
+        sfx = f"-r{int(os.environ.get('RANK', '0'))}"
+        work, tag = Path(spec["work"]), spec["tag"]
+        spec.update(ready_file=str(work / f"{tag}{sfx}.ready"), job_file=str(work / f"{tag}{sfx}.job.json"),
+                    records=str(work / f"{tag}{sfx}.records.jsonl"))  # fmt: skip
+        out_path = str(work / f"{tag}{sfx}.result.json")
     try:
         res = consume_train(spec) if spec["mode"] == "train" else consume_deliver(spec)
         res["ok"] = True
@@ -426,15 +444,19 @@ class Orchestrator:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         return env
 
-    def spawn_consumer(self, mode: str, spec: dict, gpu: str | None, tag: str):  # noqa: ANN201
+    def spawn_consumer(self, mode: str, spec: dict, gpu: str | None, tag: str, ranks: int = 1):  # noqa: ANN201
+        """One consumer process; ``ranks`` > 1: torchrun with that many trainer ranks (as
+        ``hsstream train --nproc``), one per GPU of ``gpu`` (a list), each with its own files."""
         from hsstream import launch
 
         sp, out = self.work / f"{tag}.spec.json", self.work / f"{tag}.result.json"
-        sp.write_text(json.dumps(spec))
+        sp.write_text(json.dumps({**spec, "ranks": ranks, "work": str(self.work), "tag": tag}))
         env = self.env(gpu)
         if self.cpu:
-            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // 2)))
-        c = launch.spawn(tag, [sys.executable, __file__, "--consumer", str(sp), str(out)], env,
+            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (2 * ranks))))
+        run = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc-per-node={ranks}"]  # fmt: skip
+        c = launch.spawn(tag, [*run, __file__, "--consumer", str(sp), str(out)], env,
                          log_path=self.work / f"{tag}.log", cwd=str(ROOT))  # fmt: skip
         self.children.append(c)
         return c, out
@@ -549,6 +571,13 @@ class Orchestrator:
         a = self.args
         gpus = a.trainer_gpu_list if mode == "deliver" else a.trainer_gpu_list[:1]
         procs = []
+        if mode == "train" and a.trainer_nproc > 1:  # one torchrun, its ranks followed as consumers
+            tag = f"{mode}-{rnd}-0"
+            spec = self.consumer_spec(mode, tag, len(ps))
+            c, _ = self.spawn_consumer(mode, spec, ",".join(a.trainer_gpu_list[: a.trainer_nproc]), tag,
+                                       ranks=a.trainer_nproc)  # fmt: skip
+            procs = [(f"{tag}-r{k}", c, self.work / f"{tag}-r{k}.result.json") for k in range(a.trainer_nproc)]
+            gpus = []
         for i, g in enumerate(gpus):
             tag = f"{mode}-{rnd}-{i}"
             spec = self.consumer_spec(mode, tag, len(ps) if mode == "train" else math.ceil(len(ps) / len(gpus)))
@@ -634,7 +663,12 @@ class Orchestrator:
         a = self.args
         ps = self.prompts[: a.train_samples]
         r = self.run_consumers("train", rnd, ps)
-        recs, res = r["records"], r["results"][0]
+        recs, res = r["records"], dict(r["results"][0])
+        if len(r["results"]) > 1:  # DDP ranks: samples and tokens add up, the run lasts as long as the slowest
+            ranks = r["results"]
+            res.update(samples=sum(x["samples"] for x in ranks), tokens=sum(x["tokens"] for x in ranks),
+                       wall_s=max(x["wall_s"] for x in ranks), wait_s=max(x["wait_s"] for x in ranks),
+                       wait_frac=round(statistics.mean(x["wait_frac"] for x in ranks), 4), ranks=ranks)  # fmt: skip
         handed = window_rate([x["y"] for x in recs], a.prompt_len)
         vllm = window_rate([x["sent"] for x in recs if x.get("sent")], a.prompt_len)
         wait = res.get("wait_frac")
@@ -718,8 +752,10 @@ def dry_run(args: argparse.Namespace, model: str) -> int:
                        text=True, cwd=str(ROOT))  # fmt: skip
     print(f"(b)/(c) vLLM + connector (hsstream vllm), CUDA_VISIBLE_DEVICES={args.vllm_gpus}:")
     print("  " + (r.stdout.strip() or r.stderr.strip()))
-    print(f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; (c) trainer on {args.trainer_gpu_list[0]}"
-          + (" (DDP over the others is issue 14's)" if len(args.trainer_gpu_list) > 1 else ""))  # fmt: skip
+    ranks = args.trainer_gpu_list[: args.trainer_nproc]
+    print(f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; (c) trainer on {ranks[0]}"
+          if args.trainer_nproc == 1 else f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; "
+          f"(c) {args.trainer_nproc} DDP ranks (torchrun) on {ranks}")  # fmt: skip
     return r.returncode
 
 
@@ -738,6 +774,8 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--credit", type=int, default=16, help="samples a consumer may hold undelivered")
     ap.add_argument("--stream-workers", type=int, default=8,
                     help="threads the stream reads and checks samples on (0: the iterating thread, as before)")
+    ap.add_argument("--trainer-nproc", type=int, default=1,
+                    help="(c): DDP trainer ranks on the first N --trainer-gpus (torchrun, as hsstream train --nproc)")
     ap.add_argument("--finite-on-device", action="store_true",
                     help="(b): the stream copies each sample to the trainer GPU and checks finiteness there")
     ap.add_argument("--spool-budget-gib", type=float, default=8.0)
@@ -786,6 +824,8 @@ def main() -> int:  # noqa: C901
     if set(args.vllm_gpu_list) & set(args.trainer_gpu_list) and not cpu and not args.share_gpus:
         ap.error(f"--vllm-gpus {args.vllm_gpus} and --trainer-gpus {args.trainer_gpus} overlap "
                  "(--share-gpus to run both on the same GPUs, with --gpu-mem-util leaving the trainer room)")
+    if args.trainer_nproc < 1 or (not cpu and args.trainer_nproc > len(args.trainer_gpu_list)):
+        ap.error(f"--trainer-nproc {args.trainer_nproc}: one rank per GPU of --trainer-gpus {args.trainer_gpus}")
     try:
         launch.parallel_args(len(args.vllm_gpu_list), args.vllm_tp)
     except ValueError as e:

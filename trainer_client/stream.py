@@ -6,7 +6,8 @@ sample before yielding it (a bad one is reported failed and regenerated, never y
 deletes the spool file as soon as the tensors are in memory (the spool is the producer's
 budget), and acknowledges at use or when the loop says so (``ack_through``), so samples used
 after the last checkpoint come back after a crash. Only the iterating thread touches the
-socket.
+socket; a burst of deliveries is read and checked by a few workers (``check_pool.py``) whose
+results come back to it, in delivery order.
 """
 
 from __future__ import annotations
