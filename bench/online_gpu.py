@@ -317,7 +317,7 @@ class _TimedStream:
                 continue
             nt = s.notice
             self._rec.write(json.dumps({"n": int(s.token_ids.shape[0]), "sent": nt.sent_at if nt else None,
-                                        "y": time.time(), "stream": s.timings,
+                                        "y": time.time(), "stream": s.timings, "rank": int(os.environ.get("RANK", "0")),
                                         "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
             self.n += 1
             yield s
@@ -664,11 +664,11 @@ class Orchestrator:
         ps = self.prompts[: a.train_samples]
         r = self.run_consumers("train", rnd, ps)
         recs, res = r["records"], dict(r["results"][0])
-        if len(r["results"]) > 1:  # DDP ranks: samples and tokens add up, the run lasts as long as the slowest
+        if len(r["results"]) > 1:  # DDP: samples/tokens are already all ranks' (all-reduced); waits per rank
             ranks = r["results"]
-            res.update(samples=sum(x["samples"] for x in ranks), tokens=sum(x["tokens"] for x in ranks),
-                       wall_s=max(x["wall_s"] for x in ranks), wait_s=max(x["wait_s"] for x in ranks),
+            res.update(wall_s=max(x["wall_s"] for x in ranks), wait_s=max(x["wait_s"] for x in ranks),
                        wait_frac=round(statistics.mean(x["wait_frac"] for x in ranks), 4), ranks=ranks)  # fmt: skip
+            res["yielded_per_rank"] = [sum(1 for x in recs if x.get("rank") == k) for k in range(len(ranks))]
         handed = window_rate([x["y"] for x in recs], a.prompt_len)
         vllm = window_rate([x["sent"] for x in recs if x.get("sent")], a.prompt_len)
         wait = res.get("wait_frac")
