@@ -140,40 +140,6 @@ class SpoolWatch:
 # ----------------------------------------------------------------------------------------------
 
 
-class _Timers:
-    """Cheap counters around the stream's validation, installed by wrapping module functions
-    (the stream is not changed): per sample, total load+check time and the checksum part."""
-
-    def __init__(self) -> None:
-        self.last_check = self.last_checksum = 0.0
-        self.ok = False
-        try:
-            import trainer_client.stream as S
-            from connector import protocol as P
-
-            orig_check, orig_sum = S.load_and_check, P.checksum
-
-            def load_and_check(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-                t0 = time.perf_counter()
-                self.last_checksum = 0.0
-                try:
-                    return orig_check(*a, **kw)
-                finally:
-                    self.last_check = time.perf_counter() - t0
-
-            def checksum(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-                t0 = time.perf_counter()
-                try:
-                    return orig_sum(*a, **kw)
-                finally:
-                    self.last_checksum += time.perf_counter() - t0
-
-            S.load_and_check, P.checksum = load_and_check, checksum
-            self.ok = True
-        except (ImportError, AttributeError):  # the stream's internals moved: no breakdown, say so
-            self.ok = False
-
-
 def _device(spec: dict):  # noqa: ANN202
     import torch
 
@@ -186,12 +152,15 @@ def _device(spec: dict):  # noqa: ANN202
 
 def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
     """Reading one sample's file from tmpfs and copying it to the GPU: what no pipeline beats.
-    Also the cost of each check the stream makes, on the same sample."""
+    Also the cost of each check the stream makes, on the same sample, and of the stream's own
+    read (``read_into_pinned``: one readinto a reused pinned buffer, as the stream reads) and of a
+    pinned buffer torch's cache cannot hand back (``alloc_pinned_new``: what a cold burst pays)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from connector import protocol as P
+    from trainer_client import stream as S
 
     T, K, H = spec["prompt_len"], len(spec["layers"]), spec["hidden_size"]
     g = torch.Generator().manual_seed(0)
@@ -204,7 +173,9 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
         cuda = dev.type == "cuda"
         pinned = torch.empty((T, K, H), dtype=torch.bfloat16, pin_memory=cuda)
         rows: dict[str, list[float]] = {k: [] for k in ("read", "h2d", "total", "checksum", "finite_cpu",
-                                                         "finite_device", "ids_tolist")}  # fmt: skip
+                                                         "finite_device", "ids_tolist", "read_into_pinned",
+                                                         "finite_cpu_bits")}  # fmt: skip
+        pbuf = torch.empty(path.stat().st_size, dtype=torch.uint8, pin_memory=cuda)
         for _ in range(spec.get("floor_reps", 20)):
             t0 = time.perf_counter()
             with safe_open(str(path), framework="pt") as f:
@@ -231,6 +202,19 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
             rows["finite_cpu"].append(t5 - t4)
             rows["finite_device"].append(t6 - t5)
             rows["ids_tolist"].append(t7 - t6)
+            S.read_into_buffer(path, None, lambda n: pbuf[:n], tm := {})
+            rows["read_into_pinned"].append(tm["read_s"])
+            t8 = time.perf_counter()
+            S.all_finite(x)
+            rows["finite_cpu_bits"].append(time.perf_counter() - t8)
+        held = []
+        rows["alloc_pinned_new"] = []
+        for _ in range(4 if cuda else 0):  # each kept alive, so the cache cannot reuse one
+            t0 = time.perf_counter()
+            held.append(torch.empty(path.stat().st_size, dtype=torch.uint8, pin_memory=True))
+            rows["alloc_pinned_new"].append(time.perf_counter() - t0)
+        del held
+        rows = {k: v for k, v in rows.items() if v}
         return {"bytes": path.stat().st_size, "device": str(dev),
                 **{f"{k}_ms_p50": round(1000 * statistics.median(v), 3) for k, v in rows.items()}}  # fmt: skip
     finally:
@@ -260,18 +244,19 @@ def consume_deliver(spec: dict) -> dict:
     res: dict = {"device": str(dev)}
     if spec.get("floor"):
         res["floor"] = measure_floor(spec, dev)
-    timers = _Timers()
-    res["stream_timers"] = timers.ok
     job = _wait_for_job(spec)
     cuda = dev.type == "cuda"
     resident: collections.deque = collections.deque(maxlen=spec.get("resident", 32))
     t_end = time.monotonic() + spec["time_limit_s"]
     n = 0
     # pin_memory: the stream reads each file once, straight into page-locked memory, so the
-    # copy to the GPU is one non-blocking DMA (no staging copy here).
+    # copy to the GPU is one non-blocking DMA (no staging copy here). With finite_on_device the
+    # stream's workers make that copy and check finiteness on the GPU; the .to() below is a no-op.
+    on_dev = cuda and spec.get("finite_on_device", False)
     with open(spec["records"], "w", buffering=1) as rec, \
             HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
-                              timeout_s=60, pin_memory=cuda) as stream:  # fmt: skip
+                              timeout_s=60, pin_memory=cuda, workers=spec.get("stream_workers"),
+                              device=dev if on_dev else None) as stream:  # fmt: skip
         for s in stream:
             t_y = time.time()
             hs = s.hidden_states
@@ -284,14 +269,16 @@ def consume_deliver(spec: dict) -> dict:
             resident.append(g)
             nt = s.notice
             rec.write(json.dumps({"n": int(s.token_ids.shape[0]), "sent": nt.sent_at if nt else None, "y": t_y,
-                                  "g": t_g, "check": timers.last_check, "checksum": timers.last_checksum,
-                                  "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
+                                  "g": t_g, "stream": s.timings, "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
             n += 1
             if n >= spec["n_samples"] or time.monotonic() > t_end:
                 res["stopped"] = "time limit" if n < spec["n_samples"] else "all samples"
                 break
     res["samples"] = n
     res["stream_stats"] = dict(stream.stats)
+    res["stream_pool"] = {"workers": stream.workers, "max_held": stream._pool.max_held,
+                          "max_running": stream._pool.max_running, "finite_on_device": bool(on_dev),
+                          "host_buffers": dict(stream.host_buffers.stats)}  # fmt: skip
     return res
 
 
@@ -330,7 +317,8 @@ class _TimedStream:
                 continue
             nt = s.notice
             self._rec.write(json.dumps({"n": int(s.token_ids.shape[0]), "sent": nt.sent_at if nt else None,
-                                        "y": time.time(), "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
+                                        "y": time.time(), "stream": s.timings, "rank": int(os.environ.get("RANK", "0")),
+                                        "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
             self.n += 1
             yield s
             if time.monotonic() > t_end:
@@ -348,24 +336,37 @@ def consume_train(spec: dict) -> dict:
     from trainer_client.eagle3.run import drained_probe
     from trainer_client.eagle3.trainer import Eagle3OnlineTrainer
 
-    dev = _device(spec)
+    from trainer_client.eagle3.config import resolve_device
+    from trainer_client.eagle3.distributed import World
+
+    world = None
+    if World.env_size() > 1:  # a rank under torchrun (--trainer-nproc): cuda:LOCAL_RANK, gloo on CPU
+        n = World.env_size()
+        dev = resolve_device(spec["device"], local_rank=World.env_local_rank(), world_size=n)
+        world = World.from_env(dev)
+        spec = {**spec, "n_samples": max(1, spec["n_samples"] // n)}  # steps: every rank trains one sample each
+    else:
+        dev = _device(spec)
     spec = {**spec, "device_str": str(dev)}
     cfg, unsupported = train_config(spec)
     counts = V.token_counts_from_file(spec["token_counts"])
     t0 = time.perf_counter()
     probe: list = []  # the job is announced only once the trainer is ready
+    writer = world is None or world.is_writer
 
     def drained(pending: int) -> bool:
         return bool(probe) and probe[0](pending)
 
-    trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained)
+    trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained if writer else None, world=world)
     trainer.prepare()  # speculators' import, verifier heads: before the stream (leases would lapse)
     res: dict = {"prepare_s": round(time.perf_counter() - t0, 1), "config_fields_not_supported": unsupported}
     job = _wait_for_job(spec)
-    probe.append(drained_probe(spec["api"], [job]))
+    if writer:  # as hsstream train: rank 0 asks the sidecar, the ranks agree through their collectives
+        probe.append(drained_probe(spec["api"], [job]))
     with open(spec["records"], "w", buffering=1) as rec, \
             HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
-                              ack="manual", timeout_s=60, **trainer.stream_options()) as stream:  # fmt: skip
+                              ack="manual", timeout_s=60, workers=spec.get("stream_workers"),
+                              **trainer.stream_options()) as stream:  # fmt: skip
         ts = _TimedStream(stream, spec, rec)
         r = trainer.train(ts)
     p = next(iter(trainer.model.parameters()))
@@ -380,6 +381,12 @@ def consume_train(spec: dict) -> dict:
 
 def consumer_main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("ranks", 1) > 1:  # under torchrun: this rank's own files, named by the orchestrator
+        sfx = f"-r{int(os.environ.get('RANK', '0'))}"
+        work, tag = Path(spec["work"]), spec["tag"]
+        spec.update(ready_file=str(work / f"{tag}{sfx}.ready"), job_file=str(work / f"{tag}{sfx}.job.json"),
+                    records=str(work / f"{tag}{sfx}.records.jsonl"))  # fmt: skip
+        out_path = str(work / f"{tag}{sfx}.result.json")
     try:
         res = consume_train(spec) if spec["mode"] == "train" else consume_deliver(spec)
         res["ok"] = True
@@ -437,15 +444,19 @@ class Orchestrator:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         return env
 
-    def spawn_consumer(self, mode: str, spec: dict, gpu: str | None, tag: str):  # noqa: ANN201
+    def spawn_consumer(self, mode: str, spec: dict, gpu: str | None, tag: str, ranks: int = 1):  # noqa: ANN201
+        """One consumer process; ``ranks`` > 1: torchrun with that many trainer ranks (as
+        ``hsstream train --nproc``), one per GPU of ``gpu`` (a list), each with its own files."""
         from hsstream import launch
 
         sp, out = self.work / f"{tag}.spec.json", self.work / f"{tag}.result.json"
-        sp.write_text(json.dumps(spec))
+        sp.write_text(json.dumps({**spec, "ranks": ranks, "work": str(self.work), "tag": tag}))
         env = self.env(gpu)
         if self.cpu:
-            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // 2)))
-        c = launch.spawn(tag, [sys.executable, __file__, "--consumer", str(sp), str(out)], env,
+            env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // (2 * ranks))))
+        run = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                   f"--nproc-per-node={ranks}"]  # fmt: skip
+        c = launch.spawn(tag, [*run, __file__, "--consumer", str(sp), str(out)], env,
                          log_path=self.work / f"{tag}.log", cwd=str(ROOT))  # fmt: skip
         self.children.append(c)
         return c, out
@@ -549,6 +560,7 @@ class Orchestrator:
                 "device": "cpu" if self.cpu else "cuda", "layers": a.layers, "prompt_len": a.prompt_len,
                 "hidden_size": self.shape["hidden_size"], "n_samples": n, "time_limit_s": a.consumer_seconds,
                 "credit": a.credit, "records": str(self.work / f"{tag}.records.jsonl"),
+                "stream_workers": a.stream_workers, "finite_on_device": a.finite_on_device,
                 "ready_file": str(self.work / f"{tag}.ready"), "job_file": str(self.work / f"{tag}.job.json"),
                 "job_wait_s": a.start_timeout, "floor": mode == "deliver", "model": self.model,
                 "train_out": str(self.work / f"{tag}.train"), "draft_vocab": a.draft_vocab,
@@ -559,6 +571,13 @@ class Orchestrator:
         a = self.args
         gpus = a.trainer_gpu_list if mode == "deliver" else a.trainer_gpu_list[:1]
         procs = []
+        if mode == "train" and a.trainer_nproc > 1:  # one torchrun, its ranks followed as consumers
+            tag = f"{mode}-{rnd}-0"
+            spec = self.consumer_spec(mode, tag, len(ps))
+            c, _ = self.spawn_consumer(mode, spec, ",".join(a.trainer_gpu_list[: a.trainer_nproc]), tag,
+                                       ranks=a.trainer_nproc)  # fmt: skip
+            procs = [(f"{tag}-r{k}", c, self.work / f"{tag}-r{k}.result.json") for k in range(a.trainer_nproc)]
+            gpus = []
         for i, g in enumerate(gpus):
             tag = f"{mode}-{rnd}-{i}"
             spec = self.consumer_spec(mode, tag, len(ps) if mode == "train" else math.ceil(len(ps) / len(gpus)))
@@ -631,6 +650,10 @@ class Orchestrator:
             out["vllm_ratio_to_plain"] = round(vllm["tok_per_s"] / plain_rate, 4)
         out["breakdown"] = breakdown(recs)
         out["breakdown"]["needed"] = bool(out.get("ratio_to_plain") is None or out["ratio_to_plain"] < 0.985)
+        out["stream_pool"] = r["results"][0].get("stream_pool")
+        log("(b) where latency goes, p50/p99 ms: " + ", ".join(
+            f"{k} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" for k, v in out["breakdown"].items()
+            if isinstance(v, dict) and not k.startswith("connector_")))  # fmt: skip
         log(f"(b) stream: delivered {deliver.get('tok_per_s')} tok/s onto the trainer GPU = {out.get('ratio_to_plain')}"
             f" of plain; vLLM {vllm.get('tok_per_s')} tok/s; notice->GPU p50 {out['latency_notice_to_gpu_ms']['p50']} ms"
             f" p99 {out['latency_notice_to_gpu_ms']['p99']} ms; floor {(out['floor'] or {}).get('total_ms_p50')} ms")
@@ -640,7 +663,12 @@ class Orchestrator:
         a = self.args
         ps = self.prompts[: a.train_samples]
         r = self.run_consumers("train", rnd, ps)
-        recs, res = r["records"], r["results"][0]
+        recs, res = r["records"], dict(r["results"][0])
+        if len(r["results"]) > 1:  # DDP: samples/tokens are already all ranks' (all-reduced); waits per rank
+            ranks = r["results"]
+            res.update(wall_s=max(x["wall_s"] for x in ranks), wait_s=max(x["wait_s"] for x in ranks),
+                       wait_frac=round(statistics.mean(x["wait_frac"] for x in ranks), 4), ranks=ranks)  # fmt: skip
+            res["yielded_per_rank"] = [sum(1 for x in recs if x.get("rank") == k) for k in range(len(ranks))]
         handed = window_rate([x["y"] for x in recs], a.prompt_len)
         vllm = window_rate([x["sent"] for x in recs if x.get("sent")], a.prompt_len)
         wait = res.get("wait_frac")
@@ -666,9 +694,17 @@ def _r(x: float | None, nd: int = 2) -> float | None:
 
 
 def breakdown(recs: list[dict]) -> dict:
-    """Mean and p50 ms per sample of each stage, from the notices' connector timings and the
-    consumer's own timestamps. sidecar+queue = notice sent -> stream hands the sample over,
-    minus the stream's own checks; it includes waiting while the consumer was busy."""
+    """Mean, p50 and p99 ms per sample of each stage, from the notices' connector timings and
+    the stream's per-sample stamps (``Sample.timings``, one host clock with ``sent_at``):
+
+    * ``sidecar``: notice sent -> the delivery read off the trainer's socket (the sidecar's
+      ledger and delivery, and credit: a sample waits here while the stream holds ``credit``);
+    * ``pool_queue``: received -> a check worker starts on it (all workers busy);
+    * ``check`` = ``alloc`` + ``read`` + ``checksum`` + ``finite`` (host) or ``to_device`` (copy
+      and finiteness on the GPU with ``--finite-on-device``) + small checks;
+    * ``in_order``: checked -> handed to the loop (older samples first, and the loop's own time);
+    * ``copy_to_trainer_gpu``: handed -> on the GPU (a no-op copy with ``--finite-on-device``).
+    """
     stages: dict[str, list[float]] = {}
 
     def add(k: str, v: float | None) -> None:
@@ -678,15 +714,19 @@ def breakdown(recs: list[dict]) -> dict:
     for x in recs:
         for k, v in (x.get("conn") or {}).items():
             add(f"connector_{k}", v)
-        if x.get("sent") is not None:
-            check = x.get("check") or 0.0
-            add("stream_load_and_check", x.get("check"))
-            add("stream_checksum", x.get("checksum"))
-            add("sidecar_and_queue", x["y"] - x["sent"] - check)
+        t = x.get("stream") or {}
+        if x.get("sent") is not None and "received" in t:
+            add("sidecar", t["received"] - x["sent"])
+        if {"received", "started", "checked", "handed"} <= set(t):
+            add("pool_queue", t["started"] - t["received"])
+            add("check", t["checked"] - t["started"])
+            add("in_order", t["handed"] - t["checked"])
+        for k in ("alloc_s", "read_s", "checksum_s", "finite_s", "to_device_s"):
+            add(f"check_{k[:-2]}", t.get(k))
         if x.get("g") is not None:
             add("copy_to_trainer_gpu", x["g"] - x["y"])
-    return {k: {"mean_ms": round(statistics.mean(v), 3), "p50_ms": round(statistics.median(v), 3)}
-            for k, v in stages.items()}  # fmt: skip
+    return {k: {"mean_ms": round(statistics.mean(v), 3), "p50_ms": round(statistics.median(v), 3),
+                "p99_ms": round(pct(v, 0.99), 3)} for k, v in stages.items()}  # fmt: skip
 
 
 def prompts(n: int, plen: int, vocab: int, seed: int) -> list[list[int]]:
@@ -712,8 +752,10 @@ def dry_run(args: argparse.Namespace, model: str) -> int:
                        text=True, cwd=str(ROOT))  # fmt: skip
     print(f"(b)/(c) vLLM + connector (hsstream vllm), CUDA_VISIBLE_DEVICES={args.vllm_gpus}:")
     print("  " + (r.stdout.strip() or r.stderr.strip()))
-    print(f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; (c) trainer on {args.trainer_gpu_list[0]}"
-          + (" (DDP over the others is issue 14's)" if len(args.trainer_gpu_list) > 1 else ""))  # fmt: skip
+    ranks = args.trainer_gpu_list[: args.trainer_nproc]
+    print(f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; (c) trainer on {ranks[0]}"
+          if args.trainer_nproc == 1 else f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; "
+          f"(c) {args.trainer_nproc} DDP ranks (torchrun) on {ranks}")  # fmt: skip
     return r.returncode
 
 
@@ -730,6 +772,12 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight: (a)'s client and the sidecar")
     ap.add_argument("--credit", type=int, default=16, help="samples a consumer may hold undelivered")
+    ap.add_argument("--stream-workers", type=int, default=8,
+                    help="threads the stream reads and checks samples on (0: the iterating thread, as before)")
+    ap.add_argument("--trainer-nproc", type=int, default=1,
+                    help="(c): DDP trainer ranks on the first N --trainer-gpus (torchrun, as hsstream train --nproc)")
+    ap.add_argument("--finite-on-device", action="store_true",
+                    help="(b): the stream copies each sample to the trainer GPU and checks finiteness there")
     ap.add_argument("--spool-budget-gib", type=float, default=8.0)
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--draft-vocab", type=int, default=32000)
@@ -776,6 +824,8 @@ def main() -> int:  # noqa: C901
     if set(args.vllm_gpu_list) & set(args.trainer_gpu_list) and not cpu and not args.share_gpus:
         ap.error(f"--vllm-gpus {args.vllm_gpus} and --trainer-gpus {args.trainer_gpus} overlap "
                  "(--share-gpus to run both on the same GPUs, with --gpu-mem-util leaving the trainer room)")
+    if args.trainer_nproc < 1 or (not cpu and args.trainer_nproc > len(args.trainer_gpu_list)):
+        ap.error(f"--trainer-nproc {args.trainer_nproc}: one rank per GPU of --trainer-gpus {args.trainer_gpus}")
     try:
         launch.parallel_args(len(args.vllm_gpu_list), args.vllm_tp)
     except ValueError as e:

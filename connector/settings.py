@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     # (one the trainers' hosts reach); a trainer's own address defaults to the one on its route
     # to the sidecar. Mooncake's engines meet point to point (no metadata service).
     transport: str = ""
+    # Trainer: threads a HiddenStateStream reads and checks delivered samples on (0: on the
+    # iterating thread), so a burst of samples is not checked one after another.
+    stream_workers: int = 4
     mooncake_hostname: str | None = None
     mooncake_protocol: str = "tcp"  # or "rdma" where the hosts have it (untested here)
     mooncake_device: str = ""  # RDMA device names; empty: Mooncake picks

@@ -6,7 +6,8 @@ sample before yielding it (a bad one is reported failed and regenerated, never y
 deletes the spool file as soon as the tensors are in memory (the spool is the producer's
 budget), and acknowledges at use or when the loop says so (``ack_through``), so samples used
 after the last checkpoint come back after a crash. Only the iterating thread touches the
-socket.
+socket; a burst of deliveries is read and checked by a few workers (``check_pool.py``) whose
+results come back to it, in delivery order.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +36,8 @@ from connector import protocol as P
 from connector.curve_keys import load_secret
 from connector.settings import Settings
 from connector.transport import Receiver, TransportError, make_receiver
+from trainer_client.check_pool import CheckPool
+from trainer_client.host_buffers import HostBuffers
 
 log = logging.getLogger("hsstream.trainer")
 
@@ -58,6 +63,11 @@ class Sample:
     #: float32 [T, 1, 1] while ``hidden_states`` is still FP8 (``connector/payload.py``); None
     #: for an unquantised payload and once dequantised.
     scales: torch.Tensor | None = field(default=None, repr=False)
+    #: Where this sample's time went in the stream (see :meth:`HiddenStateStream.__iter__`):
+    #: wall-clock stamps (``received``, ``started``, ``checked``, ``handed``; ``time.time()``,
+    #: the clock of ``notice.sent_at``) and phase durations in seconds (``alloc_s``, ``read_s``,
+    #: ``checksum_s``, ``finite_s``, ``to_device_s``).
+    timings: dict[str, float] = field(default_factory=dict, repr=False)
 
     def dequantized(self, dtype: torch.dtype | None) -> Sample:
         """This sample with FP8 hidden states turned into ``dtype`` (x = fp8 × its token's scale);
@@ -88,7 +98,8 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
 
 
 def read_sample_file(path: Path | None = None, payload: bytes | memoryview | None = None, *,
-                     pin_memory: bool = False) -> dict:  # fmt: skip
+                     pin_memory: bool = False, alloc: Callable[[int], torch.Tensor] | None = None,
+                     timings: dict[str, float] | None = None) -> dict:  # fmt: skip
     """A sample file's tensors (from the spool, or the bytes a remote sidecar sent).
 
     Unpinned, safetensors maps the file: no copy at all, the checks read the pages in place.
@@ -97,10 +108,11 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
     tensors afterwards would copy the 33.5 MB of a Qwen3-8B-shape sample once more; torch's
     pinned allocator hands the same buffers back sample after sample, so they are not faulted
     in again each time (a fresh 33.5 MB buffer costs ~20 ms of page faults alone).
+    ``alloc``: where the pinned buffer comes from (``host_buffers.HostBuffers.alloc``).
     """
     if not pin_memory:
         if isinstance(payload, memoryview):  # a transport's reused buffer: copy out once, views of it
-            return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8))
+            return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8), timings)
         try:
             if payload is not None:
                 return safetensors_load(payload)
@@ -108,12 +120,15 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
                 return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, OSError) is an invalid sample
             raise InvalidSample(f"unreadable safetensors: {e}") from e
-    return read_into_buffer(path, payload, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+    return read_into_buffer(path, payload, alloc, timings)
 
 
-def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, alloc) -> dict:  # noqa: ANN001
+def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, alloc,  # noqa: ANN001
+                     timings: dict[str, float] | None = None) -> dict:  # fmt: skip
     """safetensors' layout (8-byte little-endian header length, JSON header, data) read into
-    ``alloc(size)``; the tensors are views of it at the header's offsets, which are checked."""
+    ``alloc(size)``; the tensors are views of it at the header's offsets, which are checked.
+    ``timings`` gets ``alloc_s`` (the buffer) and ``read_s`` (the bytes into it)."""
     if payload is not None:
         size = len(payload)
     else:
@@ -121,7 +136,9 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
         size = os.stat(path).st_size
     if size < 8:
         raise InvalidSample(f"{size}-byte file: not safetensors")
+    t0 = time.perf_counter()
     buf = alloc(size)
+    t1 = time.perf_counter()
     view = buf.numpy()
     if payload is not None:
         view[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -130,6 +147,8 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
             got = fh.readinto(memoryview(view))
             if got != size:
                 raise InvalidSample(f"short read: {got} of {size} bytes")
+    if timings is not None:
+        timings["alloc_s"], timings["read_s"] = t1 - t0, time.perf_counter() - t1
     hlen = int.from_bytes(view[:8].tobytes(), "little")
     if hlen > size - 8:
         raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file")
@@ -166,6 +185,7 @@ _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16,
              torch.float8_e4m3fn: (torch.uint8, 0x7F)}  # fmt: skip  # e4m3fn: no inf, NaN is S.1111.111
 _CHUNK = 1 << 18  # words per pass: the scratch stays in cache
 _pool = None
+_pool_lock = threading.Lock()  # the stream's check workers may all ask for it at once
 
 
 def _exponent_max_ok(words: np.ndarray, mask: int) -> bool:
@@ -194,35 +214,47 @@ def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
     if n <= 1 or words.size < 4 * _CHUNK:
         return _exponent_max_ok(words, mask)
     global _pool
-    if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-        _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hsstream-finite")
+            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hsstream-finite")
     step = -(-words.size // n)
     parts = [words[i : i + step] for i in range(0, words.size, step)]
     return all(_pool.map(_exponent_max_ok, parts, [mask] * len(parts)))
 
 
 def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
-                   pin_memory: bool = False, checksum_threads: int = 0) -> Sample:  # fmt: skip
+                   pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
+                   alloc: Callable[[int], torch.Tensor] | None = None,
+                   timings: dict[str, float] | None = None) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
     a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`.
 
     ``pin_memory``: the tensors live in page-locked memory, ready for a non-blocking copy to
-    a GPU. ``checksum_threads`` (0: all useful) does not change the digest.
+    a GPU (``alloc`` gives the buffer). ``checksum_threads`` (0: all useful) does not change
+    the digest. Safe to call from several threads at once (the stream's check workers).
+
+    ``device`` (the trainer's): the hidden states (and FP8 scales) are copied there after the
+    host checks, and their finiteness is checked there (:func:`to_device_checked`); the sample
+    is returned with them on that device. None or a CPU device: checked on the host, as always.
+    ``timings`` receives each phase's seconds.
     """
+    tm = timings if timings is not None else {}
     n = d.notice
     if n.file is None or (require_key and n.key is None):
         raise InvalidSample("delivery without a file or key")
     if n.checksum_algo not in P.CHECKSUM_ALGOS:
         raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
     if payload is not None:
-        tensors = read_sample_file(payload=payload, pin_memory=pin_memory)
+        tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm)
     else:
         if spool is None:
             raise InvalidSample("delivery without bytes, and no spool to read from")
-        tensors = read_sample_file(P.resolve_in_spool(spool, n.file), pin_memory=pin_memory)
+        t0 = time.perf_counter()
+        tensors = read_sample_file(P.resolve_in_spool(spool, n.file), pin_memory=pin_memory, alloc=alloc, timings=tm)
+        tm.setdefault("read_s", time.perf_counter() - t0)  # unpinned: safetensors maps the file
     if n.dtype not in P.DTYPE_SIZES:
         raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
     if set(tensors) != PL.tensor_names(n.dtype):
@@ -242,17 +274,63 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview
             PL.check_scales(scales, T)
         except PL.PayloadError as e:
             raise InvalidSample(str(e)) from e
+    t0 = time.perf_counter()
     digest = P.checksum(*PL.checksum_buffers(tensors), algo=n.checksum_algo, threads=checksum_threads)
+    tm["checksum_s"] = time.perf_counter() - t0
     if digest != n.checksum:
         raise InvalidSample("checksum mismatch")
-    if not all_finite(hs):
-        raise InvalidSample("non-finite hidden states")
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type == "cpu":
+        t0 = time.perf_counter()
+        if not all_finite(hs):
+            raise InvalidSample("non-finite hidden states")
+        tm["finite_s"] = time.perf_counter() - t0
     if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
         raise InvalidSample("token ids differ from the ones submitted")
     mask = torch.tensor(d.loss_mask, dtype=torch.bool) if d.loss_mask is not None else None
     if mask is not None and mask.shape[0] != T:
         raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {T} tokens")
+    if dev is not None and dev.type != "cpu":  # last: nothing is copied for a sample the host refuses
+        hs, scales = to_device_checked(hs, scales, dev, tm)
     return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n, scales)
+
+
+_side = threading.local()  # one CUDA stream per check worker, so their copies overlap
+
+
+def to_device_checked(hs: torch.Tensor, scales: torch.Tensor | None, device: torch.device,
+                      timings: dict[str, float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``hs`` (and ``scales``) copied to ``device``, raising :class:`InvalidSample` unless every
+    value is finite — checked there, where it is a fraction of a millisecond (the host's
+    exponent-bit scan is several ms per 33.5 MB). On CUDA the copy is non-blocking (from pinned
+    memory) on this thread's own side stream, and the check's result waits for it, so the
+    returned tensors are complete; they are allocated on the device's current stream and marked
+    used by the side stream, so the caching allocator never hands them out early."""
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        s = getattr(_side, "stream", None)
+        if s is None or s.device != device:
+            s = _side.stream = torch.cuda.Stream(device)
+        out = torch.empty(hs.shape, dtype=hs.dtype, device=device)
+        sc = torch.empty(scales.shape, dtype=scales.dtype, device=device) if scales is not None else None
+        s.wait_stream(torch.cuda.current_stream(device))  # the allocation is ordered before the copy
+        with torch.cuda.stream(s):
+            out.copy_(hs, non_blocking=hs.is_pinned())
+            if sc is not None:
+                sc.copy_(scales, non_blocking=scales.is_pinned())
+            ok = bool(torch.isfinite(out).all())  # waits for the copy and the check on s
+        out.record_stream(s)
+        if sc is not None:
+            sc.record_stream(s)
+    else:
+        out = hs.to(device)
+        sc = scales.to(device) if scales is not None else None
+        ok = all_finite(out)
+    if timings is not None:
+        timings["to_device_s"] = time.perf_counter() - t0
+    if not ok:
+        raise InvalidSample("non-finite hidden states (checked on the device)")
+    return out, sc
 
 
 def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None, *,
@@ -308,6 +386,9 @@ class HiddenStateStream:
         idle_s: float | None = None,
         transport: str | None = None,
         dequantize: torch.dtype | None = torch.bfloat16,
+        workers: int | None = None,
+        device: torch.device | str | None = None,
+        host_buffers: HostBuffers | None = None,
     ) -> None:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar, authenticated with CURVE: ``curve_server_key`` is the sidecar's public key (or
@@ -336,6 +417,19 @@ class HiddenStateStream:
         into before they are yielded, after validation; None yields them as stored (FP8
         ``hidden_states`` + ``sample.scales``) for a trainer that dequantises on its GPU.
         Unquantised payloads are yielded as they are either way.
+
+        ``workers`` (default ``HSSTREAM_STREAM_WORKERS``): threads that read and check delivered
+        samples (``check_pool.py``), so a burst of deliveries is checked in parallel instead of
+        queueing behind one thread; 0 checks each on the iterating thread. Samples are still
+        yielded in delivery order, and only the iterating thread touches the socket. At most
+        ``credit`` samples are held in the pool (its memory bound).
+
+        ``device`` (the trainer's, e.g. ``"cuda:0"``): each sample's hidden states are copied
+        there by the worker that checked it, and their finiteness is checked there instead of on
+        the host; the yielded ``hidden_states`` live on that device. Implies ``pin_memory``.
+        None or CPU: checked on the host as always. ``host_buffers``: where pinned samples are
+        read into (``host_buffers.py``; by default torch's pinned cache, warmed at the first
+        delivery).
         """
         s = Settings()
         self.endpoint = endpoint or s.delivery_ep()
@@ -374,13 +468,23 @@ class HiddenStateStream:
         self._settings = s
         self._receiver: Receiver | None = None  # built at the first connection (Mooncake starts an engine)
         self._hello = P.Hello(jobs=jobs, follow=follow, same_host=not self.remote, transport=self.transport)
-        self.pin_memory = pin_memory
+        self.device = torch.device(device) if device is not None else None
+        on_gpu = self.device is not None and self.device.type != "cpu"
+        self.pin_memory = pin_memory or on_gpu
+        self.host_buffers = host_buffers or HostBuffers(pinned=self.pin_memory)
+        self.workers = s.stream_workers if workers is None else workers
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (got {self.workers})")
+        self._pool = CheckPool(self.workers, limit=self.credit)
+        self._held: dict[P.SampleKey, str | None] = {}  # keys in the pool -> their files
+        self._view_job: Future | None = None  # the job reading the transport's reused buffer
         self.idle_s = idle_s
         self.dequantize = dequantize
         # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
-        # load_s: reading and validating samples.
+        # load_s: reading and validating samples (summed over the workers); check_wait_s: time
+        # the iterator waited for a worker with nothing else to do.
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0,
-                      "wait_s": 0.0, "load_s": 0.0}  # fmt: skip
+                      "wait_s": 0.0, "load_s": 0.0, "check_wait_s": 0.0}  # fmt: skip
 
     @property
     def waited_s(self) -> float:
@@ -487,12 +591,18 @@ class HiddenStateStream:
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Sample]:
+        """Samples in delivery order. Each delivery is admitted here (duplicates dropped), read
+        and checked by a worker, and settled here when it is the oldest held: FAIL for an
+        invalid one, else its file removed, RECEIVED, and the sample yielded. One CREDIT goes
+        back per delivery when it leaves the pool (settled) or is dropped, so at most ``credit``
+        samples are ever held, whatever the pool's speed."""
         sock = self._connect()
         deadline = time.monotonic() + self.timeout_s
         if self._started is None:
             self._started = time.monotonic()
         self._waiting_since = time.monotonic()  # from here to the yield, the loop waits on us
         idle_since = time.monotonic()
+        end: P.End | None = None
         while True:
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
@@ -501,10 +611,40 @@ class HiddenStateStream:
             if time.monotonic() - self._last_beat > self.heartbeat_s and not self._outbox:
                 self._last_beat = time.monotonic()
                 self._send(self._heartbeat())
+            if self._pool.head_done():
+                sample = self._settle(*self._pool.pop())
+                self._send(P.Credit(n=1))
+                if sample is None:
+                    continue
+                self._used.append(sample.key)
+                self._used_set.add(sample.key)
+                self.stats["yielded"] += 1
+                self._waited += time.monotonic() - self._waiting_since
+                self._waiting_since = None
+                sample.timings["handed"] = time.time()
+                yield sample
+                self._waiting_since = time.monotonic()
+                idle_since = time.monotonic()
+                continue
+            if end is not None and not len(self._pool):  # what came before the END is yielded first
+                self._waited, self._waiting_since = self.waited_s, None
+                if end.reason != "complete":
+                    raise StreamError(f"the sidecar at {self.endpoint} refused this stream: {end.reason}")
+                return
+            busy = len(self._pool) > 0
+            take = end is None and not self._pool.full  # else only a worker's result can come
+            poller = zmq.Poller()
+            if take:
+                poller.register(sock, zmq.POLLIN)
+            if self._pool.fileno() >= 0:
+                poller.register(self._pool.fileno(), zmq.POLLIN)
             t0 = time.perf_counter()
-            got = sock.poll(int(min(self.heartbeat_s, 0.5, self.idle_s or 0.5) * 1000))
-            self.stats["wait_s"] += time.perf_counter() - t0
-            if not got:
+            events = dict(poller.poll(int(min(self.heartbeat_s, 0.5, self.idle_s or 0.5) * 1000)))
+            self.stats["check_wait_s" if busy else "wait_s"] += time.perf_counter() - t0
+            self._pool.clear_wakeups()
+            if sock not in events:
+                if busy:
+                    continue  # a worker is on it: the sidecar's silence and our deadline wait
                 if time.monotonic() - self._last_recv > self.sidecar_silence_s:
                     sock = self._reconnect()
                 if time.monotonic() > deadline:
@@ -516,59 +656,94 @@ class HiddenStateStream:
                     yield None  # type: ignore[misc]
                     self._waiting_since = idle_since = time.monotonic()
                 continue
-            frames = sock.recv_multipart()
-            self._last_recv = time.monotonic()
-            msg = P.decode_msg(frames)
-            if isinstance(msg, P.End):
-                self._waited, self._waiting_since = self.waited_s, None
-                if msg.reason != "complete":
-                    raise StreamError(f"the sidecar at {self.endpoint} refused this stream: {msg.reason}")
-                return
-            if not isinstance(msg, P.Deliver):
-                continue  # a heartbeat: the sidecar is alive, but it is no sample (timeout_s runs on)
-            deadline = time.monotonic() + self.timeout_s
-            self.stats["delivered"] += 1
-            sample = self._take(msg, P.payload_of(frames))
-            self._send(P.Credit(n=1))
-            if sample is None:
-                continue
-            self._used.append(sample.key)
-            self._used_set.add(sample.key)
-            self.stats["yielded"] += 1
-            self._waited += time.monotonic() - self._waiting_since
-            self._waiting_since = None
-            yield sample
-            self._waiting_since = time.monotonic()
-            idle_since = time.monotonic()
+            # A burst: take what has arrived (up to the pool's bound) so the workers start at once.
+            while end is None and not self._pool.full:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._last_recv = time.monotonic()
+                msg = P.decode_msg(frames)
+                if isinstance(msg, P.End):
+                    end = msg
+                elif isinstance(msg, P.Deliver):
+                    deadline = time.monotonic() + self.timeout_s
+                    self.stats["delivered"] += 1
+                    self._submit(msg, P.payload_of(frames))
+                    if self.workers == 0:
+                        break  # checked inline already: hand it over before reading the next
+                # else a heartbeat: the sidecar is alive, but it is no sample (timeout_s runs on)
 
-    def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
+    def _admit(self, d: P.Deliver) -> bool:
+        """Whether a delivery is to be read; a duplicate is dropped here, on the socket's thread."""
         key = d.notice.key
         if key is None:
-            return None
+            return False
         if key in self._acked:  # redelivered after we acked: never yield twice
             self._acked.move_to_end(key)  # the sidecar has not seen our ack yet: keep it fresh
             self.stats["duplicates"] += 1
             self._drop_copy(d)
             self._send(P.Ack(keys=[key]))
-            return None
+            return False
         if key in self._used_set:
             # Redelivered while we hold it unacked (our lease lapsed, e.g. a long checkpoint):
             # the loop already has this sample; its later ack settles this copy too.
             self.stats["duplicates"] += 1
             self._drop_copy(d)
-            return None
+            return False
+        if key in self._held:
+            # Redelivered while a worker still has it: that copy is yielded; this one's file is
+            # freed unless it is the very file the worker reads (then that worker's settling does).
+            self.stats["duplicates"] += 1
+            if d.notice.file != self._held[key]:
+                self._drop_copy(d)
+            return False
+        return True
+
+    def _fetch(self, d: P.Deliver, payload: bytes | memoryview | None) -> bytes | memoryview | None:
         assert self._receiver is not None
-        t0 = time.perf_counter()
+        if self._view_job is not None:  # the transport reuses one buffer: its reader must be done
+            self._pool.wait_for(self._view_job)
+            self._view_job = None
         try:
-            try:
-                data = self._receiver.fetch(d, payload)
-            except TransportError as e:
-                # Not the sample's fault: stop with the reason; nothing is reported failed and
-                # the lease goes back to the sidecar.
-                raise StreamError(f"sample {key}: {e} (no sample was reported failed)") from e
-            spool = self.spool if self._receiver.reads_spool else None
-            sample = load_and_check(spool, d, data, pin_memory=self.pin_memory)
-            sample = sample.dequantized(self.dequantize)
+            return self._receiver.fetch(d, payload)
+        except TransportError as e:
+            # Not the sample's fault: stop with the reason; nothing is reported failed and the
+            # lease goes back to the sidecar.
+            raise StreamError(f"sample {d.notice.key}: {e} (no sample was reported failed)") from e
+
+    def _submit(self, d: P.Deliver, payload: bytes | memoryview | None) -> None:
+        if not self._admit(d):
+            self._send(P.Credit(n=1))
+            return
+        received = time.time()
+        data = self._fetch(d, payload)
+        if self.pin_memory and not self.host_buffers.stats["warmed"]:
+            # Before the first burst: one cached pinned block per sample the pool may hold.
+            n = d.notice
+            self.host_buffers.warm(n.nbytes + 8 * n.num_tokens + P.HEADER_ALLOWANCE, self.credit + 1)
+        job = self._pool.submit(d, self._load, d, data, received)
+        self._held[d.notice.key] = d.notice.file  # type: ignore[index]
+        if isinstance(data, memoryview):
+            self._view_job = job
+
+    def _load(self, d: P.Deliver, data: bytes | memoryview | None, received: float) -> Sample:
+        """Read and check one delivery (on a worker: touches no socket and no stream state)."""
+        tm: dict[str, float] = {"received": received, "started": time.time()}
+        spool = self.spool if self._receiver is not None and self._receiver.reads_spool else None
+        sample = load_and_check(spool, d, data, pin_memory=self.pin_memory, device=self.device,
+                                alloc=self.host_buffers.alloc, timings=tm)  # fmt: skip
+        sample = sample.dequantized(self.dequantize)
+        tm["checked"] = time.time()
+        sample.timings = tm
+        return sample
+
+    def _settle(self, d: P.Deliver, job: Future) -> Sample | None:
+        """A finished job, on the socket's thread: the sample, or None after reporting it failed."""
+        key = d.notice.key
+        self._held.pop(key, None)  # type: ignore[arg-type]
+        try:
+            sample = job.result()
         except OSError as e:
             # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
             # it failed would burn every sample's attempts. Stop at once instead; nothing is
@@ -580,14 +755,27 @@ class HiddenStateStream:
         except (InvalidSample, P.ProtocolError, ValueError) as e:
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
-            self._send(P.Fail(key=key, reason=str(e)[:500]))
+            self._send(P.Fail(key=key, reason=str(e)[:500]))  # type: ignore[arg-type]
             return None
-        finally:
-            self.stats["load_s"] += time.perf_counter() - t0
-        # The tensors are in memory (safetensors copied them out): the file can go now.
+        tm = sample.timings
+        if "started" in tm and "checked" in tm:
+            self.stats["load_s"] += tm["checked"] - tm["started"]
+        # The tensors are in memory (read or copied out of the file): the file can go now.
         self.stats["bytes"] += d.notice.nbytes
         self._drop_copy(d)
         return sample
+
+    def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
+        """One delivery admitted, read, checked and settled on this thread (no pool)."""
+        if not self._admit(d):
+            return None
+        data = self._fetch(d, payload)
+        job: Future = Future()
+        try:
+            job.set_result(self._load(d, data, time.time()))
+        except Exception as e:  # noqa: BLE001 - settled below exactly as a worker's result
+            job.set_exception(e)
+        return self._settle(d, job)
 
     def _drop_copy(self, d: P.Deliver) -> None:
         """Free the delivered file (ours to delete when we read the spool; else the sidecar
@@ -608,7 +796,23 @@ class HiddenStateStream:
 
     def close(self, *, failed: bool = False) -> None:
         """Return leases and send pending acks. ``failed``: the loop stopped on an error, so the
-        sample in hand was not used — it is not acked and comes back."""
+        sample in hand was not used — it is not acked and comes back.
+
+        Samples the pool still holds (delivered, not yet yielded) are finished first and settled
+        as usual — an invalid one reported failed, a read one's file removed and RECEIVED sent —
+        but not yielded or acked, so the sidecar produces them again; then the workers stop."""
+        unread: list[str] = []
+        for d, job in self._pool.close():
+            self._held.pop(d.notice.key, None)  # type: ignore[arg-type]
+            if self._sock is None:
+                continue
+            try:
+                self._settle(d, job)
+            except StreamError as e:  # the error the loop saw (or will not see now): the lease goes back
+                unread.append(str(e))
+        if unread:
+            log.warning("closing: %d delivered sample(s) not read, their leases go back: %s", len(unread), unread[0])
+        self._view_job = None
         if self._sock is not None:
             if self.ack_mode == "use":
                 if failed and self._used:

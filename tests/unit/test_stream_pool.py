@@ -1,0 +1,216 @@
+"""HiddenStateStream with its check pool, against a stand-in sidecar (a ROUTER socket): a burst
+of deliveries is checked in parallel but yielded in delivery order; an invalid sample among good
+ones is reported failed exactly once; every file the stream read is removed once; credit comes
+back once per delivery; the pool never holds more than the credit; close() mid-burst leaves no
+worker thread and no file it read. (The real sidecar and vLLM: tests/integration.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+import zmq
+from safetensors.torch import save_file
+
+from connector import protocol as P
+from trainer_client import HiddenStateStream, StreamError
+from trainer_client import stream as S
+from trainer_client.check_pool import THREAD_PREFIX
+from trainer_client.stream import InvalidSample, to_device_checked
+
+
+def write_sample(spool, i: int, tokens: int = 32, bad: str | None = None) -> P.Deliver:
+    g = torch.Generator().manual_seed(i)
+    hs = torch.randn((tokens, 2, 64), generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (tokens,), generator=g)
+    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+    if bad == "nan":
+        hs[tokens // 2, 1, 3] = float("nan")
+        digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())  # intact bytes, non-finite value
+    elif bad == "checksum":
+        hs[0, 0, 0] += 1  # changed after the digest
+    name = f"hs-{i}.safetensors"
+    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(spool / name))
+    n = P.Notice(status=P.NoticeStatus.ok, request_id=name, key=P.SampleKey(job="j", index=i), file=name,
+                 num_tokens=tokens, layer_ids=[1, 2], hidden_size=64, dtype="bfloat16", checksum=digest,
+                 sent_at=time.time())  # fmt: skip
+    return P.Deliver(notice=n, expected_token_ids=ids.tolist())
+
+
+class FakeSidecar:
+    """Sends the deliveries as one burst once the stream says HELLO (honouring its credit unless
+    ``ignore_credit``), then END; records everything the stream sends."""
+
+    def __init__(self, tmp_path, deliveries: list[P.Deliver], *, ignore_credit: bool = False, end: bool = True) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.endpoint = f"ipc://{tmp_path}/d.sock"
+        self.sock.bind(self.endpoint)
+        self.todo, self.ignore_credit, self.end = list(deliveries), ignore_credit, end
+        self.got: list = []
+        self.max_outstanding = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        ident, credit, sent_end = None, 0, False
+        while not self._stop.is_set():
+            if self.sock.poll(20):
+                frames = self.sock.recv_multipart()
+                ident, msg = frames[0], P.decode_msg(frames[1:])
+                self.got.append(msg)
+                if isinstance(msg, P.Credit):
+                    credit += msg.n
+            while ident is not None and self.todo and (credit > 0 or self.ignore_credit):
+                self.sock.send_multipart([ident, *P.encode_msg(self.todo.pop(0))])
+                credit -= 1
+            if ident is not None and not self.todo and self.end and not sent_end:
+                self.sock.send_multipart([ident, *P.encode_msg(P.End())])
+                sent_end = True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(5)
+        self.sock.close(linger=0)
+
+    def of(self, kind) -> list:  # noqa: ANN001
+        return [m for m in self.got if isinstance(m, kind)]
+
+    def keys(self, kind) -> list:  # noqa: ANN001
+        return [k for m in self.of(kind) for k in m.keys]
+
+
+def _workers_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+@pytest.mark.parametrize("workers", [0, 1, 4])
+def test_a_burst_is_yielded_in_delivery_order_with_one_invalid_sample_failed_once(tmp_path, workers, monkeypatch):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ds = [write_sample(spool, i, bad="nan" if i == 5 else None) for i in range(16)]
+    real, finished = S.load_and_check, []
+
+    def slow_first(spool_, d, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if d.notice.key.index == 0:
+            time.sleep(0.3)  # with workers, the first delivery is checked last
+        try:
+            return real(spool_, d, *a, **kw)
+        finally:
+            finished.append(d.notice.key.index)
+
+    monkeypatch.setattr(S, "load_and_check", slow_first)
+    sc = FakeSidecar(tmp_path, ds)
+    try:
+        with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=16, timeout_s=20, workers=workers) as s:
+            got = [x for x in s if x is not None]
+        time.sleep(0.2)
+    finally:
+        sc.stop()
+    good = [d.notice.key for i, d in enumerate(ds) if i != 5]
+    assert [x.key for x in got] == good
+    fails = sc.of(P.Fail)
+    assert [f.key for f in fails] == [ds[5].notice.key] and "non-finite" in fails[0].reason
+    assert sorted(sc.keys(P.Received), key=str) == sorted(good, key=str)  # each once, not the failed one
+    assert Counter(sc.keys(P.Ack)) == Counter(good)  # ack="use": every yielded sample once
+    credit = sc.of(P.Credit)
+    assert credit[0].n == 16 and sum(c.n for c in credit[1:]) == 16  # one back per delivery
+    assert sorted(p.name for p in spool.iterdir()) == ["hs-5.safetensors"]  # the failed one: the sidecar's
+    assert s.stats["invalid"] == 1 and s.stats["yielded"] == 15 and s.stats["delivered"] == 16
+    t = got[3].timings
+    assert t["received"] <= t["started"] <= t["checked"] <= t["handed"]
+    assert {"read_s", "checksum_s", "finite_s"} <= set(t)
+    assert not _workers_alive()
+    if workers > 1:
+        assert finished[-1] == 0  # checked out of order, yielded in order
+
+
+def test_the_pool_never_holds_more_than_the_credit_even_from_a_sidecar_that_ignores_it(tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ds = [write_sample(spool, i) for i in range(40)]
+    sc = FakeSidecar(tmp_path, ds, ignore_credit=True)
+    try:
+        with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=4, timeout_s=20, workers=3) as s:
+            got = []
+            for x in s:
+                got.append(x.key)
+                time.sleep(0.005)  # a slow loop: deliveries pile up in the socket, not in the pool
+            pool = s._pool
+    finally:
+        sc.stop()
+    assert got == [d.notice.key for d in ds]
+    assert pool.max_held <= 4 and pool.max_running <= 3
+    assert not list(spool.iterdir())
+
+
+def test_close_mid_burst_settles_what_was_read_and_stops_every_worker(tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ds = [write_sample(spool, i, tokens=512) for i in range(16)]
+    sc = FakeSidecar(tmp_path, ds, end=False)
+    try:
+        s = HiddenStateStream(sc.endpoint, spool_dir=spool, credit=16, timeout_s=20, workers=4, ack="manual")
+        it = iter(s)
+        first = [next(it), next(it)]
+        held = len(s._pool)
+        assert held > 0  # mid-burst: samples delivered, being checked, not yielded
+        s.ack_through(first[-1].key)
+        s.close()
+        assert not _workers_alive()
+        time.sleep(0.3)
+    finally:
+        sc.stop()
+    received = sc.keys(P.Received)
+    assert len(received) == len(set(received))  # never twice
+    assert sc.keys(P.Ack) == [x.key for x in first]  # only what the loop had: the rest comes back
+    assert not sc.of(P.Fail)
+    left = {p.name for p in spool.iterdir()}
+    for d in ds:  # a file is gone exactly when its RECEIVED went (read by us), else it is the sidecar's
+        assert (d.notice.file in left) == (d.notice.key not in received), d.notice.file
+    assert len(received) >= 2 + held
+
+
+def test_a_wrong_spool_dir_stops_the_pooled_stream_and_reports_nothing(tmp_path):
+    spool, wrong = tmp_path / "spool", tmp_path / "elsewhere"
+    spool.mkdir()
+    wrong.mkdir()
+    ds = [write_sample(spool, i) for i in range(6)]
+    sc = FakeSidecar(tmp_path, ds)
+    try:
+        with pytest.raises(StreamError, match=r"cannot read delivered file 'hs-0.safetensors' in spool_dir .*elsewhere"):
+            with HiddenStateStream(sc.endpoint, spool_dir=wrong, credit=8, timeout_s=20, workers=4) as s:
+                list(s)
+        time.sleep(0.3)
+    finally:
+        sc.stop()
+    assert not sc.of(P.Fail) and not sc.of(P.Received) and not sc.of(P.Ack)
+    assert len(list(spool.iterdir())) == 6  # every file still there for its next lease
+    assert not _workers_alive()
+
+
+def test_finiteness_on_a_device_refuses_non_finite_values_and_returns_them_there():
+    hs = torch.randn(8, 2, 16).to(torch.bfloat16)
+    out, sc = to_device_checked(hs, None, torch.device("cpu"), (t := {}))
+    assert torch.equal(out, hs) and sc is None and "to_device_s" in t
+    hs[7, 1, 15] = float("inf")
+    with pytest.raises(InvalidSample, match="non-finite"):
+        to_device_checked(hs, torch.ones(8, 1, 1), torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by bench/online_gpu.py)")
+def test_the_stream_checks_finiteness_on_cuda_and_yields_samples_there(tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ds = [write_sample(spool, i, bad="nan" if i == 1 else None) for i in range(4)]
+    sc = FakeSidecar(tmp_path, ds)
+    try:
+        with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=4, timeout_s=20, workers=2, device="cuda") as s:
+            got = list(s)
+    finally:
+        sc.stop()
+    assert [x.key.index for x in got] == [0, 2, 3] and all(x.hidden_states.is_cuda for x in got)
+    assert [f.key.index for f in sc.of(P.Fail)] == [1]
