@@ -64,6 +64,14 @@ NANOBIND_EXPLAINED = (
     "(triton's nanobind listed Python objects alive at interpreter exit: its known exit message, "
     "nothing is left on the host; full text in the log)"
 )
+#: vLLM's API server, stopped on purpose, sometimes has its output handler wake up after the
+#: engine core it just drained is gone, and logs that as an ERROR with a traceback
+#: (EngineDeadError). Only while *we* stop that engine does this mean nothing.
+VLLM_STOP_RACE = re.compile(r"\bERROR\b.*\[async_llm\.py:\d+\]")
+VLLM_STOP_RACE_EXPLAINED = (
+    "(vLLM's output handler woke after the engine core it had just drained was gone, while we "
+    "stopped it: its known shutdown race, logged as an error; full text in the log)"
+)
 
 #: Order in which children are stopped: the trainer first (it returns its leases while the
 #: sidecar still listens), vLLM next (no new files), the sidecar last (it deletes the files of
@@ -507,6 +515,8 @@ class Supervisor:
         self._vllm_shm: dict[str, set[str]] = {}  # engine name -> its shared-memory files
         self._stopped = False
         self._nanobind_told: set[str] = set()
+        self._stopping: set[str] = set()  # children we are stopping now (their exit noise is ours)
+        self._race_told: set[str] = set()
 
     # ---------------------------------------------------------------- output
     _COLORS = {"up": "1", "vllm": "36", "sidecar": "35", "trainer": "33"}
@@ -517,6 +527,11 @@ class Supervisor:
                 return
             self._nanobind_told.add(name)
             line = NANOBIND_EXPLAINED
+        elif name in self._stopping and is_engine(name) and VLLM_STOP_RACE.search(line):
+            if name in self._race_told:
+                return
+            self._race_told.add(name)
+            line = VLLM_STOP_RACE_EXPLAINED
         tag = f"{name:<7} |"
         if self._color:
             tag = f"\x1b[{self._COLORS.get(name, '0')}m{tag}\x1b[0m"
@@ -800,6 +815,7 @@ class Supervisor:
         order = {n: i for i, n in enumerate(STOP_ORDER)}
         for ch in sorted(self.children, key=lambda c: order.get("vllm" if is_engine(c.name) else c.name, -1)):
             if ch.alive():
+                self._stopping.add(ch.name)
                 self.say(f"stopped {ch.name} ({describe_exit(ch.stop())})")
         unclean = [f"{c.name} ({describe_exit(c.proc.returncode)})" for c in self.children if c.proc.returncode != 0]
         for ch in self.children:
