@@ -793,7 +793,7 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--warm-shm-mib", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny shape, few samples, trainer on CPU")
     ap.add_argument("--dry-run", action="store_true", help="print the command lines of this split and exit")
-    ap.add_argument("--name", default=None)
+    ap.add_argument("--name", default=None, help="result file under bench/results/, e.g. online_gpu_h200x2.json")
     ap.add_argument("--share-gpus", action="store_true",
                     help="allow vLLM and the trainer on the same GPU (one-GPU machines; they compete for it)")
     ap.add_argument("--consumer", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -839,6 +839,7 @@ def main() -> int:  # noqa: C901
         return dry_run(args, model)
 
     name = args.name or ("online_gpu_smoke_cpu.json" if args.smoke else "online_gpu_h200x2.json")
+    name = name if name.endswith(".json") else f"{name}.json"  # a bare name still lands as JSON
     out_dir = ROOT / "bench" / "results"
     o = Orchestrator(args)
     o.shape, o.model = shape, model
