@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from connector.sample_tokens import SampleRefused, _marked_mask, assistant_mask, encode_sample, turn_by_turn_mask
-from tests.unit.chat_templates import LLAMA3, MISTRAL, MISTRAL_SYSTEM_LAST, QWEN3, STYLES, make_tokenizer
+from tests.unit.chat_templates import GEMMA, LLAMA2, LLAMA3, MISTRAL, MISTRAL_SYSTEM_LAST, QWEN3, STYLES, make_tokenizer
 
 UNICODE = "Emoji 🚀🎉👍🏽, 中文：你好，世界！ 日本語のテキスト, עברית: שלום עולם, العربية: مرحبا بالعالم"
 
@@ -171,3 +171,34 @@ def test_regenerate_prompts_with_the_generation_prompt_and_trains_nothing(tokeni
     ids, mask = encode_sample(tok, {"messages": msgs}, mode="regenerate")
     assert ids == tok.apply_chat_template(msgs[:3], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert not any(mask)
+
+
+#: The "system" conversation as each folding template must render it, written out by hand from
+#: the real templates (Mistral's [INST], Gemma's turns, Llama-2's <<SYS>>): (no-loss prompt,
+#: the assistant's tokens that carry loss, what follows them). The system prompt joins the
+#: first user turn followed by "\n\n"; nothing else of it is left.
+FOLDED = {
+    MISTRAL.name: ("<s>[INST] You are terse.\n\nWhat is two plus two? [/INST]", "Four.</s>", ""),
+    GEMMA.name: ("<bos><start_of_turn>user\nYou are terse.\n\nWhat is two plus two?<end_of_turn>\n"
+                 "<start_of_turn>model\n", "Four.<end_of_turn>", "\n"),  # fmt: skip
+    LLAMA2.name: ("<s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nWhat is two plus two? [/INST]", " Four. </s>", ""),
+}
+
+
+@pytest.mark.parametrize("style", [MISTRAL, GEMMA, LLAMA2], ids=lambda s: s.name)
+def test_system_prompt_folded_into_the_first_user_turn_with_a_blank_line(tokenizers, style):
+    """The ids and mask of a conversation whose system prompt the template folds into the first
+    user turn, against the text spelled out here (not the template's own render): a template or
+    tokenisation that drops the "\\n\\n", keeps a system turn, or masks the system prompt fails."""
+    tok = tokenizers[(style.name, False)]
+    prompt, answer, tail = FOLDED[style.name]
+
+    def enc(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    want = enc(prompt + answer + tail)
+    p, pa = enc(prompt), enc(prompt + answer)
+    assert want[: len(p)] == p and want[: len(pa)] == pa  # the spelled split falls on token boundaries
+    ids, mask = encode_sample(tok, {"messages": CONVERSATIONS["system"]})
+    assert ids == want
+    assert mask == [0] * len(p) + [1] * (len(pa) - len(p)) + [0] * (len(want) - len(pa))
