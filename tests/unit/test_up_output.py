@@ -50,3 +50,36 @@ def test_other_errors_of_an_engine_we_stop_are_shown(tmp_path):
     line = "(EngineCore pid=2) ERROR 12-01 07:04:48 [core.py:1000] EngineCore failed to start."
     sup._emit("vllm", line)
     assert out.getvalue().splitlines() == [f"vllm    | {line}"]
+
+
+def _stop_transcript(tmp_path, engine_lines: list[str], *, stopping: bool = True) -> list[str]:  # noqa: ANN001
+    """What ``hsstream up`` prints from a SIGINT on, through the real Supervisor's output path."""
+    sup, out = _supervisor(tmp_path)
+    sup.say("SIGINT received: stopping the stack")
+    if stopping:
+        sup._stopping.add("vllm")
+    for line in engine_lines:
+        sup._emit("vllm", line)
+    for name in ("trainer", "vllm", "sidecar"):
+        sup.say(f"stopped {name} (exit code 0)")
+    sup.say("stopped cleanly (every child exited 0); 0 spool file(s) removed")
+    return out.getvalue().splitlines()
+
+
+def test_the_stop_check_accepts_the_explained_race_and_refuses_the_raw_lines(tmp_path):
+    """The clean-stop check of test_up and test_readme (issue 15: no warning lines, "or they are
+    explained in one line") passes a stop where vLLM's shutdown race was told in its one line, and
+    still fails on the race's raw lines and on any other error."""
+    import pytest
+
+    from tests.integration.test_up import assert_stopped_cleanly
+
+    assert_stopped_cleanly(_stop_transcript(tmp_path, RACE), "SIGINT")
+    with pytest.raises(AssertionError, match="warnings in a clean stop"):  # not ours to stop: shown verbatim
+        assert_stopped_cleanly(_stop_transcript(tmp_path, RACE, stopping=False), "SIGINT")
+    other = "(EngineCore pid=2) ERROR 12-01 07:04:48 [core.py:1000] EngineCore failed to start."
+    with pytest.raises(AssertionError, match="warnings in a clean stop"):
+        assert_stopped_cleanly(_stop_transcript(tmp_path, [other]), "SIGINT")
+    explained = _stop_transcript(tmp_path, RACE)
+    with pytest.raises(AssertionError, match="told twice for one engine"):  # once per engine
+        assert_stopped_cleanly(explained + [ln for ln in explained if up.VLLM_STOP_RACE_EXPLAINED in ln], "SIGINT")
