@@ -11,7 +11,9 @@ a child that starts that vLLM's OpenAI server with our connector (tiny Qwen3, la
 
 Installs run without the test lock (network and disk); every vLLM run takes it. 0.26 is not
 installable on CPU here (its CPU torch does not resolve); it is covered on CUDA by
-``bench/gpu_check.py`` (``bench/results/gpu_check_h200.json``).
+``bench/gpu_check.py`` (``bench/results/gpu_check_h200.json``): its row is built from that file
+(verdict, date, layers), and ``--cuda-row-only`` refreshes just that row after a new GPU run.
+``tests/unit/test_results_in_readme.py`` holds the README's table to this file.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 VERSIONS = ["0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
 LOCK = "/tmp/hsstream-pytest.lock"
 ROOT = Path(__file__).resolve().parent.parent
+GPU_RESULT = ROOT / "bench/results/gpu_check_h200.json"
 
 
 def install(version: str, base: Path) -> tuple[Path | None, str | None]:
@@ -118,7 +121,11 @@ def main() -> int:
     ap.add_argument("--versions", default=",".join(VERSIONS))
     ap.add_argument("--dir", default="/tmp/hsstream-compat-matrix")
     ap.add_argument("--out", default=str(ROOT / "bench/results/compat_matrix.json"))
+    ap.add_argument("--cuda-row-only", action="store_true", help="refresh 0.26's row from the GPU result only")
     a = ap.parse_args()
+    if a.cuda_row_only:
+        refresh_cuda_row(Path(a.out))
+        return 0
     if a.check:
         print("RESULT " + json.dumps(check()), flush=True)
         return 0
@@ -130,12 +137,26 @@ def main() -> int:
         row = run_version(v, target) if target else {"version": v, "pass": False, "reason": err}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    gpu = json.loads((ROOT / "bench/results/gpu_check_h200.json").read_text())
-    rows.insert(0, {"version": "0.26 (CUDA, H200)", "pass": None, "covered_by": "bench/gpu_check.py",
-                    "result_file": "bench/results/gpu_check_h200.json", "summary": {k: gpu.get(k) for k in ("benchmark", "when", "ok", "layers_ours")}})  # fmt: skip
+    rows.insert(0, cuda_row())
     Path(a.out).write_text(json.dumps({"generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                        "torch": __import__("torch").__version__, "rows": rows}, indent=1) + "\n")  # fmt: skip
     return 0
+
+
+def cuda_row(result: Path = GPU_RESULT) -> dict:
+    """0.26's row, from the CUDA run's own result file: its verdict and what it checked, so the
+    table cannot say more than that file (a new GPU run is picked up with ``--cuda-row-only``)."""
+    gpu = json.loads(result.read_text())
+    return {"version": f"{gpu['vllm']} (CUDA, H200)", "pass": bool(gpu["ok"]), "covered_by": "bench/gpu_check.py",
+            "result_file": str(result.relative_to(ROOT)),
+            "summary": {k: gpu.get(k) for k in ("benchmark", "when", "device", "vllm", "ok", "layers")}}  # fmt: skip
+
+
+def refresh_cuda_row(out: Path) -> None:
+    """Rewrites only the CUDA row of an existing result (the CPU rows need the installs)."""
+    data = json.loads(out.read_text())
+    data["rows"] = [cuda_row(), *(r for r in data["rows"] if "CUDA" not in r["version"])]
+    out.write_text(json.dumps(data, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""README's figures against the committed result files they cite: the tested-vLLM table against
+``bench/results/compat_matrix.json`` (and 0.26's row against the GPU run it names), and the
+online-vs-offline table and note against ``bench/results/online_vs_offline_cpu.json``.
+
+A result file re-run without the README (or the other way round) fails here, with the figure
+that moved. Numbers are read from the README's tables as written there (rounded as shown).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "bench/results"
+CHECKS = ("hf_equivalence", "layer_order", "nothing_left")  # the table's columns, in order
+
+
+def section(title: str) -> str:
+    """The README text under a heading, up to the next heading of any level."""
+    m = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", README, re.M | re.S)
+    assert m, f"README has no section {title!r}"
+    return m.group(1)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of each body row of the markdown tables in ``text``."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows[1:] if rows else rows  # the first row is the header
+
+
+# ------------------------------------------------------------------------------- vLLM versions
+
+
+def compat() -> tuple[list[dict], dict[str, list[str]]]:
+    data = json.loads((RESULTS / "compat_matrix.json").read_text())
+    readme = {r[0]: r for r in table_rows(section("Tested vLLM versions"))}
+    return data["rows"], readme
+
+
+def test_every_vllm_cpu_version_row_says_what_the_json_says():
+    rows, readme = compat()
+    cpu = [r for r in rows if "CUDA" not in r["version"]]
+    assert [r["version"] for r in cpu] == [v for v in readme if not v.startswith("0.26")]
+    for r in cpu:
+        cells = readme[r["version"]][2:5]
+        for name, cell in zip(CHECKS, cells, strict=True):
+            check = r.get("checks", {}).get(name)
+            if check and check["pass"]:
+                assert cell.startswith("pass"), f"{r['version']} {name}: README says {cell!r}, the JSON passes"
+            else:  # a failure (or a version that never ran) is stated, with its reason
+                reason = (check or r).get("reason") or ""
+                assert cell.startswith("fail") and reason[:40] in cell, f"{r['version']} {name}: {cell!r} vs {reason!r}"
+
+
+def test_the_cuda_row_is_the_gpu_run_it_names():
+    from bench.compat_matrix import cuda_row
+
+    rows, readme = compat()
+    (row,) = [r for r in rows if "CUDA" in r["version"]]
+    assert row == cuda_row(), "compat_matrix.json's CUDA row is stale: python bench/compat_matrix.py --cuda-row-only"
+    gpu = json.loads((ROOT / row["result_file"]).read_text())
+    (cells,) = [c for v, c in readme.items() if v.startswith("0.26")]
+    assert gpu["vllm"].startswith("0.26") and gpu["ok"] and cells[2].startswith("pass")
+    assert f"({gpu['when'][:10]})" in cells[1], f"README's date {cells[1]!r}, the run's {gpu['when']}"
+    assert f"[{', '.join(map(str, gpu['layers']))}]" in cells[3], f"README's layers {cells[3]!r}, the run's {gpu['layers']}"
+    assert row["result_file"] in cells[5]
+
+
+def test_pyproject_claims_no_more_vllm_than_the_table():
+    rows, _ = compat()
+    passed = [tuple(int(x) for x in r["version"].split()[0].split(".")[:2]) for r in rows if r["pass"]]
+    lo, hi = min(passed), max(passed)
+    spec = re.search(r'^gpu = \["vllm>=([\d.]+),<([\d.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert spec, "pyproject's gpu extra is no longer vllm>=A,<B"
+    assert spec.group(1) == f"{lo[0]}.{lo[1]}" and spec.group(2) == f"{hi[0]}.{hi[1] + 1}", spec.group(0)
+
+
+# ----------------------------------------------------------------------------- online vs offline
+
+
+@pytest.fixture(scope="module")
+def ovo() -> dict:
+    return json.loads((RESULTS / "online_vs_offline_cpu.json").read_text())
+
+
+def by_grid(curve: list[dict], grid_s: float) -> dict[int, dict]:
+    """The first served point in each wall-clock grid interval (a final checkpoint that falls in
+    the same interval as a grid one is not an equal-clock point)."""
+    out: dict[int, dict] = {}
+    for p in curve:
+        out.setdefault(int(p["t_s"] // grid_s), p)
+    return out
+
+
+def test_the_run_is_what_the_issue_asks(ovo):
+    arms = ovo["arms"]
+    assert arms["offline"]["samples_hash"] == arms["online"]["samples_hash"]  # same samples, recomputed here
+    assert all(len(a["curve"]) >= 4 for a in arms.values()), {k: len(a["curve"]) for k, a in arms.items()}
+    assert (RESULTS / "online_vs_offline_cpu.png").stat().st_size > 10_000
+    assert "make online-vs-offline" in section("Online vs offline on the same clock")
+
+
+def test_the_table_has_the_measured_figures(ovo):
+    arms, rows = ovo["arms"], table_rows(section("Online vs offline on the same clock"))
+    first = arms["offline"]["curve"][0]
+    assert len(rows) == 3
+    for arm, cells in zip(("offline", "online", "online_regenerated"), rows, strict=True):
+        a = arms[arm]
+        at = [p for p in a["curve"] if p["t_s"] <= first["t_s"] + 1e-9][-1]  # what existed at offline's first
+        final = a["curve"][-1]
+        assert cells[1] == f"{a['wall_s']:.0f} s", (arm, cells[1])
+        assert cells[3].startswith(f"{at['T0']:.3f} / {at['T1']:.3f}"), (arm, cells[3], at)
+        assert cells[4] == f"{final['T0']:.3f} / {final['T1']:.3f}", (arm, cells[4], final)
+    # the summary row under "Measured" says the same
+    (row,) = [ln for ln in section("Measured").splitlines() if ln.startswith("| Online vs offline")]
+    on_at = [p for p in arms["online"]["curve"] if p["t_s"] <= first["t_s"] + 1e-9][-1]
+    fin = {arm: arms[arm]["curve"][-1] for arm in ("offline", "online")}
+    for want in (f"final checkpoint at {arms['offline']['wall_s']:.0f} s, online at {arms['online']['wall_s']:.0f} s",
+                 f"first checkpoint ({first['t_s']:.0f} s)",
+                 f"T=0 {on_at['T0']:.3f} vs {first['T0']:.3f}, T=1 {on_at['T1']:.3f} vs {first['T1']:.3f}",
+                 f"final T=0 {fin['offline']['T0']:.3f} offline / {fin['online']['T0']:.3f} online"):  # fmt: skip
+        assert want in row, f"README's Measured row should say {want!r}:\n{row}"
+
+
+def test_no_readme_table_is_cut_by_a_blank_line():
+    """A row after a blank line starts a new table, which needs its own header: without one,
+    markdown shows the rows as a paragraph of pipes."""
+    lines = README.splitlines()
+    cut = [i + 1 for i in range(1, len(lines) - 1)
+           if lines[i].startswith("|") and not lines[i - 1].strip() and not re.match(r"^\|[-| :]+\|$", lines[i + 1])]  # fmt: skip
+    assert cut == [], f"README lines {cut}: table rows without a header (a blank line inside a table?)"
+
+
+def test_the_note_says_who_wins_and_by_how_much(ovo):
+    note = " ".join(section("Online vs offline on the same clock").split())
+    off, on = ovo["arms"]["offline"], ovo["arms"]["online"]
+    winner = "offline" if off["wall_s"] < on["wall_s"] else "online"
+    assert f"the **{winner} path wins on wall-clock**" in note
+    assert f"it ends {abs(on['wall_s'] - off['wall_s']):.0f} s" in note
+    # at equal wall-clock points, offline ahead at T=0 from 60 s to its last grid point: by how much
+    grid = ovo["grid_s"]
+    g_off, g_on = by_grid(off["curve"], grid), by_grid(on["curve"], grid)
+    both = sorted(k for k in g_off if k in g_on and k * grid >= 60 and g_off[k]["t_s"] < off["wall_s"])
+    gaps = [g_off[k]["T0"] - g_on[k]["T0"] for k in both]
+    assert all(g > 0 for g in gaps), gaps
+    lo, hi = min(gaps), max(gaps)
+    claim = f"offline is ahead at T=0 from {both[0] * grid:.0f} to {both[-1] * grid:.0f} s by {lo:.2f}–{hi:.2f}"
+    assert claim in note, f"README should say: {claim!r} (gaps {[round(g, 4) for g in gaps]})"
+    t1 = max(abs(g_off[k]["T1"] - g_on[k]["T1"]) for k in g_off if k in g_on and g_off[k]["t_s"] < off["wall_s"])
+    assert f"at T=1 they stay within {t1:.3f}" in note, t1
