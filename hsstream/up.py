@@ -70,7 +70,7 @@ NANOBIND_EXPLAINED = (
 VLLM_STOP_RACE = re.compile(r"\bERROR\b.*\[async_llm\.py:\d+\]")
 VLLM_STOP_RACE_EXPLAINED = (
     "(vLLM's output handler woke after the engine core it had just drained was gone, while we "
-    "stopped it: its known shutdown race, logged as an error; full text in the log)"
+    "stopped it: vLLM's known shutdown race, harmless here; its full text is in the log)"
 )
 
 #: Order in which children are stopped: the trainer first (it returns its leases while the
