@@ -17,6 +17,8 @@ from a registered mapping of the file; for the last two the sidecar deletes the 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import zmq
 
 from connector import protocol as P
 from connector.transport import Sender, TransportError, make_sender
-from server.ledger import Ledger
+from server.ledger import Ledger, State
 from server.notices import prepare_ipc
 from server.schemas import TrainerInfo
 from server.socket_thread import SocketThread
@@ -34,6 +36,9 @@ log = logging.getLogger("hsstream.sidecar")
 
 #: Most trainer messages applied in one ledger transaction (the lock is held meanwhile).
 BATCH = 256
+#: The delivery thread's longest sleep; heartbeats and lost trainers are looked at this often.
+#: New READY samples and trainer messages wake it at once.
+POLL_MS = 20
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,13 @@ class DeliveryService(SocketThread):
         self.senders: dict[str, Sender] = {"spool": make_sender("spool"), "zmq": make_sender("zmq")}
         if mooncake is not None:
             self.senders["mooncake"] = mooncake
+        # Woken when a sample becomes READY (a notice committed on the notices thread, a lease
+        # returned): without it a new sample waits for the poll's timeout or for some trainer's
+        # message before it is offered — up to POLL_MS of pure latency per sample. A pipe, since
+        # the ledger's listeners run on other threads and may not touch this thread's sockets.
+        # Made in bind(), closed when serve() ends.
+        self._wake_r = self._wake_w = -1
+        self._wake_lock = threading.Lock()  # the write end is never written after it is closed
 
     def trainers(self) -> list[TrainerInfo]:
         """The connected trainers, for the REST overview (read from another thread: a snapshot)."""
@@ -152,15 +164,42 @@ class DeliveryService(SocketThread):
             remote.curve_secretkey = self.curve.secret
             remote.bind(self.remote_endpoint)
             self._socks[b"R"] = remote
+        self._wake_r, self._wake_w = os.pipe()  # last: nothing to close if a bind above failed
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self.ledger.listeners.append(self._on_transition)
         return auth
+
+    def _on_transition(self, new: object, _old: object, _n: int, _tokens: int) -> None:
+        """Ledger listener (any thread): a sample became READY, so wake the delivery thread."""
+        if new is not State.ready:
+            return
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:  # the pipe is full: the thread has wake-ups pending anyway
+                pass
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def serve(self, auth: object) -> None:
         poller = zmq.Poller()
         for s in self._socks.values():
             poller.register(s, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self.stopping:
-                for sock, _ in poller.poll(20):
+                for sock, _ in poller.poll(POLL_MS):
+                    if sock == self._wake_r:
+                        self._drain_wakeups()
+                        continue
                     tag = next(t for t, s in self._socks.items() if s is sock)
                     more = True
                     while more:
@@ -184,6 +223,17 @@ class DeliveryService(SocketThread):
                 sender.close()
             if auth is not None:
                 auth.stop()  # type: ignore[attr-defined]
+            self.close_wakeups()
+
+    def close_wakeups(self) -> None:
+        """Stop hearing the ledger and close the wake-up pipe (the thread's end, or never started)."""
+        if self._on_transition in self.ledger.listeners:
+            self.ledger.listeners.remove(self._on_transition)
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def _on_messages(self, tag: bytes, batch: list[list[bytes]]) -> None:
         """The messages that arrived together, in one ledger group (one commit for their acks

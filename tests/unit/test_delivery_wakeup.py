@@ -1,0 +1,68 @@
+"""A sample that becomes READY is offered at once, not at the delivery thread's next poll
+timeout (issue 9's notice-to-GPU latency: that timeout was up to 20 ms per sample)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from connector import protocol as P
+from server import delivery
+from server.delivery import DeliveryService
+from server.ledger import Ledger, NewSample
+
+
+def _deliver_after_ready(tmp_path, monkeypatch, poll_ms: int, wake: bool) -> float:
+    """Seconds from a notice committed on another thread to its DELIVER at a waiting trainer,
+    with the poll timeout set to ``poll_ms`` (long, so only a wake-up can be fast)."""
+    monkeypatch.setattr(delivery, "POLL_MS", poll_ms)
+    spool = tmp_path / "spool"
+    P.claim_spool(spool)
+    ledger = Ledger()
+    job = ledger.add_job([NewSample([1, 2, 3], None, "s0", 30)])
+    ep = f"ipc://{tmp_path}/run/d.sock"
+    svc = DeliveryService(ep, spool, ledger, heartbeat_s=60)
+    if not wake:
+        monkeypatch.setattr(svc, "_on_transition", lambda *a: None)
+    svc.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        dealer.connect(ep)
+        dealer.send_multipart(P.encode_msg(P.Hello(jobs=[job.job_id])))
+        dealer.send_multipart(P.encode_msg(P.Credit(n=4)))
+        time.sleep(0.3)  # the thread has seen both and gone back to sleep in its poll
+        s = ledger.next_to_submit(10**9)
+        (spool / "hs-0.safetensors").write_bytes(b"x" * 30)
+        notice = P.Notice(status=P.NoticeStatus.ok, request_id="r", key=s.key, attempt=s.attempt,
+                          file="hs-0.safetensors", num_tokens=3, nbytes=30)  # fmt: skip
+        t0 = time.monotonic()
+        threading.Thread(target=ledger.on_notice, args=(notice, 30)).start()  # as the notices thread does
+        assert dealer.poll(poll_ms + 5000), "nothing delivered"
+        took = time.monotonic() - t0
+        msg = P.decode_msg(dealer.recv_multipart())
+        assert isinstance(msg, P.Deliver) and msg.notice.key == s.key
+        return took
+    finally:
+        dealer.close(linger=0)
+        svc.stop()
+
+
+def test_a_ready_sample_wakes_the_delivery_thread(tmp_path, monkeypatch):
+    assert _deliver_after_ready(tmp_path, monkeypatch, poll_ms=3000, wake=True) < 1.0
+
+
+def test_without_the_wake_up_it_waits_for_the_poll(tmp_path, monkeypatch):
+    """The control: the same set-up without the listener waits out the poll timeout, so the
+    test above measures the wake-up and not some other message that woke the thread."""
+    assert _deliver_after_ready(tmp_path, monkeypatch, poll_ms=1500, wake=False) > 1.0
+
+
+def test_the_wake_up_pipe_is_closed_and_unhooked_when_the_thread_stops(tmp_path):
+    ledger = Ledger()
+    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", tmp_path, ledger)
+    svc.start()
+    assert svc._on_transition in ledger.listeners and svc._wake_w >= 0
+    svc.stop()
+    assert svc._on_transition not in ledger.listeners and svc._wake_r == svc._wake_w == -1
