@@ -201,16 +201,21 @@ def test_finiteness_on_a_device_refuses_non_finite_values_and_returns_them_there
         to_device_checked(hs, torch.ones(8, 1, 1), torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by bench/online_gpu.py)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
 def test_the_stream_checks_finiteness_on_cuda_and_yields_samples_there(tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()
-    ds = [write_sample(spool, i, bad="nan" if i == 1 else None) for i in range(4)]
+    # 1: NaN (caught on the GPU); 3: a wrong checksum (caught on the host while its copy to the
+    # GPU is already under way: that copy must be dropped, not yielded).
+    ds = [write_sample(spool, i, bad={1: "nan", 3: "checksum"}.get(i)) for i in range(5)]
     sc = FakeSidecar(tmp_path, ds)
     try:
         with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=4, timeout_s=20, workers=2, device="cuda") as s:
             got = list(s)
     finally:
         sc.stop()
-    assert [x.key.index for x in got] == [0, 2, 3] and all(x.hidden_states.is_cuda for x in got)
-    assert [f.key.index for f in sc.of(P.Fail)] == [1]
+    assert [x.key.index for x in got] == [0, 2, 4] and all(x.hidden_states.is_cuda for x in got)
+    assert [f.key.index for f in sc.of(P.Fail)] == [1, 3]
+    for x in got:  # what reached the GPU is the file's content, complete
+        want = torch.randn((32, 2, 64), generator=torch.Generator().manual_seed(x.key.index)).to(torch.bfloat16)
+        assert torch.equal(x.hidden_states.cpu(), want)
