@@ -263,26 +263,47 @@ def consume_deliver(spec: dict) -> dict:
 
     import torch
 
+    from connector import protocol as P
+
     from trainer_client import HiddenStateStream
 
     dev = _device(spec)
     res: dict = {"device": str(dev)}
     if spec.get("floor"):
         res["floor"] = measure_floor(spec, dev)
-    job = _wait_for_job(spec)
     cuda = dev.type == "cuda"
     resident: collections.deque = collections.deque(maxlen=spec.get("resident", 32))
-    t_end = time.monotonic() + spec["time_limit_s"]
     n = 0
     # pin_memory: the stream reads each file once, straight into page-locked memory, so the
     # copy to the GPU is one non-blocking DMA (no staging copy here). With finite_on_device the
     # stream's workers make that copy and check finiteness on the GPU; the .to() below is a no-op.
     on_dev = cuda and spec.get("finite_on_device", False)
+    # Connected, warm and waiting before the job exists, as a trainer is when a job is submitted
+    # to it (``jobs=None, follow=True``: the bench runs one job at a time; idle yields say when
+    # the HELLO is out). Pinned buffers are warmed for this sample size first: otherwise the
+    # first delivery pays for them while vLLM's first batch piles up.
+    res["stream_opened_at"] = time.time()
+    T, K, H = spec["prompt_len"], len(spec["layers"]), spec["hidden_size"]
+    sample_bytes = T * K * H * 2 + 8 * T + P.HEADER_ALLOWANCE
     with open(spec["records"], "w", buffering=1) as rec, \
-            HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
-                              timeout_s=60, pin_memory=cuda, workers=spec.get("stream_workers"),
-                              device=dev if on_dev else None) as stream:  # fmt: skip
+            HiddenStateStream(spec["endpoint"], jobs=None, follow=True, spool_dir=spec["spool"], credit=spec["credit"],
+                              timeout_s=max(60.0, spec.get("job_wait_s") or 0), pin_memory=cuda,
+                              workers=spec.get("stream_workers"), device=dev if on_dev else None,
+                              idle_s=0.1) as stream:  # fmt: skip
+        if cuda:
+            stream.host_buffers.warm(sample_bytes, spec["credit"] + 1)
+        t_end = None
         for s in stream:
+            if s is None:  # idle: connected and nothing delivered yet
+                if t_end is None:
+                    Path(spec["ready_file"]).write_text(str(os.getpid()))
+                    t_end = time.monotonic() + spec.get("job_wait_s", 120) + spec["time_limit_s"]
+                if time.monotonic() > t_end:
+                    res["stopped"] = "time limit"
+                    break
+                continue
+            if n == 0:
+                t_end = time.monotonic() + spec["time_limit_s"]
             t_y = time.time()
             hs = s.hidden_states
             if cuda:
@@ -475,6 +496,13 @@ class Orchestrator:
         from hsstream import launch
 
         sp, out = self.work / f"{tag}.spec.json", self.work / f"{tag}.result.json"
+        # A tag's files from an earlier run of the same configuration (the stack warm-up uses the
+        # measured run's tags) must not tell the orchestrator this consumer is ready, or hand it an
+        # old job: the job was then submitted while the consumer was still starting (its CUDA
+        # start and floor measurement, seconds of vLLM's output piling up as a start-up backlog).
+        for old in self.work.glob(f"{tag}*"):
+            if old.suffix in (".ready", ".json", ".jsonl") and old.name != sp.name:
+                old.unlink(missing_ok=True)
         sp.write_text(json.dumps({**spec, "ranks": ranks, "work": str(self.work), "tag": tag}))
         env = self.env(gpu)
         if self.cpu:
@@ -616,6 +644,7 @@ class Orchestrator:
                 if time.monotonic() > deadline:
                     raise ConfigFailed(f"consumer {tag} not ready after {a.start_timeout:.0f} s:\n{c.tail()}")
                 time.sleep(0.05)
+        submitted_at = time.time()
         job = self.submit(ps)
         watch = SpoolWatch(self.stack.spool)
         t0 = time.time()
@@ -644,7 +673,8 @@ class Orchestrator:
         for tag, _ in results:
             p = self.work / f"{tag}.records.jsonl"
             recs += [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-        return {"job": job, "results": [r for _, r in results], "records": recs,
+        return {"job": job, "results": [r for _, r in results], "records": recs, "submitted_at": submitted_at,
+                "accepted_at": t0,
                 "spool": {**spool, "budget_bytes": int(a.spool_budget_gib * 2**30)}}  # fmt: skip
 
     def run_stream(self, rnd: int, plain_rate: float | None) -> dict:
@@ -674,6 +704,8 @@ class Orchestrator:
             out["ratio_to_plain"] = round(deliver["tok_per_s"] / plain_rate, 4)
         if plain_rate and vllm.get("tok_per_s"):
             out["vllm_ratio_to_plain"] = round(vllm["tok_per_s"] / plain_rate, 4)
+        out["timeline"] = timeline(recs, r["submitted_at"], r["accepted_at"],
+                                   min((x.get("stream_opened_at") or math.inf) for x in r["results"]))
         out["breakdown"] = breakdown(recs)
         out["breakdown"]["needed"] = bool(out.get("ratio_to_plain") is None or out["ratio_to_plain"] < 0.985)
         out["stream_pool"] = r["results"][0].get("stream_pool")
@@ -753,6 +785,36 @@ def breakdown(recs: list[dict]) -> dict:
             add("copy_to_trainer_gpu", x["g"] - x["y"])
     return {k: {"mean_ms": round(statistics.mean(v), 3), "p50_ms": round(statistics.median(v), 3),
                 "p99_ms": round(pct(v, 0.99), 3)} for k, v in stages.items()}  # fmt: skip
+
+
+def timeline(recs: list[dict], submitted_at: float, accepted_at: float, opened_at: float, parts: int = 10) -> dict:
+    """Where the job's start goes and how latency moves through the job: seconds from the job's
+    POST to the sidecar's answer, to the consumer's stream opening, to the first notice, the
+    first delivery read and the first sample on the GPU; then, by notice order in ``parts``
+    equal slices, each slice's first notice (s after the first) and its p50 / max latency and
+    sidecar wait (ms). A backlog at the start shows as slow early slices."""
+    xs = sorted((x for x in recs if x.get("sent") is not None), key=lambda x: x["sent"])
+    if not xs:
+        return {}
+    t_first = xs[0]["sent"]
+    rec_t = [x["stream"]["received"] for x in xs if "received" in (x.get("stream") or {})]
+    start = {"sidecar_answered_s": accepted_at - submitted_at,
+             "stream_opened_s": opened_at - submitted_at if math.isfinite(opened_at) else None,
+             "first_notice_s": t_first - submitted_at,
+             "first_received_s": (min(rec_t) - submitted_at) if rec_t else None,
+             "first_on_gpu_s": min(x["g"] for x in xs) - submitted_at}
+    out = []
+    n = len(xs)
+    for i in range(parts):
+        part = xs[i * n // parts : (i + 1) * n // parts]
+        if not part:
+            continue
+        lat = [1000 * (x["g"] - x["sent"]) for x in part]
+        side = [1000 * (x["stream"]["received"] - x["sent"]) for x in part if "received" in (x.get("stream") or {})]
+        out.append({"from_s": part[0]["sent"] - t_first, "n": len(part), "latency_p50_ms": _r(pct(lat, 0.5)),
+                    "latency_max_ms": _r(max(lat)), "sidecar_p50_ms": _r(pct(side, 0.5)) if side else None,
+                    "sidecar_max_ms": _r(max(side)) if side else None})  # fmt: skip
+    return {"start_s": {k: _r(v, 3) if v is not None else None for k, v in start.items()}, "by_notice_order": out}
 
 
 def prompts(n: int, plen: int, vocab: int, seed: int) -> list[list[int]]:
