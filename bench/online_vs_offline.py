@@ -101,12 +101,28 @@ class PeakSampler:
         self.sample()
 
 
-def samples_hash(rows: list[tuple[int, int, str]]) -> str:
+def samples_hash(rows: list[tuple]) -> str:
     """sha256 over the sorted (epoch, index, token-ids digest) of every sample an arm trained from."""
     h = hashlib.sha256()
-    for e, i, d in sorted({(e, i, d) for _job, e, i, d in rows}):
+    for e, i, d in sorted({(r[1], r[2], r[3]) for r in rows}):
         h.update(f"{e}:{i}:{d}\n".encode())
     return h.hexdigest()
+
+
+def prompts_hash(pairs: set[tuple[str, str]]) -> str:
+    """sha256 over sorted (sample id, digest of its prompt's token ids): the regenerated arm's
+    samples differ from the documents by design (the verifier's own replies), their prompts not."""
+    h = hashlib.sha256()
+    for label, d in sorted(pairs):
+        h.update(f"{label}:{d}\n".encode())
+    return h.hexdigest()
+
+
+def prompt_part(token_ids, loss_mask):  # noqa: ANN001, ANN201
+    """A regenerated sample's prompt: the tokens before the first one with loss (the reply's)."""
+    if loss_mask is None or not bool(loss_mask.any()) or bool(loss_mask[0]):
+        return token_ids
+    return token_ids[: int(loss_mask.int().argmax())]
 
 
 def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
@@ -144,7 +160,8 @@ class Tap:
         from trainer_client.eagle3.trainer import token_digest
 
         for s in self.inner:
-            self.rows.append((s.key.job, s.key.epoch, s.key.index, token_digest(s.token_ids)))
+            self.rows.append((s.key.job, s.key.epoch, s.key.index, token_digest(s.token_ids), s.label,
+                              token_digest(prompt_part(s.token_ids, s.loss_mask))))  # fmt: skip
             yield s
 
     def __getattr__(self, name: str):  # noqa: ANN204 - keepalive, ack_through of the real stream
@@ -167,7 +184,8 @@ def train_child(spec: dict) -> dict:
             for e in range(spec["epochs"]):
                 for i, path in enumerate(files):
                     s = read_hidden_states(path)
-                    yield dataclasses.replace(s, key=P.SampleKey(job="offline", index=i, epoch=e))
+                    # files[i] is document i: the id the online arms' jobs give it
+                    yield dataclasses.replace(s, key=P.SampleKey(job="offline", index=i, epoch=e), label=f"doc-{i}")
 
         trainer = Eagle3OnlineTrainer(cfg, counts)
         res = trainer.train(Tap(from_disk(), rows))
@@ -178,7 +196,7 @@ def train_child(spec: dict) -> dict:
         with HiddenStateStream(spec["endpoint"], jobs=spec["jobs"], spool_dir=spec["spool"], ack="manual",
                                timeout_s=600, credit=8) as stream:  # fmt: skip
             res = trainer.train(Tap(stream, rows))
-    keys = [(j, e, i) for j, e, i, _ in rows]
+    keys = [(r[0], r[1], r[2]) for r in rows]
     return {
         "result": res.summary(),
         "evals": [h for h in res.history if "eval_top1_0" in h],
@@ -186,8 +204,9 @@ def train_child(spec: dict) -> dict:
         "delivered": len(rows),
         "delivered_twice": len(keys) - len(set(keys)),
         "heldout_repeats_skipped": trainer.heldout_repeats,
-        # the first eval_samples delivered: in delivery order, which the sidecar may vary a little
-        "held_out_indices": sorted(int(f.key.rsplit("/", 1)[1]) for f in trainer.heldout),
+        # the same documents in every arm (eval_ids), whenever each arm's order brought them
+        "held_out_ids": sorted(trainer.heldout_ids),
+        "prompts_hash": prompts_hash({(r[4], r[5]) for r in rows}),
     }
 
 
@@ -227,6 +246,7 @@ def train_cfg(a, verifier: str, run_dir: Path, t0: float, steps: int) -> dict:  
         "verifier": verifier, "out_dir": str(run_dir), "draft_vocab_size": a.draft_vocab_size, "lr": a.lr,
         "schedule_steps": steps, "checkpoint_every": 10**9, "checkpoint_every_s": a.grid_s, "clock_origin": t0,
         "keep_checkpoints": 0, "eval_every": a.eval_every, "eval_samples": a.eval_samples, "seed": 0, "threads": 1,
+        "eval_ids": [f"doc-{i}" for i in range(a.eval_samples)],  # the same held-out documents in every arm
         "progress": False, "tensorboard": False,
     }  # fmt: skip
 
@@ -449,6 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         for off, temp, part in ((0, 0.0, prompts[:half]), (half, 1.0, prompts[half:]))
     ]  # fmt: skip
     bind = launch.cpu_env().get("VLLM_CPU_OMP_THREADS_BIND", "n/a") if launch.is_cpu_build() else "cuda"
+    import torch
+
+    from trainer_client.eagle3.trainer import token_digest
+
+    regen_samples = [x for part, _ in regen_jobs for x in part]
+    regen_ids = V.tokenize_samples(verifier, regen_samples, "all", mode="regenerate")  # as the sidecar does
+    assert len(regen_ids) == len(regen_samples), "the sidecar would refuse some regenerated prompts"
+    want_prompts = prompts_hash({(x["id"], token_digest(torch.tensor(ids))) for x, (ids, _) in zip(regen_samples, regen_ids)})
 
     arms: dict[str, dict] = {}
     arms["offline"] = arm_offline(a, verifier, docs, counts, wd)
@@ -510,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     checks = {
         "same_samples_offline_online": off["samples_hash"] == on["samples_hash"],
+        # what the regenerated arm's trainer received began with the documents' prompts, as cut
+        "regenerated_prompts_are_the_documents": rg["prompts_hash"] == want_prompts,
+        "same_held_out_documents": len({tuple(arms[arm]["held_out_ids"]) for arm in ARMS}) == 1,
         "points_per_curve_ge_min": all(len(arms[arm]["curve"]) >= min_points for arm in ARMS),
         "nothing_delivered_twice": all(arms[arm]["delivered_twice"] == 0 for arm in ARMS),
         "spool_empty_after_online_arms": on["spool_files_left"] == 0 and rg["spool_files_left"] == 0,
@@ -524,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": a.epochs,
         "grid_s": a.grid_s,
         "input_hash": hashlib.sha256(json.dumps(samples).encode()).hexdigest(),
-        "regenerated_prompts_hash": hashlib.sha256(json.dumps(regen_jobs).encode()).hexdigest(),
+        "regenerated_prompts_hash": want_prompts,
         "train": {"lr": a.lr, "draft_vocab_size": a.draft_vocab_size, "eval_every": a.eval_every,
                   "eval_samples": a.eval_samples, "optimizer": "AdamW(0.9, 0.95)", "schedule": "cosine, warmup 20",
                   "samples_per_step": 1, "ttt_steps": 3},  # fmt: skip

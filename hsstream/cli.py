@@ -225,6 +225,7 @@ def train(
     keep_checkpoints: int = typer.Option(2, help="checkpoints kept (0: all)"),
     eval_every: int = typer.Option(0, help="every N steps, top-1 per TTT step on held-out samples (0: never)"),
     eval_samples: int = typer.Option(8, help="with --eval-every: the first K samples of the stream are held out"),
+    eval_ids: str = typer.Option(None, help="with --eval-every: hold out these sample ids instead (comma-separated)"),
     threads: int = typer.Option(1, help="torch CPU threads (1 is fastest beside vLLM on a small machine)"),
     timeout: float = typer.Option(600.0, help="seconds without a sample before giving up"),
     seed: int = typer.Option(0, help="random seed"),
@@ -266,7 +267,8 @@ def train(
         ttt_steps=ttt_steps, lr=lr, warmup_steps=warmup, schedule=schedule, schedule_steps=schedule_steps,
         max_steps=steps, grad_clip=grad_clip, samples_per_step=samples_per_step, checkpoint_every=checkpoint_every,
         checkpoint_every_s=checkpoint_every_s, keep_checkpoints=keep_checkpoints, eval_every=eval_every,
-        eval_samples=eval_samples, seed=seed, control=control, progress=progress, threads=threads, device=device,
+        eval_samples=eval_samples, eval_ids=tuple(x.strip() for x in eval_ids.split(",") if x.strip()) if eval_ids else None,
+        seed=seed, control=control, progress=progress, threads=threads, device=device,
         autocast=autocast, prefetch=prefetch, extra={"argv": sys.argv},
     )  # fmt: skip
     try:

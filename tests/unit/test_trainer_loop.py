@@ -229,6 +229,30 @@ def test_eval_every_holds_out_measures_and_keeps_leases(tiny_model, samples, tmp
     assert stream.events.count("keepalive") == 4 * 4 + 2
 
 
+def test_eval_ids_hold_out_the_same_samples_whatever_their_order(tiny_model, samples, tmp_path):
+    """--eval-ids: the named samples are held out wherever they come in the stream (the online vs
+    offline benchmark's arms get the same documents in different orders), their repeats too, even
+    with other tokens (a regenerated reply under the same id); the rest is trained on."""
+    import dataclasses
+
+    ids = ("s2", "s7", "s11")
+    labelled = [dataclasses.replace(s, label=f"s{s.key.index}") for s in samples[:12]]
+    regen = dataclasses.replace(labelled[7], key=P.SampleKey(job="unit", index=7, epoch=1),
+                                token_ids=labelled[7].token_ids.flip(0))  # same id, other tokens
+    runs = {}
+    for name, order in (("forward", labelled + [regen]), ("reverse", labelled[::-1] + [regen])):
+        out = tmp_path / name
+        tr = Eagle3OnlineTrainer(cfg(tiny_model, out, eval_every=50, eval_ids=ids, checkpoint_every=100),
+                                 counts_of(samples))  # fmt: skip
+        res = tr.train(ListStream(list(order)))
+        runs[name] = (res, tr, set(trained_keys(out)))
+    for res, tr, keys in runs.values():
+        assert tr.heldout_ids == set(ids) and res.held_out == 3 and tr.heldout_repeats == 1
+        assert keys == {f"unit/0/{i}" for i in range(12)} - {"unit/0/2", "unit/0/7", "unit/0/11"}
+    assert runs["forward"][1].heldout_digests == runs["reverse"][1].heldout_digests  # the same samples
+    assert M.load_state(latest_checkpoint(tmp_path / "forward"))["heldout_ids"] == sorted(ids)
+
+
 def test_eval_settings_are_checked(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="--eval-every must be >= 0"):
         Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "a", eval_every=-1), None)

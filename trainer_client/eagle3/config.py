@@ -44,6 +44,9 @@ class TrainConfig:
     # With several ranks, rank 0 holds out and evaluates.
     eval_every: int = 0
     eval_samples: int = 8
+    # Or exactly these samples, by their id (the job's sample "id", ``Sample.label``), whenever
+    # they come: runs that get the same samples in different orders then hold out the same ones.
+    eval_ids: tuple[str, ...] | None = None
     log_every: int = 10
     seed: int = 0
     train_lm_head: bool = False

@@ -77,6 +77,8 @@ class Eagle3OnlineTrainer:
         resume: bool = True,
         world: World | None = None,
     ) -> None:
+        if cfg.eval_ids is not None:
+            cfg.eval_ids = tuple(cfg.eval_ids)
         if cfg.eval_every < 0 or (cfg.eval_every > 0 and cfg.eval_samples < 1):
             raise ValueError(f"--eval-every must be >= 0 and --eval-samples >= 1 (got {cfg.eval_every}, {cfg.eval_samples})")
         if cfg.checkpoint_every_s is not None and cfg.checkpoint_every_s <= 0:
@@ -107,6 +109,7 @@ class Eagle3OnlineTrainer:
         self._tb = None
         self.resumed_from: Path | None = None
         self.data_stats: dict = {}  # of the last train(): batches copied through the side stream, ...
+        self.heldout_ids: set[str] = set()  # with cfg.eval_ids: the ids held out so far
         self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples (rank 0)
         self.heldout_digests: set[str] = set()  # kept in checkpoints: a resumed run never trains on them
         self.heldout_repeats = 0
@@ -200,6 +203,7 @@ class Eagle3OnlineTrainer:
             self.tokens_trained = int(state["tokens_trained"])
             skip = set(state["unacked_keys"])
             self.heldout_digests = set(state.get("heldout_digests", []))
+            self.heldout_ids = set(state.get("heldout_ids", []))
             self.resumed_from = ckpt
             log.info("resumed from %s at step %d (%d samples); %d keys possibly unacknowledged", ckpt, self.step,
                      self.samples_trained, len(skip))  # fmt: skip
@@ -226,15 +230,25 @@ class Eagle3OnlineTrainer:
 
     # -- in-run evaluation ----------------------------------------------------------------------
     def _hold_out(self, smp: Sample, key: str | None = None) -> bool:  # noqa: ARG002 - key: older callers
-        """Keep the first ``eval_samples`` samples for evaluation; True if ``smp`` is not to be trained on."""
+        """Keep the first ``eval_samples`` samples (or those named by ``eval_ids``) for
+        evaluation; True if ``smp`` is not to be trained on."""
         cfg = self.cfg
         if cfg.eval_every <= 0 or not self.world.is_writer:
             return False
         dg = token_digest(smp.token_ids)
-        if dg in self.heldout_digests:  # a held-out sample again (next epoch): training on it would leak
+        if cfg.eval_ids is not None:
+            if smp.label not in cfg.eval_ids:
+                return False
+            if smp.label in self.heldout_ids:  # again (next epoch, or regenerated: other tokens)
+                self.heldout_repeats += 1
+                return True
+            self.heldout_ids.add(smp.label)
+            if smp.token_ids.shape[0] < 2:
+                return True  # nothing to evaluate on, and still not to be trained on
+        elif dg in self.heldout_digests:  # a held-out sample again (next epoch): training on it would leak
             self.heldout_repeats += 1
             return True
-        if len(self.heldout) >= cfg.eval_samples or smp.token_ids.shape[0] < 2:
+        elif len(self.heldout) >= cfg.eval_samples or smp.token_ids.shape[0] < 2:
             return False
         f = features(smp, self.aux_layer_ids)  # copied: the stream may hand its buffers back
         self.heldout.append(Features(str(smp.key), f.input_ids.clone(), f.aux.clone(), f.last.clone(),
@@ -311,6 +325,7 @@ class Eagle3OnlineTrainer:
             # Included in these weights, not yet acknowledged when they were written (all ranks).
             "unacked_keys": unacked,
             "heldout_digests": sorted(self.heldout_digests),
+            "heldout_ids": sorted(self.heldout_ids),
             "writer": {"rank": self.world.rank, "pid": os.getpid(), "world_size": self.world.size},
             "time": time.time(),
         }
