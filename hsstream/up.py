@@ -72,6 +72,18 @@ VLLM_STOP_RACE_EXPLAINED = (
     "(vLLM's output handler woke after the engine core it had just drained was gone, while we "
     "stopped it: vLLM's known shutdown race, harmless here; its full text is in the log)"
 )
+#: On a loaded host vLLM's workers can take longer to exit than its executor's grace period;
+#: the executor then sends them SIGTERM, and says so at WARNING. Only that first step, and only
+#: while we stop the engine: a SIGKILL after it, or anything else, is shown as it is.
+VLLM_SLOW_WORKERS = re.compile(
+    r"\bWARNING\b.*\[multiproc_executor\.py:\d+\].*workers still running after grace period; sending SIGTERM"
+)
+VLLM_SLOW_WORKERS_EXPLAINED = (
+    "(vLLM's executor asked its workers to stop again after its grace period, while we stopped it: "
+    "they were slow to exit on a busy host; its full text is in the log)"
+)
+#: vLLM's own stop noise that is harmless while we stop that engine: pattern -> the one line shown.
+VLLM_STOP_NOISE = ((VLLM_STOP_RACE, VLLM_STOP_RACE_EXPLAINED), (VLLM_SLOW_WORKERS, VLLM_SLOW_WORKERS_EXPLAINED))
 
 #: Order in which children are stopped: the trainer first (it returns its leases while the
 #: sidecar still listens), vLLM next (no new files), the sidecar last (it deletes the files of
@@ -516,7 +528,7 @@ class Supervisor:
         self._stopped = False
         self._nanobind_told: set[str] = set()
         self._stopping: set[str] = set()  # children we are stopping now (their exit noise is ours)
-        self._race_told: set[str] = set()
+        self._race_told: set[tuple[str, str]] = set()  # (engine, explanation) told once
 
     # ---------------------------------------------------------------- output
     _COLORS = {"up": "1", "vllm": "36", "sidecar": "35", "trainer": "33"}
@@ -527,11 +539,13 @@ class Supervisor:
                 return
             self._nanobind_told.add(name)
             line = NANOBIND_EXPLAINED
-        elif name in self._stopping and is_engine(name) and VLLM_STOP_RACE.search(line):
-            if name in self._race_told:
-                return
-            self._race_told.add(name)
-            line = VLLM_STOP_RACE_EXPLAINED
+        elif name in self._stopping and is_engine(name):
+            told = next((why for pattern, why in VLLM_STOP_NOISE if pattern.search(line)), None)
+            if told is not None:
+                if (name, told) in self._race_told:
+                    return
+                self._race_told.add((name, told))
+                line = told
         tag = f"{name:<7} |"
         if self._color:
             tag = f"\x1b[{self._COLORS.get(name, '0')}m{tag}\x1b[0m"
