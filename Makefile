@@ -57,7 +57,7 @@ compat-matrix: $(STAMP)
 
 # Not CI: the same documents trained offline (files on disk, then 3 epochs), online (epochs=3,
 # while vLLM produces) and online regenerated; vLLM serves each arm's checkpoints taken every
-# 20 s of wall-clock (~35 min on 2 cores). Writes bench/results/online_vs_offline_cpu.{json,png}.
+# 5 s of wall-clock (~15-35 min on 2 cores). Writes bench/results/online_vs_offline_cpu.{json,png}.
 online-vs-offline: $(STAMP)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py

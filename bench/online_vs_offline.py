@@ -366,9 +366,15 @@ def pick_points(ck: list[dict], max_points: int, grid_s: float) -> list[dict]:
     return [ck[i] for i in idx]
 
 
+#: Checkpoints every arm takes at the same scheduled wall-clock tick land this far apart at most
+#: (the trainer checks the clock between steps): they count as taken at the same time.
+SAME_TICK_S = 1.0
+
+
 def at_time(curve: list[dict], t: float) -> dict | None:
-    """The newest served point of a curve that existed at wall-clock ``t`` (s after the first request)."""
-    have = [p for p in curve if p["t_s"] <= t + 1e-9]
+    """The newest served point of a curve that existed at wall-clock ``t`` (s after the first
+    request), counting one taken at the same scheduled tick a little after ``t``."""
+    have = [p for p in curve if p["t_s"] <= t + SAME_TICK_S]
     return have[-1] if have else None
 
 
@@ -412,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=800, help="training documents")
     ap.add_argument("--epochs", type=int, default=3, help="epochs of the offline and online arms")
-    ap.add_argument("--grid-s", type=float, default=20.0, help="checkpoint every this many seconds of wall-clock")
+    ap.add_argument("--grid-s", type=float, default=5.0, help="checkpoint every this many seconds of wall-clock")
     ap.add_argument("--max-points", type=int, default=10, help="served checkpoints per arm at most")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--draft-vocab-size", type=int, default=256)
