@@ -111,7 +111,23 @@ def check_invariant(stack, job, n, acked_lists):
     assert len(all_acked) == len(set(all_acked)), "a sample was acknowledged twice"
     assert len(set(all_acked)) == c["consumed"] == n
     time.sleep(0.3)
-    assert stack.spool_files() == []
+    left = stack.spool_files()
+    assert left == [], spool_leak_report(stack, left)
+
+
+def spool_leak_report(stack, left):
+    """What the next leak needs to be traced: each file's age (written before or after a
+    restart?) and the sidecar's log (WARNING+), not only the names."""
+    now = time.time()
+    ages = []
+    for name in left:
+        try:
+            mtime = (stack.spool / name).stat().st_mtime
+            ages.append(f"  {name}: mtime {mtime:.3f} ({now - mtime:.1f} s ago)")
+        except FileNotFoundError:
+            ages.append(f"  {name}: gone since")
+    return (f"files left in the spool at {now:.3f}:\n" + "\n".join(ages)
+            + f"\nsidecar log (tail):\n{child(stack, 'sidecar').tail(80)}")
 
 
 def test_chat_job_token_ids_and_loss_mask(stack, tiny_model):
