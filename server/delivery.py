@@ -117,7 +117,8 @@ class DeliveryService(SocketThread):
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         # delivered_remote: the bytes left through us (zmq or mooncake), also counted per transport.
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
-                      "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0}  # fmt: skip
+                      "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0,
+                      "orphans_deleted": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
@@ -281,15 +282,16 @@ class DeliveryService(SocketThread):
             for k in msg.keys:
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
-                if self.ledger.received(owner, k) and sender is not None and sender.sidecar_deletes:
+                if self.ledger.received(owner, k, self._file_exists) and sender is not None and sender.sidecar_deletes:
                     if self._after is not None:  # inside _on_messages: once the group is on disk
                         self._after.append((sender, k, file))
                     else:
                         sender.release(k)
                         P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
+            orphans: list[tuple[P.SampleKey, str]] = []
             try:
-                acked, dup = self.ledger.ack_many(owner, msg.keys)
+                acked, dup = self.ledger.ack_many(owner, msg.keys, orphans)
             except Exception:  # noqa: BLE001 - none of the list applied: do not leave it leased
                 # Its leases go back (as for a lost trainer); a redelivered sample it already
                 # acked is acked again by the stream on sight, so the ack is not lost.
@@ -300,6 +302,16 @@ class DeliveryService(SocketThread):
             self.stats["acked"] += acked
             peer.acked += acked
             self.stats["duplicate_acks"] += dup
+            # Files of consumed samples no one will read (a copy produced again after a restart,
+            # or one never RECEIVED): deleted with the ack, not left for the reaper.
+            sender = self.senders[peer.transport]
+            for k, file in orphans:
+                self.stats["orphans_deleted"] += 1
+                if self._after is not None:  # inside _on_messages: once the group is on disk
+                    self._after.append((sender, k, file))
+                else:
+                    sender.release(k)
+                    P.remove_from_spool(self.spool, file)
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
             if (sender := self.senders.get(peer.transport)) is not None:
@@ -361,7 +373,10 @@ class DeliveryService(SocketThread):
                     except (OSError, P.UnsafePathError, TransportError) as e:
                         if isinstance(e, TransportError):
                             log.error("%s: %s", peer.transport, e)
+                        stale = s.notice.file
                         self.ledger.file_lost(s.key)  # produce it again
+                        # A transport's failure leaves the file there, now no sample's: not the reaper's.
+                        P.remove_from_spool(self.spool, stale)
                         continue
                     if transfer is not None:
                         d = d.model_copy(update={"transfer": transfer})

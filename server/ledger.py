@@ -784,29 +784,42 @@ class Ledger:
             self._tell_deferred()
             return out
 
-    def received(self, owner: bytes, key: P.SampleKey) -> int:
+    def received(self, owner: bytes, key: P.SampleKey, file_exists: Callable[[str], bool] | None = None) -> int:
         """The trainer holds the bytes and the file is gone: its spool bytes are free again.
 
         From a trainer that no longer holds the lease (it lapsed, or we restarted), the file
-        is gone all the same: the sample is produced again rather than offered to another
-        trainer with no file behind it (its ack, if it comes, still counts once)."""
+        it was sent is gone all the same: if that is the sample's file, the sample is produced
+        again rather than offered to another trainer with no file behind it (its ack, if it
+        comes, still counts once). But a RECEIVED names a key, not a file: one that waited in
+        the trainer's socket while we restarted arrives after the sample was produced again,
+        and is about the old file. So a sample whose file is still there (``file_exists``)
+        stays READY: taking it for lost would drop the new file from the ledger, left in the
+        spool for the reaper (what `make test` once saw). ``file_exists`` None: cannot tell,
+        taken as gone."""
         with self._lock:
             s = self._live.get(key)
             if s is None or s.on_disk_bytes == 0:
                 return 0
             if s.lease_owner != owner:
                 if s.lease_owner is None and s.state == State.ready:
-                    self.file_lost(key)
+                    name = s.notice.file if s.notice is not None else None
+                    if file_exists is None or name is None or not file_exists(name):
+                        self.file_lost(key)
                 return 0
             freed, s.on_disk_bytes = s.on_disk_bytes, 0
             self.reserved_bytes -= freed
             self._save(s)
             return freed
 
-    def ack(self, owner: bytes, key: P.SampleKey) -> bool:
+    def ack(self, owner: bytes, key: P.SampleKey, orphans: list[tuple[P.SampleKey, str]] | None = None) -> bool:
         """First ack wins; a repeated ack, or one for a sample another trainer holds, changes
         nothing. An ack for a sample no one holds (the trainer used it before a sidecar
-        restart) is accepted: it was consumed, once."""
+        restart) is accepted: it was consumed, once.
+
+        A file the sample still has in the spool (READY again, produced a second time after a
+        restart while the trainer used the first copy; or leased and never RECEIVED) has no
+        reader any more: it goes into ``orphans`` (key, file) for the caller to delete once
+        the ack is on disk. Kept, it would outlive its sample until the reaper's grace."""
         with self._lock:
             s = self.get(key)
             if s is None or s.state in TERMINAL:
@@ -815,6 +828,8 @@ class Ledger:
                 return False
             if s.state == State.submitted and s.notice is None:
                 self.reserved_bytes -= s.expected_bytes
+            if orphans is not None and s.on_disk_bytes and s.notice is not None and s.notice.file:
+                orphans.append((key, s.notice.file))
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes = 0
             s.lease_owner = None
@@ -824,10 +839,13 @@ class Ledger:
             self._finish(s, State.consumed)
             return True
 
-    def ack_many(self, owner: bytes, keys: list[P.SampleKey]) -> tuple[int, int]:
+    def ack_many(
+        self, owner: bytes, keys: list[P.SampleKey], orphans: list[tuple[P.SampleKey, str]] | None = None
+    ) -> tuple[int, int]:
         """Apply one ACK message as a whole: all its keys, in one transaction, or none (an error
         part-way rolls back the database and the in-memory state alike, then propagates).
-        Returns (acked, ignored as repeats or not this trainer's)."""
+        Returns (acked, ignored as repeats or not this trainer's); the files the acks left
+        without a reader are added to ``orphans`` (see :meth:`ack`), only if it applied."""
         with self._lock:
             samples = [s for k in keys if (s := self.get(k)) is not None]
             jobs = {s.key.job: self.jobs[s.key.job] for s in samples}
@@ -837,8 +855,9 @@ class Ledger:
                      self.reserved_bytes, self._n_ready)  # fmt: skip
             self._deferred = []
             try:
+                left: list[tuple[P.SampleKey, str]] = []
                 with self._tx():
-                    acked = sum(self.ack(owner, k) for k in keys)
+                    acked = sum(self.ack(owner, k, left) for k in keys)
             except BaseException:
                 for smp, state, was_saved, on_disk, lease in saved[0]:
                     smp.state, smp.saved, smp.on_disk_bytes, smp.lease_owner = state, was_saved, on_disk, lease
@@ -850,6 +869,8 @@ class Ledger:
                 self._deferred = None
                 raise
             self._tell_deferred()
+            if orphans is not None:
+                orphans.extend(left)
             return acked, len(keys) - acked
 
     def _tell_deferred(self) -> None:

@@ -79,7 +79,14 @@ class SpoolKeeper:
                 elif not P.remove_from_spool(self.spool, name):  # the file and its lock
                     continue
                 gone += 1
-                log.info("reaped stray spool file %s", name)
+                if min_age_s is None and not P.is_tmp_name(name) and not P.is_own_lock_name(name):
+                    # A finished file nobody owned for the whole grace: its notice was lost (a
+                    # connector or sidecar killed) or a ledger path forgot it. Loud, with its age,
+                    # so a leak shows in the log rather than only as a full spool.
+                    log.warning("reaped stray spool file %s, %.0f s old: no sample owned it (lost notice?)",
+                                name, now - st.st_mtime)  # fmt: skip
+                else:
+                    log.info("reaped stray spool file %s", name)
             except FileNotFoundError:
                 pass
         self.removed_total += gone

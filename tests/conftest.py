@@ -33,7 +33,18 @@ def _no_spool_files_leak():
     before = _shm_files()
     yield
     leaked = sorted(_shm_files() - before)
-    assert not leaked, f"test leaked hidden-state files into /dev/shm: {leaked[:5]}"
+    assert not leaked, f"test leaked hidden-state files into /dev/shm: {_with_mtimes(leaked[:5])}"
+
+
+def _with_mtimes(paths: list[str]) -> list[str]:
+    """Each leaked file with its mtime: written before or after a restart is half the diagnosis."""
+    out = []
+    for p in paths:
+        try:
+            out.append(f"{p} (mtime {os.stat(p).st_mtime:.3f})")
+        except FileNotFoundError:
+            out.append(f"{p} (gone since)")
+    return out
 
 
 @pytest.fixture(scope="session", autouse=True)
