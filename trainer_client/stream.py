@@ -125,8 +125,9 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
 
 
 #: A file is read in parts of at least this many bytes, on up to READ_THREADS threads at once.
-#: One thread reads tmpfs at ~3.5 GB/s on the H200 host (9.6 ms for a 33.5 MB sample, most of
-#: the notice-to-GPU floor); the kernel's copy scales with threads, so the parts run at once.
+#: One thread read tmpfs at 3-5 GB/s on the H200 hosts (6.9-11.3 ms for a 33.5 MB sample, most
+#: of the notice-to-GPU floor); the kernel's copy scales with threads (2.4-4.1 ms with 4), so the
+#: parts run at once (docs/benchmarks.md).
 READ_PART = 4 << 20
 READ_THREADS = min(4, os.cpu_count() or 1)
 _readers = None
