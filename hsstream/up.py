@@ -528,7 +528,7 @@ class Supervisor:
         self._stopped = False
         self._nanobind_told: set[str] = set()
         self._stopping: set[str] = set()  # children we are stopping now (their exit noise is ours)
-        self._race_told: set[tuple[str, str]] = set()  # (engine, explanation) told once
+        self._noise_told: set[tuple[str, str]] = set()  # (engine, explanation) told once
 
     # ---------------------------------------------------------------- output
     _COLORS = {"up": "1", "vllm": "36", "sidecar": "35", "trainer": "33"}
@@ -542,9 +542,9 @@ class Supervisor:
         elif name in self._stopping and is_engine(name):
             told = next((why for pattern, why in VLLM_STOP_NOISE if pattern.search(line)), None)
             if told is not None:
-                if (name, told) in self._race_told:
+                if (name, told) in self._noise_told:
                     return
-                self._race_told.add((name, told))
+                self._noise_told.add((name, told))
                 line = told
         tag = f"{name:<7} |"
         if self._color:

@@ -283,11 +283,7 @@ class DeliveryService(SocketThread):
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
                 if self.ledger.received(owner, k, self._file_exists) and sender is not None and sender.sidecar_deletes:
-                    if self._after is not None:  # inside _on_messages: once the group is on disk
-                        self._after.append((sender, k, file))
-                    else:
-                        sender.release(k)
-                        P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
+                    self._delete_after_commit(sender, k, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             orphans: list[tuple[P.SampleKey, str]] = []
             try:
@@ -307,16 +303,21 @@ class DeliveryService(SocketThread):
             sender = self.senders[peer.transport]
             for k, file in orphans:
                 self.stats["orphans_deleted"] += 1
-                if self._after is not None:  # inside _on_messages: once the group is on disk
-                    self._after.append((sender, k, file))
-                else:
-                    sender.release(k)
-                    P.remove_from_spool(self.spool, file)
+                self._delete_after_commit(sender, k, file)
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
             if (sender := self.senders.get(peer.transport)) is not None:
                 sender.release(msg.key)
             P.remove_from_spool(self.spool, self.ledger.trainer_failed(owner, msg.key, msg.reason))
+
+    def _delete_after_commit(self, sender: Sender, key: P.SampleKey, file: str | None) -> None:
+        """Free a sample's offer and delete its file, once the ledger group that decided it is
+        on disk (inside :meth:`_on_messages`), else at once."""
+        if self._after is not None:
+            self._after.append((sender, key, file))
+        else:
+            sender.release(key)
+            P.remove_from_spool(self.spool, file)
 
     def _set_transport(self, owner: bytes, peer: Peer, hello: P.Hello) -> None:
         peer.transport = hello.wanted_transport()

@@ -235,17 +235,17 @@ class Eagle3OnlineTrainer:
         cfg = self.cfg
         if cfg.eval_every <= 0 or not self.world.is_writer:
             return False
-        dg = token_digest(smp.token_ids)
         if cfg.eval_ids is not None:
-            if smp.label not in cfg.eval_ids:
+            if smp.label not in cfg.eval_ids:  # before any hashing: this runs for every sample
                 return False
             if smp.label in self.heldout_ids:  # again (next epoch, or regenerated: other tokens)
                 self.heldout_repeats += 1
                 return True
             self.heldout_ids.add(smp.label)
+            dg = token_digest(smp.token_ids)
             if smp.token_ids.shape[0] < 2:
                 return True  # nothing to evaluate on, and still not to be trained on
-        elif dg in self.heldout_digests:  # a held-out sample again (next epoch): training on it would leak
+        elif (dg := token_digest(smp.token_ids)) in self.heldout_digests:  # again (next epoch): it would leak
             self.heldout_repeats += 1
             return True
         elif len(self.heldout) >= cfg.eval_samples or smp.token_ids.shape[0] < 2:
