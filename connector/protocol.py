@@ -435,18 +435,45 @@ def remove_from_spool(spool: str | os.PathLike[str], name: str | None) -> bool:
     """Delete ``name`` from the spool if it is a plain file there with a name the connector
     writes (``is_own_name``), with its companion lock if it has one; never anything else.
     Returns whether the file was removed (already gone, unsafe or not ours: False)."""
-    if not name or not _OWN_NAME.fullmatch(name):
+    path = _own_file_unlocked(spool, name)
+    if path is None:
         return False
-    try:
-        path = resolve_in_spool(spool, name)
-    except (UnsafePathError, FileNotFoundError):
-        return False
-    _remove_lock_of(path)
     try:
         path.unlink()
         return True
     except FileNotFoundError:
         return False
+
+
+def retire_from_spool(spool: str | os.PathLike[str], name: str | None) -> Path | None:
+    """Take ``name`` out of the spool at once, for a slower delete elsewhere: its lock removed,
+    the file renamed to a temporary name of ours (``tmp_name_for``), which is returned. Freeing
+    a 33.5 MB tmpfs file takes ~4 ms, the rename microseconds; for everyone else the file is
+    gone, and if the delete never comes (a killed process) the reaper takes the temporary name
+    as it takes a connector's. None: nothing of ours by that name (same rules as
+    :func:`remove_from_spool`)."""
+    path = _own_file_unlocked(spool, name)
+    if path is None:
+        return None
+    dest = path.with_name(tmp_name_for(path.name))
+    try:
+        os.rename(path, dest)
+    except FileNotFoundError:
+        return None
+    return dest
+
+
+def _own_file_unlocked(spool: str | os.PathLike[str], name: str | None) -> Path | None:
+    """The spool file ``name`` if it is one the connector writes (its companion lock removed
+    now, as the file is about to go); None for any other name, an unsafe one or a missing file."""
+    if not name or not _OWN_NAME.fullmatch(name):
+        return None
+    try:
+        path = resolve_in_spool(spool, name)
+    except (UnsafePathError, FileNotFoundError):
+        return None
+    _remove_lock_of(path)
+    return path
 
 
 def _remove_lock_of(path: Path) -> None:

@@ -50,6 +50,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
     max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
     job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary
+    # Python's thread switch interval in the sidecar, in vLLM's worker where the connector writes
+    # (rank 0), and in a trainer whose HiddenStateStream has check workers (0: leave Python's
+    # 5 ms). A thread that passes a sample on (notices, delivery, the stream's socket thread, the
+    # connector's writers beside vLLM's loop) needs the interpreter for well under a
+    # millisecond, but waits up to the interval whenever another thread holds it. Never raised.
+    switch_interval_ms: float = 1.0
     # Remote trainers (other hosts): TCP + CURVE. Keys in zmq.auth's certificate format
     # (`hsstream keys DIR` makes them); the sidecar accepts any public key in curve_clients_dir.
     remote_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5601
@@ -65,6 +71,9 @@ class Settings(BaseSettings):
     # Trainer: threads a HiddenStateStream reads and checks delivered samples on (0: on the
     # iterating thread), so a burst of samples is not checked one after another.
     stream_workers: int = 4
+    # Trainer: yield samples in delivery order (a checked sample waits for older ones) instead of
+    # as soon as each is checked.
+    stream_ordered: bool = False
     mooncake_hostname: str | None = None
     mooncake_protocol: str = "tcp"  # or "rdma" where the hosts have it (untested here)
     mooncake_device: str = ""  # RDMA device names; empty: Mooncake picks
@@ -106,3 +115,12 @@ class Settings(BaseSettings):
 
 def load_settings(**overrides: object) -> Settings:
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+def lower_switch_interval(ms: float) -> None:
+    """Python's thread switch interval down to ``ms`` (``switch_interval_ms``); never raised, and
+    0 leaves it. For processes whose latency-bound threads share the interpreter with busy ones."""
+    import sys
+
+    if 0 < ms / 1000 < sys.getswitchinterval():
+        sys.setswitchinterval(ms / 1000)

@@ -37,7 +37,7 @@ from connector import payload as PL
 from connector import protocol as P
 from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
-from connector.settings import Settings
+from connector.settings import Settings, lower_switch_interval
 from connector.spool_writer import ShapeInfo, SpoolWriter
 from connector.worker_side import HiddenStateGatherer, LockRequest, PendingSave, WorkerSide
 
@@ -94,6 +94,7 @@ class ConnectorOptions:
     payload_dtype: str = PL.MODEL
     allow_custom_save_path: bool = False
     use_lock: bool = True
+    switch_interval_ms: float = 1.0
 
     @property
     def file_layer_ids(self) -> list[int]:
@@ -168,6 +169,7 @@ class ConnectorOptions:
             payload_dtype=payload_dtype,
             allow_custom_save_path=_flag(extra, "allow_custom_save_path", False),
             use_lock=_flag(extra, "use_synchronization_lock", True),
+            switch_interval_ms=env.switch_interval_ms,
         )
 
 
@@ -239,6 +241,16 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             self._writer,
         )
         self._worker = WorkerSide(gatherer, self._writer)
+        # The writer and notice threads share this process's interpreter with vLLM's worker loop,
+        # which holds it for most of a step: each hand-off (a copy landed, a notice to send) waited
+        # up to Python's 5 ms for a switch.
+        lower_switch_interval(o.switch_interval_ms)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before this step's forward is launched: the copies this step queues (for requests the
+        # previous step finished) wait for what is on the GPU now, not for this forward too.
+        self._worker.step_starts()
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
         pass  # store-only

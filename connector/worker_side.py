@@ -1,8 +1,12 @@
 """The code that runs inside vLLM's worker, on the engine's step.
 
 Its one rule: the forward never waits. On CUDA the rows are gathered on a side stream that
-waits (on the device, not the host) for the step's work, copied into pinned host memory
-without blocking, and a writer thread waits for the copy's event. On the CPU backend the
+waits (on the device, not the host) for the work queued before this step's forward (an event
+recorded when the step's metadata is bound, :meth:`HiddenStateGatherer.step_starts`), copied
+into pinned host memory without blocking, and a writer thread waits for the copy's event.
+The saves of a step are known only after its forward has been launched; waiting for the
+whole stream then would hold every copy back by one more forward (~50 ms with 2k-token
+batches on an H200, docs/benchmarks.md). On the CPU backend the
 gather is a plain copy (the forward has already finished when the connector runs). Blocks
 stay allocated (vLLM's delayed free) until the copy has landed; ``poll`` reports them.
 """
@@ -73,6 +77,15 @@ class HiddenStateGatherer:
         self.perm = torch.tensor(perm, dtype=torch.long, device=self.device) if perm else None
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._inflight: dict[str, _InFlight] = {}
+        self._step_start: torch.cuda.Event | None = None  # the work queued before this step's forward
+
+    def step_starts(self) -> None:
+        """A step begins (its forward is not launched yet): mark what the GPU has queued so far,
+        which includes the forward that wrote the states of the requests saved this step."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._step_start = ev
 
     def nbytes_for(self, num_tokens: int) -> int:
         """Host bytes a copy of ``num_tokens`` rows takes (what the writer's bound counts)."""
@@ -101,7 +114,10 @@ class HiddenStateGatherer:
         host = torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=True)
         stream = self._stream
         assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._step_start is not None:
+            stream.wait_event(self._step_start)
+        else:  # no step start seen (a caller outside vLLM's step): everything queued so far
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for first, chunk, ntok in block_chunks(block_ids, n, self.block_size, self.chunk_tokens):
                 # Pinned source + non_blocking: a pageable H2D copy would make the host wait
@@ -146,6 +162,10 @@ class WorkerSide:
         self._finished: set[str] = set()
         self._locks: dict[str, WriteLock] = {}
         self._lock_errors: dict[str, str] = {}
+
+    def step_starts(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.step_starts()
 
     def step(
         self,

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from connector import protocol as P
-from connector.settings import Settings
+from connector.settings import Settings, lower_switch_interval
 from server import errors
 from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
@@ -104,6 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         removed = svc.keeper.sweep(min_age_s=0)
         if rec or removed:
             log.info("recovered ledger %s: %s; removed %d stray spool files", s.ledger_file(), rec, removed)
+        lower_switch_interval(s.switch_interval_ms)  # the notice and delivery threads' latency
         svc.notices.start()
         svc.delivery.start()
         await svc.submitter.start()

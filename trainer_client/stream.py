@@ -7,7 +7,7 @@ deletes the spool file as soon as the tensors are in memory (the spool is the pr
 budget), and acknowledges at use or when the loop says so (``ack_through``), so samples used
 after the last checkpoint come back after a crash. Only the iterating thread touches the
 socket; a burst of deliveries is read and checked by a few workers (``check_pool.py``) whose
-results come back to it, in delivery order.
+results come back to it, as they finish (or in delivery order: ``ordered``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from safetensors.torch import load as safetensors_load
 from connector import payload as PL
 from connector import protocol as P
 from connector.curve_keys import load_secret
-from connector.settings import Settings
+from connector.settings import Settings, lower_switch_interval
 from connector.transport import Receiver, TransportError, make_receiver
 from trainer_client.check_pool import CheckPool
 from trainer_client.host_buffers import HostBuffers
@@ -99,7 +99,7 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
 
 def read_sample_file(path: Path | None = None, payload: bytes | memoryview | None = None, *,
                      pin_memory: bool = False, alloc: Callable[[int], torch.Tensor] | None = None,
-                     timings: dict[str, float] | None = None) -> dict:  # fmt: skip
+                     timings: dict[str, float] | None = None, on_header: OnHeader | None = None) -> dict:  # fmt: skip
     """A sample file's tensors (from the spool, or the bytes a remote sidecar sent).
 
     Unpinned, safetensors maps the file: no copy at all, the checks read the pages in place.
@@ -109,27 +109,45 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
     pinned allocator hands the same buffers back sample after sample, so they are not faulted
     in again each time (a fresh 33.5 MB buffer costs ~20 ms of page faults alone).
     ``alloc``: where the pinned buffer comes from (``host_buffers.HostBuffers.alloc``).
+    ``on_header``: see :func:`read_into_buffer` (unpinned, it sees the whole file at once).
     """
     if not pin_memory:
         if isinstance(payload, memoryview):  # a transport's reused buffer: copy out once, views of it
-            return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8), timings)
+            return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8), timings, on_header)
         try:
             if payload is not None:
-                return safetensors_load(payload)
-            with safe_open(str(path), framework="pt") as f:
-                return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                out = safetensors_load(payload)
+            else:
+                with safe_open(str(path), framework="pt") as f:
+                    out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, OSError) is an invalid sample
             raise InvalidSample(f"unreadable safetensors: {e}") from e
+        if on_header is not None and (feed := on_header(out, None)) is not None:
+            feed(0, 0)
+        return out
     alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
-    return read_into_buffer(path, payload, alloc, timings)
+    return read_into_buffer(path, payload, alloc, timings, on_header)
 
 
-#: A file is read in parts of at least this many bytes, on up to READ_THREADS threads at once.
-#: One thread read tmpfs at 3-5 GB/s on the H200 hosts (6.9-11.3 ms for a 33.5 MB sample, most
-#: of the notice-to-GPU floor); the kernel's copy scales with threads (2.4-4.1 ms with 4), so the
-#: parts run at once (docs/benchmarks.md).
-READ_PART = 4 << 20
-READ_THREADS = min(4, os.cpu_count() or 1)
+#: Called once a file's header is read, before its data: ``(tensors, spans)`` — the tensors
+#: (views of the buffer, not filled yet) and each one's byte span in it, or None when the
+#: tensors are complete already — returns None or ``feed(a, b)``, told in file order as bytes
+#: [a, b) of the buffer arrive (all of them, last call ending at the file's size; ``(0, 0)``:
+#: all at once). A sample's header is checked there before its data is read, and its copy to
+#: a GPU starts part by part while later parts are still being read. (The checksum waits for
+#: the whole: blake3 fed 2 MB at a time ran on one core, 7 ms per sample against 0.8 ms for
+#: one call on all cores, docs/benchmarks.md.)
+OnHeader = Callable[[dict, "dict[str, tuple[int, int]] | None"], "Callable[[int, int], None] | None"]
+
+#: A file is read in parts of this many bytes, on up to READ_THREADS threads at once
+#: (``HSSTREAM_READ_THREADS``), taken in file order. One thread read tmpfs at 3-5 GB/s on the
+#: H200 host (8.3 ms for a 33.5 MB sample, most of the notice-to-GPU floor); the kernel's copy
+#: scales with threads (4.7 ms with 2, 2.7 with 4, 1.6 with 8). Parts smaller than a thread's
+#: share let the first ones be copied to the GPU while the rest are read (docs/benchmarks.md).
+READ_PART = 2 << 20
+READ_THREADS = max(1, min(int(os.environ.get("HSSTREAM_READ_THREADS", "8")), os.cpu_count() or 1))
+#: Bytes read first, for the header (safetensors' header of a sample is < HEADER_ALLOWANCE).
+HEAD_BYTES = 64 << 10
 _readers = None
 _readers_lock = threading.Lock()
 
@@ -145,35 +163,82 @@ def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
     return done
 
 
-def read_parallel(fd: int, mv: memoryview, size: int, threads: int | None = None) -> None:
-    """Read ``size`` bytes of ``fd`` into ``mv`` in parts read at once (``os.preadv`` releases
-    the GIL); the calling thread reads the first part itself. Raises :class:`InvalidSample` on
-    a short read (the file is shorter than it was when its size was taken)."""
-    n = threads if threads is not None else READ_THREADS
-    n = max(1, min(n, size // READ_PART))
-    step = -(-size // n)
-    parts = [(a, min(a + step, size)) for a in range(0, size, step)]
-    if len(parts) == 1:
-        got = _pread_into(fd, mv[:size], 0)
-    else:
-        global _readers
-        with _readers_lock:
-            if _readers is None:
-                from concurrent.futures import ThreadPoolExecutor
+def _reader_pool():  # noqa: ANN202
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-                _readers = ThreadPoolExecutor(max_workers=2 * READ_THREADS, thread_name_prefix="hsstream-read")
-        futs = [_readers.submit(_pread_into, fd, mv[a:b], a) for a, b in parts[1:]]
-        got = _pread_into(fd, mv[parts[0][0] : parts[0][1]], 0)
-        got += sum(f.result() for f in futs)
-    if got != size:
-        raise InvalidSample(f"short read: {got} of {size} bytes")
+            _readers = ThreadPoolExecutor(max_workers=2 * READ_THREADS, thread_name_prefix="hsstream-read")
+    return _readers
+
+
+def read_parallel(fd: int, mv: memoryview, size: int, threads: int | None = None, *, start: int = 0,
+                  feed: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+    """Read bytes [start, size) of ``fd`` into ``mv`` (same offsets) in parts of READ_PART,
+    ``threads`` at once (``os.preadv`` releases the GIL), parts taken in file order. With a
+    ``feed`` the calling thread only hands it every part that has arrived, in file order, as
+    soon as it has (a part it read itself would wait behind its own read); without, it reads
+    too. Raises :class:`InvalidSample` on a short read (the file is shorter than it was when its
+    size was taken). Returns only when no reader touches ``mv`` any more."""
+    n = threads if threads is not None else READ_THREADS
+    parts = [(a, min(a + READ_PART, size)) for a in range(start, size, READ_PART)]
+    n = max(1, min(n, len(parts)))
+    got = [-1] * len(parts)
+    arrived = [threading.Event() for _ in parts]
+    lock = threading.Lock()
+    nxt = [0]
+
+    def take() -> bool:
+        with lock:
+            i = nxt[0]
+            if i >= len(parts):
+                return False
+            nxt[0] += 1
+        a, b = parts[i]
+        try:
+            got[i] = _pread_into(fd, mv[a:b], a)
+        finally:
+            arrived[i].set()
+        return True
+
+    def reader() -> None:
+        while take():
+            pass
+
+    helpers = [_reader_pool().submit(reader) for _ in range(n if feed is not None else n - 1)]
+    fed, short = 0, False
+    try:
+        while fed < len(parts):
+            if feed is None:
+                take()  # one more part ourselves (nothing if all are taken)
+            while fed < len(parts) and arrived[fed].is_set():
+                if got[fed] != parts[fed][1] - parts[fed][0]:
+                    short = True
+                    break
+                if feed is not None:
+                    feed(*parts[fed])
+                fed += 1
+            if short:
+                break
+            if fed < len(parts) and (feed is not None or nxt[0] >= len(parts)):
+                arrived[fed].wait()
+    finally:
+        with lock:
+            nxt[0] = len(parts)  # on an error: the helpers take nothing more ...
+        for h in helpers:
+            h.result()  # ... and the buffer is returned only once none writes into it
+    if short:
+        raise InvalidSample(f"short read: {start + sum(max(g, 0) for g in got)} of {size} bytes")
 
 
 def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, alloc,  # noqa: ANN001
-                     timings: dict[str, float] | None = None) -> dict:  # fmt: skip
+                     timings: dict[str, float] | None = None, on_header: OnHeader | None = None) -> dict:  # fmt: skip
     """safetensors' layout (8-byte little-endian header length, JSON header, data) read into
     ``alloc(size)``; the tensors are views of it at the header's offsets, which are checked.
-    ``timings`` gets ``alloc_s`` (the buffer) and ``read_s`` (the bytes into it)."""
+    A file's header is read first, then its data in parts (:func:`read_parallel`), handed to
+    ``on_header``'s feed as they arrive. ``timings`` gets ``alloc_s`` (the buffer) and
+    ``read_s`` (the bytes into it, with the feed's work between the parts)."""
     if payload is not None:
         size = len(payload)
     else:
@@ -187,14 +252,35 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
     view = buf.numpy()
     if payload is not None:
         view[:] = np.frombuffer(payload, dtype=np.uint8)
+        tensors, spans = _tensors_in(buf, view, size)
+        if on_header is not None and (feed := on_header(tensors, spans)) is not None:
+            feed(0, size)
     else:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # type: ignore[arg-type]
         try:
-            read_parallel(fd, memoryview(view), size)
+            mv = memoryview(view)
+            head = min(size, HEAD_BYTES)
+            if _pread_into(fd, mv[:head], 0) != head:
+                raise InvalidSample(f"short read: the file is shorter than its {size} bytes")
+            hlen = int.from_bytes(view[:8].tobytes(), "little")
+            if head < 8 + hlen <= size:  # a long header: the rest of it before the data
+                head = 8 + hlen
+                if _pread_into(fd, mv[HEAD_BYTES:head], HEAD_BYTES) != head - HEAD_BYTES:
+                    raise InvalidSample(f"short read: the file is shorter than its {size} bytes")
+            tensors, spans = _tensors_in(buf, view, size)
+            feed = on_header(tensors, spans) if on_header is not None else None
+            if feed is not None:
+                feed(0, head)
+            read_parallel(fd, mv, size, start=head, feed=feed)
         finally:
             os.close(fd)
     if timings is not None:
         timings["alloc_s"], timings["read_s"] = t1 - t0, time.perf_counter() - t1
+    return tensors
+
+
+def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """The tensors the header at the start of ``buf`` describes (views of it) and their byte spans."""
     hlen = int.from_bytes(view[:8].tobytes(), "little")
     if hlen > size - 8:
         raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file")
@@ -202,8 +288,10 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
         header = json.loads(view[8 : 8 + hlen].tobytes())
     except ValueError as e:
         raise InvalidSample(f"unreadable safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise InvalidSample("unreadable safetensors header: not a JSON object")
     base = 8 + hlen
-    out = {}
+    out, spans = {}, {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
@@ -216,11 +304,12 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if not 0 <= start <= end <= size - base or end - start != math.prod(shape) * itemsize:
             raise InvalidSample(f"tensor {name!r}: offsets {start}..{end} do not fit its shape or the file")
-        raw = buf[base + start : base + end]
-        if (base + start) % itemsize:  # never with safetensors' own writer (it aligns); copy to be safe
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(shape)
-    return out
+        if (base + start) % itemsize:
+            # Never with safetensors' own writer (it aligns); the header is all we have read.
+            raise InvalidSample(f"tensor {name!r}: data at offset {base + start}, not aligned to {itemsize} bytes")
+        out[name] = buf[base + start : base + end].view(dtype).view(shape)
+        spans[name] = (base + start, base + end)
+    return out, spans
 
 
 #: Non-finite floats are the ones whose exponent bits are all ones: test the bits (an integer
@@ -282,10 +371,12 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview
     a GPU (``alloc`` gives the buffer). ``checksum_threads`` (0: all useful) does not change
     the digest. Safe to call from several threads at once (the stream's check workers).
 
-    ``device`` (the trainer's): the hidden states (and FP8 scales) are copied there after the
-    host checks, and their finiteness is checked there (:func:`to_device_checked`); the sample
-    is returned with them on that device. None or a CPU device: checked on the host, as always.
-    ``timings`` receives each phase's seconds.
+    ``device`` (the trainer's): the hidden states (and FP8 scales) are copied there and their
+    finiteness is checked there; the sample is returned with them on that device. None or a CPU
+    device: checked on the host, as always. On a CUDA device each part of the hidden states is
+    copied as soon as it is read (:class:`_SampleChecks`), so the copy overlaps the read, and
+    the finiteness check there overlaps the host's checksum; a sample refused later has its
+    device copy dropped, never returned. ``timings`` receives each phase's seconds.
     """
     tm = timings if timings is not None else {}
     n = d.notice
@@ -293,72 +384,117 @@ def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview
         raise InvalidSample("delivery without a file or key")
     if n.checksum_algo not in P.CHECKSUM_ALGOS:
         raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
+    if n.dtype not in P.DTYPE_SIZES:
+        raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
+    dev = torch.device(device) if device is not None else None
+    checks = _SampleChecks(n, dev, checksum_threads, tm)
     if payload is not None:
-        tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm)
+        tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm, on_header=checks.start)
     else:
         if spool is None:
             raise InvalidSample("delivery without bytes, and no spool to read from")
         t0 = time.perf_counter()
-        tensors = read_sample_file(P.resolve_in_spool(spool, n.file), pin_memory=pin_memory, alloc=alloc, timings=tm)
+        tensors = read_sample_file(P.resolve_in_spool(spool, n.file), pin_memory=pin_memory, alloc=alloc, timings=tm,
+                                   on_header=checks.start)  # fmt: skip
         tm.setdefault("read_s", time.perf_counter() - t0)  # unpinned: safetensors maps the file
-    if n.dtype not in P.DTYPE_SIZES:
-        raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
-    if set(tensors) != PL.tensor_names(n.dtype):
-        raise InvalidSample(f"unexpected tensors {sorted(tensors)} for a {n.dtype} payload "
-                            f"(expected {sorted(PL.tensor_names(n.dtype))})")  # fmt: skip
-    hs, ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
-    T = n.num_tokens
-    if ids.dim() != 1 or ids.shape[0] != T:
-        raise InvalidSample(f"token_ids shape {tuple(ids.shape)}, notice says {T} tokens")
-    if tuple(hs.shape) != (T, len(n.layer_ids), n.hidden_size):
-        raise InvalidSample(f"hidden_states shape {tuple(hs.shape)} != {(T, len(n.layer_ids), n.hidden_size)}")
-    if str(hs.dtype).removeprefix("torch.") != n.dtype:
-        raise InvalidSample(f"dtype {hs.dtype} != notice {n.dtype}")
-    scales = tensors.get(PL.SCALES_KEY)
-    if scales is not None:
-        try:
-            PL.check_scales(scales, T)
-        except PL.PayloadError as e:
-            raise InvalidSample(str(e)) from e
-    dev = torch.device(device) if device is not None else None
-    # On a GPU the copy and the finiteness check run while the host computes the checksum (a
-    # refused sample's device copy is dropped, never returned): the two overlap, not add up.
-    copy = DeviceCopy(hs, scales, dev, tm) if dev is not None and dev.type == "cuda" else None
-    t0 = time.perf_counter()
-    digest = P.checksum(*PL.checksum_buffers(tensors), algo=n.checksum_algo, threads=checksum_threads)
-    tm["checksum_s"] = time.perf_counter() - t0
-    if digest != n.checksum:
-        raise InvalidSample("checksum mismatch")
-    if dev is None or dev.type == "cpu":
-        t0 = time.perf_counter()
-        if not all_finite(hs):
-            raise InvalidSample("non-finite hidden states")
-        tm["finite_s"] = time.perf_counter() - t0
+    hs, ids, scales = checks.host_checks(tensors)
     if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
         raise InvalidSample("token ids differ from the ones submitted")
     mask = torch.tensor(d.loss_mask, dtype=torch.bool) if d.loss_mask is not None else None
-    if mask is not None and mask.shape[0] != T:
-        raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {T} tokens")
-    if copy is not None:
-        hs, scales = copy.finish()
+    if mask is not None and mask.shape[0] != n.num_tokens:
+        raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {n.num_tokens} tokens")
+    if checks.copy is not None:
+        hs, scales = checks.copy.finish()
     elif dev is not None and dev.type != "cpu":
         hs, scales = to_device_checked(hs, scales, dev, tm)
     return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n, scales)
+
+
+class _SampleChecks:
+    """One sample's checks against its notice, run as its file arrives: the header's tensors,
+    shapes and dtype before any data is read (:meth:`start`), then on a CUDA device each part of
+    the hidden states copied there as it arrives (:meth:`_feed`); the rest once the file is in
+    (:meth:`host_checks`)."""
+
+    def __init__(self, n: P.Notice, dev: torch.device | None, threads: int, tm: dict[str, float]) -> None:
+        self.n, self.dev, self.tm, self.threads = n, dev, tm, threads
+        self.copy: DeviceCopy | None = None
+        self.span = (0, 0)
+        self.hs_bytes: torch.Tensor | None = None
+        self.pinned = False
+
+    def start(self, tensors: dict, spans: dict[str, tuple[int, int]] | None) -> Callable[[int, int], None] | None:
+        n = self.n
+        if set(tensors) != PL.tensor_names(n.dtype):
+            raise InvalidSample(f"unexpected tensors {sorted(tensors)} for a {n.dtype} payload "
+                                f"(expected {sorted(PL.tensor_names(n.dtype))})")  # fmt: skip
+        hs, ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
+        T = n.num_tokens
+        if ids.dim() != 1 or ids.shape[0] != T:
+            raise InvalidSample(f"token_ids shape {tuple(ids.shape)}, notice says {T} tokens")
+        if tuple(hs.shape) != (T, len(n.layer_ids), n.hidden_size):
+            raise InvalidSample(f"hidden_states shape {tuple(hs.shape)} != {(T, len(n.layer_ids), n.hidden_size)}")
+        if str(hs.dtype).removeprefix("torch.") != n.dtype:
+            raise InvalidSample(f"dtype {hs.dtype} != notice {n.dtype}")
+        if self.dev is None or self.dev.type != "cuda":
+            return None
+        self.hs_bytes = hs.contiguous().view(-1).view(torch.uint8)
+        nbytes = self.hs_bytes.numel()
+        self.span = spans[P.HIDDEN_STATES_KEY] if spans is not None else (0, nbytes)
+        self.pinned = hs.is_pinned()
+        self.copy = DeviceCopy(hs.shape, hs.dtype, self.dev, self.tm)
+        return self._feed if spans is not None else (lambda a, b: self._feed(0, nbytes))
+
+    def _feed(self, a: int, b: int) -> None:
+        """Bytes [a, b) of the file are in: the hidden states' share of them goes to the device."""
+        h0, h1 = self.span
+        lo, hi = max(a, h0), min(b, h1)
+        if lo < hi and self.copy is not None and self.hs_bytes is not None:
+            self.copy.part(self.hs_bytes[lo - h0 : hi - h0], lo - h0, non_blocking=self.pinned)
+
+    def host_checks(self, tensors: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The file is in: the checksum, the scales, finiteness on the host (without a device)
+        and the scales' copy to the device; returns (hidden states, ids, scales), on the host."""
+        hs, ids = tensors[P.HIDDEN_STATES_KEY], tensors[P.TOKEN_IDS_KEY]
+        t0 = time.perf_counter()
+        digest = P.checksum(*PL.checksum_buffers(tensors), algo=self.n.checksum_algo, threads=self.threads)
+        self.tm["checksum_s"] = time.perf_counter() - t0
+        if digest != self.n.checksum:
+            raise InvalidSample("checksum mismatch")
+        scales = tensors.get(PL.SCALES_KEY)
+        if scales is not None:
+            try:
+                PL.check_scales(scales, self.n.num_tokens)
+            except PL.PayloadError as e:
+                raise InvalidSample(str(e)) from e
+            if self.copy is not None:
+                self.copy.scales(scales)
+        if self.dev is None or self.dev.type == "cpu":
+            t0 = time.perf_counter()
+            if not all_finite(hs):
+                raise InvalidSample("non-finite hidden states")
+            self.tm["finite_s"] = time.perf_counter() - t0
+        return hs, ids, scales
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)  # the reaper may have been first
 
 
 _side = threading.local()  # one CUDA stream per check worker, so their copies overlap
 
 
 class DeviceCopy:
-    """``hs`` (and ``scales``) on their way to a CUDA ``device``, with their finiteness checked
-    there (a fraction of a millisecond on the GPU; the host's exponent-bit scan is several ms per
-    33.5 MB). Started at construction — a non-blocking copy from pinned memory on this thread's
-    own side stream, then the check — so the host can do other work (the checksum) meanwhile;
-    :meth:`finish` waits and returns the tensors, complete, or raises :class:`InvalidSample`.
-    They are allocated on the device's current stream and marked used by the side stream, so
-    the caching allocator never hands them out early."""
+    """Hidden states on their way to a CUDA ``device`` in parts (:meth:`part`: a non-blocking
+    copy from pinned memory on this thread's own side stream), with their finiteness checked
+    there once the last part is queued (a fraction of a millisecond on the GPU; the host's
+    exponent-bit scan is several ms per 33.5 MB), so the host goes on (reading, hashing)
+    meanwhile; :meth:`finish` waits and returns the tensors, complete, or raises
+    :class:`InvalidSample`. They are allocated on the device's current stream and marked used by
+    the side stream, so the caching allocator never hands them out early (torch's pinned cache
+    likewise keeps a source buffer until the copies reading it are done)."""
 
-    def __init__(self, hs: torch.Tensor, scales: torch.Tensor | None, device: torch.device,
+    def __init__(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  timings: dict[str, float] | None = None) -> None:  # fmt: skip
         self.t0 = time.perf_counter()
         self.timings = timings
@@ -366,21 +502,32 @@ class DeviceCopy:
         if s is None or s.device != device:
             s = _side.stream = torch.cuda.Stream(device)
         self.stream = s
-        self.out = torch.empty(hs.shape, dtype=hs.dtype, device=device)
-        self.sc = torch.empty(scales.shape, dtype=scales.dtype, device=device) if scales is not None else None
+        self.device = device
+        self.out = torch.empty(shape, dtype=dtype, device=device)
+        self.bytes = self.out.view(-1).view(torch.uint8)
+        self.sc: torch.Tensor | None = None
+        self.ok: torch.Tensor | None = None
         s.wait_stream(torch.cuda.current_stream(device))  # the allocation is ordered before the copy
-        with torch.cuda.stream(s):
-            self.out.copy_(hs, non_blocking=hs.is_pinned())
-            if self.sc is not None:
-                self.sc.copy_(scales, non_blocking=scales.is_pinned())
-            self.ok = torch.isfinite(self.out).all()
         self.out.record_stream(s)
-        if self.sc is not None:
-            self.sc.record_stream(s)
+
+    def part(self, src: torch.Tensor, offset: int, *, non_blocking: bool = True) -> None:
+        """Bytes ``src`` (uint8, on the host) of the hidden states, at byte ``offset``."""
+        with torch.cuda.stream(self.stream):
+            self.bytes[offset : offset + src.numel()].copy_(src, non_blocking=non_blocking)
+            if offset + src.numel() == self.bytes.numel():
+                self.ok = torch.isfinite(self.out).all()
+
+    def scales(self, scales: torch.Tensor) -> None:
+        self.sc = torch.empty(scales.shape, dtype=scales.dtype, device=self.device)
+        self.sc.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            self.sc.copy_(scales, non_blocking=scales.is_pinned())
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.cuda.stream(self.stream):
-            ok = bool(self.ok)  # waits for the copy and the check on the side stream
+            if self.ok is None:  # no bytes (0 tokens)
+                self.ok = torch.isfinite(self.out).all()
+            ok = bool(self.ok)  # waits for the copies and the check on the side stream
         if self.timings is not None:
             self.timings["to_device_s"] = time.perf_counter() - self.t0
         if not ok:
@@ -393,7 +540,11 @@ def to_device_checked(hs: torch.Tensor, scales: torch.Tensor | None, device: tor
     """``hs`` (and ``scales``) copied to ``device``, raising :class:`InvalidSample` unless every
     value is finite, checked there (:class:`DeviceCopy` on CUDA)."""
     if device.type == "cuda":
-        return DeviceCopy(hs, scales, device, timings).finish()
+        copy = DeviceCopy(hs.shape, hs.dtype, device, timings)
+        copy.part(hs.contiguous().view(-1).view(torch.uint8), 0, non_blocking=hs.is_pinned())
+        if scales is not None:
+            copy.scales(scales)
+        return copy.finish()
     t0 = time.perf_counter()
     out = hs.to(device)
     sc = scales.to(device) if scales is not None else None
@@ -461,6 +612,7 @@ class HiddenStateStream:
         workers: int | None = None,
         device: torch.device | str | None = None,
         host_buffers: HostBuffers | None = None,
+        ordered: bool | None = None,
     ) -> None:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar, authenticated with CURVE: ``curve_server_key`` is the sidecar's public key (or
@@ -492,9 +644,12 @@ class HiddenStateStream:
 
         ``workers`` (default ``HSSTREAM_STREAM_WORKERS``): threads that read and check delivered
         samples (``check_pool.py``), so a burst of deliveries is checked in parallel instead of
-        queueing behind one thread; 0 checks each on the iterating thread. Samples are still
-        yielded in delivery order, and only the iterating thread touches the socket. At most
-        ``credit`` samples are held in the pool (its memory bound).
+        queueing behind one thread; 0 checks each on the iterating thread. Only the iterating
+        thread touches the socket. At most ``credit`` samples are held in the pool (its memory
+        bound). ``ordered`` (default ``HSSTREAM_STREAM_ORDERED``, off): samples are yielded in
+        delivery order; off, each as soon as it is checked (the sidecar's delivery order is
+        vLLM's completion order anyway, so nothing a trainer relies on is lost, and a sample
+        checked first is not held behind an older one).
 
         ``device`` (the trainer's, e.g. ``"cuda:0"``): each sample's hidden states are copied
         there by the worker that checked it, and their finiteness is checked there instead of on
@@ -547,7 +702,15 @@ class HiddenStateStream:
         self.workers = s.stream_workers if workers is None else workers
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0 (got {self.workers})")
-        self._pool = CheckPool(self.workers, limit=self.credit)
+        self.ordered = s.stream_ordered if ordered is None else ordered
+        self._pool = CheckPool(self.workers, limit=self.credit, ordered=self.ordered)
+        if self.workers:
+            lower_switch_interval(s.switch_interval_ms)  # the socket's thread vs the workers' Python
+        # Spool files of checked samples are renamed out of the spool on the socket's thread and
+        # deleted here: freeing a 33.5 MB tmpfs file takes ~4 ms, which sat between a sample's
+        # check and its yield. Bounded (finished deletes are collected every loop); past the
+        # bound a file is deleted inline.
+        self._deletes = CheckPool(1 if self.workers else 0, limit=4 * self.credit + 16, ordered=False)
         self._held: dict[P.SampleKey, str | None] = {}  # keys in the pool -> their files
         self._view_job: Future | None = None  # the job reading the transport's reused buffer
         self.idle_s = idle_s
@@ -663,11 +826,12 @@ class HiddenStateStream:
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Sample]:
-        """Samples in delivery order. Each delivery is admitted here (duplicates dropped), read
-        and checked by a worker, and settled here when it is the oldest held: FAIL for an
-        invalid one, else its file removed, RECEIVED, and the sample yielded. One CREDIT goes
-        back per delivery when it leaves the pool (settled) or is dropped, so at most ``credit``
-        samples are ever held, whatever the pool's speed."""
+        """Samples as they are checked (``ordered``: in delivery order). Each delivery is
+        admitted here (duplicates dropped), read and checked by a worker, and settled here when
+        the pool hands it back (``ordered``: when it is the oldest held): FAIL for an invalid
+        one, else its file removed (renamed away, freed by the deleter), RECEIVED, and the
+        sample yielded. One CREDIT goes back per delivery when it leaves the pool (settled) or
+        is dropped, so at most ``credit`` samples are ever held, whatever the pool's speed."""
         sock = self._connect()
         deadline = time.monotonic() + self.timeout_s
         if self._started is None:
@@ -679,11 +843,12 @@ class HiddenStateStream:
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
             self._flush()
+            self._collect_deletes()
             # Every heartbeat_s, busy or not: it carries the wait share, not only liveness.
             if time.monotonic() - self._last_beat > self.heartbeat_s and not self._outbox:
                 self._last_beat = time.monotonic()
                 self._send(self._heartbeat())
-            if self._pool.head_done():
+            if self._pool.has_result():
                 sample = self._settle(*self._pool.pop())
                 self._send(P.Credit(n=1))
                 if sample is None:
@@ -834,8 +999,26 @@ class HiddenStateStream:
             self.stats["load_s"] += tm["checked"] - tm["started"]
         # The tensors are in memory (read or copied out of the file): the file can go now.
         self.stats["bytes"] += d.notice.nbytes
-        self._drop_copy(d)
+        reads_spool = self._receiver is not None and self._receiver.reads_spool
+        if reads_spool and self._deletes.workers and not self._deletes.full:
+            # Gone from the spool now (for the sidecar, as if deleted); the bytes are freed aside.
+            if (retired := P.retire_from_spool(self.spool, d.notice.file)) is not None:
+                self._deletes.submit(d, _unlink, retired)
+            if d.notice.key is not None:
+                self._send(P.Received(keys=[d.notice.key]))
+        else:
+            self._drop_copy(d)
         return sample
+
+    def _collect_deletes(self) -> None:
+        """Take back the deleter's finished jobs (what failed is the reaper's: the file has a
+        temporary name of ours)."""
+        while self._deletes.has_result():
+            d, job = self._deletes.pop()
+            try:
+                job.result()
+            except OSError as e:
+                log.warning("could not delete %s's retired copy from the spool: %s", d.notice.file, e)
 
     def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
         """One delivery admitted, read, checked and settled on this thread (no pool)."""
@@ -896,6 +1079,7 @@ class HiddenStateStream:
                 time.sleep(0.01)
             self._sock.close(linger=0 if self._outbox else 2000)
             self._sock = None
+        self._deletes.close()  # the retired copies' deletes finish first
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

@@ -95,3 +95,11 @@ def test_lock_and_custom_path_flags(tmp_path):
     assert (o.allow_custom_save_path, o.use_lock) == (True, False)
     with pytest.raises(plugin.ConnectorConfigError, match="allow_custom_save_path must be true or false"):
         plugin.ConnectorOptions.from_vllm(vllm_config([2], {**base, "allow_custom_save_path": "yes please"}))
+
+
+def test_switch_interval_from_the_environment(tmp_path, monkeypatch):
+    """What vLLM's worker lowers Python's switch interval to (rank 0, beside the writers)."""
+    base = {"shared_storage_path": str(tmp_path)}
+    assert plugin.ConnectorOptions.from_vllm(vllm_config([2], base)).switch_interval_ms == 1.0
+    monkeypatch.setenv("HSSTREAM_SWITCH_INTERVAL_MS", "0")
+    assert plugin.ConnectorOptions.from_vllm(vllm_config([2], base)).switch_interval_ms == 0.0

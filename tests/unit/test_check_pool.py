@@ -29,7 +29,7 @@ def test_results_come_back_in_submission_order_although_they_finish_out_of_order
         pool.submit(i, job, i, s)
     got = []
     while len(pool):
-        if not pool.head_done():
+        if not pool.has_result():
             select.select([pool.fileno()], [], [], 1.0)  # the owner's wake-up: a job finished
             pool.clear_wakeups()
             continue
@@ -38,6 +38,30 @@ def test_results_come_back_in_submission_order_although_they_finish_out_of_order
     assert finished != sorted(finished)  # the workers did finish out of order ...
     assert got == [(i, i * 10) for i in range(5)]  # ... and the owner sees submission order
     pool.close()
+
+
+def test_unordered_results_come_back_as_they_finish_and_a_slow_job_holds_none_back():
+    pool = CheckPool(workers=4, limit=8, ordered=False)
+    gate = threading.Event()
+    pool.submit("slow", gate.wait, 5)  # the oldest job, still running
+    for i in range(3):
+        pool.submit(i, lambda i=i: i * 10)
+    got = []
+    deadline = time.monotonic() + 5
+    while len(got) < 3 and time.monotonic() < deadline:
+        if not pool.has_result():
+            select.select([pool.fileno()], [], [], 1.0)
+            pool.clear_wakeups()
+            continue
+        tag, fut = pool.pop()
+        got.append((tag, fut.result()))
+    assert sorted(got) == [(i, i * 10) for i in range(3)]  # none waited for "slow"
+    assert not pool.has_result() and pool.tags() == ["slow"]
+    with pytest.raises(RuntimeError, match="no job has finished"):
+        pool.pop()
+    gate.set()
+    left = pool.close()
+    assert [t for t, _ in left] == ["slow"]
 
 
 def test_held_jobs_and_running_workers_are_bounded():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -246,6 +247,39 @@ def test_gatherer_copies_so_the_cache_may_be_reused(spool, writer):
     phys.zero_()  # vLLM frees the blocks once poll() reported them
     assert writer.flush(5)
     assert torch.equal(load_file(spool / "r.safetensors")[P.HIDDEN_STATES_KEY], want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
+@pytest.mark.parametrize("step_marked", [True, False])
+def test_on_cuda_the_copy_waits_for_the_work_before_the_step_not_for_the_steps_forward(spool, writer, step_marked):
+    """The saves of a step are known once its forward is launched: their copies must wait for
+    the previous forward (which wrote the rows), not for this one. The control (no step mark:
+    everything queued) shows the check can tell the two apart."""
+    _, phys_cpu = _cache("old")
+    phys = phys_cpu.cuda()
+    g = HiddenStateGatherer(phys, BS, 3, None, writer)
+    cur = torch.cuda.current_stream()
+    # A first save warms the pinned allocator (a first cudaHostAlloc may wait for the device).
+    g.step_starts()
+    g.submit(PendingSave("w", "w.safetensors", list(range(6)), [0, 1], None))
+    torch.cuda.synchronize()
+    assert writer.flush(5) and g.poll({"w"}) == {"w"}
+    torch.cuda._sleep(20_000_000)  # the previous step's forward ...
+    phys[0:2].fill_(1.0)  # ... writes the rows of the request saved now
+    g._step_start = None
+    if step_marked:
+        g.step_starts()
+    torch.cuda._sleep(4_000_000_000)  # this step's forward, launched before the save is known (~2 s)
+    phys[5].fill_(7.0)
+    g.submit(PendingSave("r", "r.safetensors", list(range(6)), [0, 1], None))
+    deadline = time.monotonic() + 1.0
+    while not g.poll({"r"}) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    landed_while_busy = not g.known("r") and not cur.query()
+    torch.cuda.synchronize()
+    assert landed_while_busy == step_marked  # marked: the copy did not wait for this step's forward
+    assert writer.flush(5)
+    assert torch.equal(load_file(spool / "r.safetensors")[P.HIDDEN_STATES_KEY], torch.ones(6, 3, H, dtype=torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------- plug-in

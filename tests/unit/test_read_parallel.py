@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from connector import protocol as P
 from trainer_client import stream as S
 
 
@@ -35,6 +38,7 @@ def test_the_parts_run_on_other_threads(tmp_path, monkeypatch):
 
     def spy(fd, mv, offset):  # noqa: ANN001, ANN202
         seen.add(threading.current_thread().name)
+        time.sleep(0.01)  # a part takes a while: no one thread takes them all
         return real(fd, mv, offset)
 
     monkeypatch.setattr(S, "_pread_into", spy)
@@ -71,3 +75,76 @@ def test_the_stream_reader_returns_the_saved_tensors(tmp_path, monkeypatch):
     save_file({"hidden_states": hs, "token_ids": ids}, str(tmp_path / "s.safetensors"))
     out = S.read_into_buffer(tmp_path / "s.safetensors", None, lambda n: torch.empty(n, dtype=torch.uint8))
     assert torch.equal(out["hidden_states"], hs) and torch.equal(out["token_ids"], ids)
+
+
+def test_parts_are_handed_over_in_file_order_while_later_ones_are_still_read(tmp_path, monkeypatch):
+    """The copy to a GPU starts on the first parts while the rest are read."""
+    monkeypatch.setattr(S, "READ_PART", 1000)
+    events: list[tuple] = []
+    real = S._pread_into
+
+    def slow(fd, mv, offset):  # noqa: ANN001, ANN202
+        time.sleep(0.005)
+        got = real(fd, mv, offset)
+        events.append(("read", offset))
+        return got
+
+    monkeypatch.setattr(S, "_pread_into", slow)
+    data = os.urandom(10_500)
+    f = tmp_path / "x.bin"
+    f.write_bytes(data)
+    buf = bytearray(len(data))
+    fed: list[tuple[int, int]] = []
+
+    def feed(a: int, b: int) -> None:
+        assert bytes(buf[a:b]) == data[a:b]  # a part is handed over only once it is in
+        fed.append((a, b))
+        events.append(("feed", a))
+
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        S.read_parallel(fd, memoryview(buf), len(data), threads=2, start=500, feed=feed)
+    finally:
+        os.close(fd)
+    assert fed == [(a, min(a + 1000, len(data))) for a in range(500, len(data), 1000)]  # in order, all of it
+    assert events.index(("feed", 500)) < max(i for i, e in enumerate(events) if e[0] == "read")
+
+
+def _sample(tmp_path, *, flip_at: int | None = None):  # noqa: ANN202
+    hs = torch.randn(64, 3, 32).to(torch.bfloat16)
+    ids = torch.arange(64)
+    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
+    if flip_at is not None:
+        hs.view(-1).view(torch.uint8)[flip_at] ^= 1  # after the digest: one bit in one part
+    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(tmp_path / "hs-0.safetensors"))
+    n = P.Notice(status=P.NoticeStatus.ok, request_id="r", key=P.SampleKey(job="j", index=0), file="hs-0.safetensors",
+                 num_tokens=64, layer_ids=[1, 2, 3], hidden_size=32, dtype="bfloat16", checksum=digest)  # fmt: skip
+    return hs, P.Deliver(notice=n, expected_token_ids=ids.tolist())
+
+
+def _load(tmp_path, d):  # noqa: ANN001, ANN202
+    return S.load_and_check(tmp_path, d, pin_memory=True, alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("flip_at", [0, 5000, 64 * 3 * 32 * 2 - 1])
+def test_a_file_read_in_parts_is_checksummed_whole_a_bit_in_any_part_is_caught(tmp_path, monkeypatch, flip_at):
+    monkeypatch.setattr(S, "READ_PART", 1000)
+    monkeypatch.setattr(S, "HEAD_BYTES", 512)
+    hs, d = _sample(tmp_path)
+    assert torch.equal(_load(tmp_path, d).hidden_states, hs)
+    _, d = _sample(tmp_path, flip_at=flip_at)
+    with pytest.raises(S.InvalidSample, match="checksum mismatch"):
+        _load(tmp_path, d)
+
+
+def test_a_header_that_disagrees_with_the_notice_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(S, "READ_PART", 1000)
+    monkeypatch.setattr(S, "HEAD_BYTES", 512)
+    _, d = _sample(tmp_path)
+    reads: list[int] = []
+    real = S._pread_into
+    monkeypatch.setattr(S, "_pread_into", lambda fd, mv, off: reads.append(off) or real(fd, mv, off))
+    bad = P.Deliver(notice=d.notice.model_copy(update={"hidden_size": 64}), expected_token_ids=d.expected_token_ids)
+    with pytest.raises(S.InvalidSample, match="hidden_states shape"):
+        _load(tmp_path, bad)
+    assert reads == [0]  # the head only

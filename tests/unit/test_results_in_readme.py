@@ -1,6 +1,7 @@
 """README's figures against the committed result files they cite: the tested-vLLM table against
 ``bench/results/compat_matrix.json`` (and 0.26's row against the GPU run it names), and the
-online-vs-offline table and note against ``bench/results/online_vs_offline_cpu.json``.
+online-vs-offline table and note against ``bench/results/online_vs_offline_cpu.json``, and the
+online-on-GPU row against the ``online_gpu_h200x1_shared_pipelined*.json`` runs it names.
 
 A result file re-run without the README (or the other way round) fails here, with the figure
 that moved. Numbers are read from the README's tables as written there (rounded as shown).
@@ -170,3 +171,21 @@ def test_the_note_says_who_wins_and_by_how_much(ovo):
     points = ", ".join(f"{k * grid:.0f}" for k in both[:-1]) + f" and {both[-1] * grid:.0f} s"
     claim = f"At the later wall-clock points both arms served ({points}), the two stay within {t0:.3f} at T=0 and {t1:.3f} at T=1"
     assert claim in note, f"README should say: {claim!r}"
+
+
+def test_the_online_gpu_row_quotes_the_runs_it_names():
+    """The measured table's GPU row: latency, training rate and wait as the named JSON files say."""
+    row = next(line for line in README.splitlines() if line.startswith("| Online on GPU"))
+    b2k = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined_batch2k.json").read_text())["summary"]
+    b16k = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined.json").read_text())["summary"]
+    tr = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined_train_batch2k.json").read_text())["summary"]
+    m = re.search(r"p50 ([\d.]+) ms / p99 ([\d.]+) ms with 2k-token batches", row)
+    assert m and (float(m[1]), float(m[2])) == (round(b2k["latency_p50_ms"], 1), round(b2k["latency_p99_ms"], 1))
+    m = re.search(r"([\d.]+) / ([\d.]+) ms with vLLM's default 16k-token batches", row)
+    assert m and (float(m[1]), round(float(m[2]))) == (round(b16k["latency_p50_ms"], 1), round(b16k["latency_p99_ms"]))
+    m = re.search(r"floor ([\d.]+) ms", row)
+    assert m and float(m[1]) == round(b2k["floor_ms"], 1)
+    m = re.search(r"([\d.]+) samples/s overall, ([\d.]+) in steady state, waiting ([\d.]+) %", row)
+    assert m and float(m[1]) == round(tr["train_samples_per_s"], 1)
+    assert float(m[3]) == round(100 * tr["train_wait_frac"], 1)
+    assert tr["peak_spool_bytes"] <= tr["spool_budget_bytes"]  # "spool ≤ budget"

@@ -58,11 +58,12 @@ def test_symlinked_or_shared_spool_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "hs-x.safetensors.bak", "hs-../x.safetensors", ".hs-x.tmp"])
-def test_only_the_connectors_names_are_removed(tmp_path, name):
+def test_only_the_connectors_names_are_removed_or_retired(tmp_path, name):
     P.claim_spool(tmp_path / "s")
     if "/" not in name:
         (tmp_path / "s" / name).write_bytes(WEIGHTS)
     assert P.remove_from_spool(tmp_path / "s", name) is False
+    assert P.retire_from_spool(tmp_path / "s", name) is None
     if "/" not in name:
         assert (tmp_path / "s" / name).read_bytes() == WEIGHTS
     (tmp_path / "s" / "hs-cmpl-1.safetensors").write_bytes(b"x")
@@ -114,3 +115,20 @@ def test_reaper_handles_locks_with_their_files_and_keeps_held_ones(tmp_path):
     held.abandon()
     assert not (spool / "hs-writing.safetensors.lock").exists()
     assert P.is_own_name("hs-a.safetensors.lock") and not P.is_own_name("a.safetensors.lock")
+
+
+def test_a_retired_file_is_gone_from_the_spool_at_once_and_reaped_if_never_deleted(tmp_path):
+    """The stream renames a read file out of the spool (microseconds) and frees its bytes on
+    another thread; a process killed in between leaves a temporary name the reaper takes."""
+    spool = tmp_path / "s"
+    P.claim_spool(spool)
+    name = P.file_name_for_request("cmpl-9")
+    (spool / name).write_bytes(WEIGHTS)
+    (spool / (name + P.LOCK_SUFFIX)).write_bytes(b"")
+    retired = P.retire_from_spool(spool, name)
+    assert retired is not None and retired.parent == spool and P.is_tmp_name(retired.name)
+    assert not P.spool_file_exists(spool, name) and not (spool / (name + P.LOCK_SUFFIX)).exists()
+    assert retired.read_bytes() == WEIGHTS
+    assert P.retire_from_spool(spool, name) is None  # already gone
+    keeper = SpoolKeeper(spool, Ledger(tmp_path / "l.sqlite"))
+    assert keeper.sweep(min_age_s=0) == 1 and sorted(os.listdir(spool)) == [P.SPOOL_MARKER]
