@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from bench import checkpoints as C  # noqa: E402
 
 LAYERS = [2, 18, 33, 36]
-CONFIGS = ("plain", "stream", "train")
+CONFIGS = ("plain", "stream", "stream_ordered", "train")
 WINDOW = (0.10, 0.90)
 _KV_RE = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")
 
@@ -160,6 +160,7 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
     a pinned buffer torch's cache cannot hand back (``alloc_pinned_new``: what a cold burst pays)."""
     import collections
 
+    import numpy as np
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -215,6 +216,13 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
             rows["read_into_pinned_one_thread"].append(time.perf_counter() - t9)
             os.close(fd)
             t9 = time.perf_counter()
+            for k in (2, 4, 8):  # parts read at once by k threads (the stream's default: S.READ_THREADS)
+                fd = os.open(path, os.O_RDONLY)
+                t9 = time.perf_counter()
+                S.read_parallel(fd, memoryview(pbuf.numpy()), path.stat().st_size, threads=k)
+                rows[f"read_into_pinned_{k}_threads"].append(time.perf_counter() - t9)
+                os.close(fd)
+            t9 = time.perf_counter()
             got = S.read_into_buffer(path, None, lambda n: pbuf[:n], tm := {})
             rows["read_into_pinned"].append(tm["read_s"])  # parts read at once (S.READ_THREADS)
             if cuda:
@@ -232,6 +240,16 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
             t8 = time.perf_counter()
             S.all_finite(x)
             rows["finite_cpu_bits"].append(time.perf_counter() - t8)
+        extra: dict = {}
+        if cuda:  # a third way: DMA straight from the file's tmpfs pages (mapped, page-locked in place)
+            try:
+                for _ in range(spec.get("floor_reps", 20)):
+                    for k, v in _registered_copy(path, dev).items():
+                        rows[f"registered_{k}"].append(v)
+                extra["registered_bytes_equal"] = bool(torch.equal(
+                    _registered_copy(path, dev, keep=True).cpu(), torch.from_numpy(np.fromfile(path, dtype=np.uint8))))
+            except Exception as e:  # noqa: BLE001 - a host or driver that refuses: say so, go on
+                extra["registered_error"] = repr(e)[:300]
         held = []
         rows["alloc_pinned_new"] = []
         for _ in range(4 if cuda else 0):  # each kept alive, so the cache cannot reuse one
@@ -240,10 +258,51 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
             rows["alloc_pinned_new"].append(time.perf_counter() - t0)
         del held
         rows = {k: v for k, v in rows.items() if v}
-        return {"bytes": path.stat().st_size, "device": str(dev),
+        return {"bytes": path.stat().st_size, "device": str(dev), "read_threads": S.READ_THREADS, **extra,
                 **{f"{k}_ms_p50": round(1000 * statistics.median(v), 3) for k, v in rows.items()}}  # fmt: skip
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _registered_copy(path: Path, dev, keep: bool = False):  # noqa: ANN001, ANN202
+    """One file onto the GPU with no host copy: mmap it, page-lock the mapping in place
+    (``cudaHostRegister``, read-only), one DMA, unregister. Seconds per phase (or the device
+    tensor with ``keep``)."""
+    import mmap
+    import warnings
+
+    import numpy as np
+    import torch
+
+    cudart = torch.cuda.cudart()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        t0 = time.perf_counter()
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        ptr = arr.ctypes.data
+        t1 = time.perf_counter()
+        err = cudart.cudaHostRegister(ptr, size, 8)  # cudaHostRegisterReadOnly
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister: error {int(err)}")
+        t2 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only numpy array
+            src = torch.from_numpy(arr)
+        out = torch.empty(size, dtype=torch.uint8, device=dev)
+        out.copy_(src, non_blocking=True)
+        torch.cuda.current_stream(dev).synchronize()
+        t3 = time.perf_counter()
+        cudart.cudaHostUnregister(ptr)
+        t4 = time.perf_counter()
+        del src, arr
+        mm.close()
+    finally:
+        os.close(fd)
+    if keep:
+        return out
+    return {"map": t1 - t0, "register": t2 - t1, "h2d": t3 - t2, "unregister": t4 - t3, "total": t4 - t0}
 
 
 def _wait_for_job(spec: dict) -> str:
@@ -289,7 +348,7 @@ def consume_deliver(spec: dict) -> dict:
             HiddenStateStream(spec["endpoint"], jobs=None, follow=True, spool_dir=spec["spool"], credit=spec["credit"],
                               timeout_s=max(60.0, spec.get("job_wait_s") or 0), pin_memory=cuda,
                               workers=spec.get("stream_workers"), device=dev if on_dev else None,
-                              idle_s=0.1) as stream:  # fmt: skip
+                              ordered=spec.get("ordered"), idle_s=0.1) as stream:  # fmt: skip
         if cuda:
             stream.host_buffers.warm(sample_bytes, spec["credit"] + 1)
         t_end = None
@@ -412,7 +471,7 @@ def consume_train(spec: dict) -> dict:
     with open(spec["records"], "w", buffering=1) as rec, \
             HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
                               ack="manual", timeout_s=60, workers=spec.get("stream_workers"),
-                              **trainer.stream_options()) as stream:  # fmt: skip
+                              ordered=spec.get("ordered"), **trainer.stream_options()) as stream:  # fmt: skip
         ts = _TimedStream(stream, spec, rec)
         r = trainer.train(ts)
     p = next(iter(trainer.model.parameters()))
@@ -608,19 +667,20 @@ class Orchestrator:
         except httpx.HTTPError:
             pass
 
-    def consumer_spec(self, mode: str, tag: str, n: int) -> dict:
+    def consumer_spec(self, mode: str, tag: str, n: int, ordered: bool | None = None) -> dict:
         a, st = self.args, self.stack
         return {"mode": mode, "endpoint": st.delivery_endpoint, "spool": str(st.spool), "api": st.api,
                 "device": "cpu" if self.cpu else "cuda", "layers": a.layers, "prompt_len": a.prompt_len,
                 "hidden_size": self.shape["hidden_size"], "n_samples": n, "time_limit_s": a.consumer_seconds,
                 "credit": a.credit, "records": str(self.work / f"{tag}.records.jsonl"),
                 "stream_workers": a.stream_workers, "finite_on_device": a.finite_on_device,
+                "ordered": a.ordered if ordered is None else ordered,
                 "ready_file": str(self.work / f"{tag}.ready"), "job_file": str(self.work / f"{tag}.job.json"),
                 "job_wait_s": a.start_timeout, "floor": mode == "deliver", "model": self.model,
                 "train_out": str(self.work / f"{tag}.train"), "draft_vocab": a.draft_vocab,
                 "token_counts": str(self.work / "token_counts.json")}  # fmt: skip
 
-    def run_consumers(self, mode: str, rnd: int, ps: list[list[int]]) -> dict:
+    def run_consumers(self, mode: str, rnd: int, ps: list[list[int]], ordered: bool | None = None) -> dict:
         """Start the consumers, wait until they are ready, submit the job, follow it to the end."""
         a = self.args
         gpus = a.trainer_gpu_list if mode == "deliver" else a.trainer_gpu_list[:1]
@@ -634,7 +694,8 @@ class Orchestrator:
             gpus = []
         for i, g in enumerate(gpus):
             tag = f"{mode}-{rnd}-{i}"
-            spec = self.consumer_spec(mode, tag, len(ps) if mode == "train" else math.ceil(len(ps) / len(gpus)))
+            spec = self.consumer_spec(mode, tag, len(ps) if mode == "train" else math.ceil(len(ps) / len(gpus)),
+                                      ordered)  # fmt: skip
             procs.append((tag, *self.spawn_consumer(mode, spec, g, tag)))
         deadline = time.monotonic() + a.start_timeout
         for tag, c, _ in procs:
@@ -677,9 +738,11 @@ class Orchestrator:
                 "accepted_at": t0,
                 "spool": {**spool, "budget_bytes": int(a.spool_budget_gib * 2**30)}}  # fmt: skip
 
-    def run_stream(self, rnd: int, plain_rate: float | None) -> dict:
+    def run_stream(self, rnd: int, plain_rate: float | None, *, ordered: bool | None = None) -> dict:
+        """(b); ``ordered``: the stream yields in delivery order (the ``stream_ordered`` config,
+        run beside ``stream`` on the same stack to show what that order costs)."""
         a = self.args
-        r = self.run_consumers("deliver", rnd, self.prompts)
+        r = self.run_consumers("deliver", rnd, self.prompts, ordered)
         recs = r["records"]
         deliver = window_rate([x["g"] for x in recs], a.prompt_len)
         vllm = window_rate([x["sent"] for x in recs if x.get("sent")], a.prompt_len)
@@ -691,7 +754,8 @@ class Orchestrator:
         lo_t = gs[int(math.floor(WINDOW[0] * (len(gs) - 1)))] if gs else 0.0
         hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
         lat = [1000 * (x["g"] - x["sent"]) for x in recs if x.get("sent") and lo_t <= x["g"] <= hi_t]
-        out = {"config": "stream", "round": rnd, "consumers": r["results"], "spool": r["spool"],
+        out = {"config": "stream_ordered" if ordered else "stream", "round": rnd, "consumers": r["results"],
+               "spool": r["spool"],
                "delivered_to_trainer_gpu": deliver, "vllm_with_connector": vllm,
                "latency_notice_to_gpu_ms": {"p50": _r(pct(lat, 0.5)), "p99": _r(pct(lat, 0.99)),
                                             "max": _r(max(lat) if lat else None), "n": len(lat),
@@ -760,7 +824,8 @@ def breakdown(recs: list[dict]) -> dict:
     * ``pool_queue``: received -> a check worker starts on it (all workers busy);
     * ``check`` = ``alloc`` + ``read`` + ``checksum`` + ``finite`` (host) or ``to_device`` (copy
       and finiteness on the GPU with ``--finite-on-device``) + small checks;
-    * ``in_order``: checked -> handed to the loop (older samples first, and the loop's own time);
+    * ``in_order``: checked -> handed to the loop (with ``--ordered``, older samples first; always the
+      socket thread's own work: a 33.5 MB tmpfs unlink took ~4 ms there until files were deleted aside);
     * ``copy_to_trainer_gpu``: handed -> on the GPU (a no-op copy with ``--finite-on-device``).
     """
     stages: dict[str, list[float]] = {}
@@ -864,6 +929,8 @@ def main() -> int:  # noqa: C901
                     help="threads the stream reads and checks samples on (0: the iterating thread, as before)")
     ap.add_argument("--trainer-nproc", type=int, default=1,
                     help="(c): DDP trainer ranks on the first N --trainer-gpus (torchrun, as hsstream train --nproc)")
+    ap.add_argument("--ordered", action="store_true",
+                    help="the stream yields in delivery order (default: each sample as soon as it is checked)")
     ap.add_argument("--finite-on-device", action="store_true",
                     help="(b): the stream copies each sample to the trainer GPU and checks finiteness there")
     ap.add_argument("--checksum", default="blake3", choices=("blake3", "xxh3-128"),
@@ -986,7 +1053,8 @@ def main() -> int:  # noqa: C901
                             doc.setdefault("stack_start_s", []).append(round(o.start_stack(rnd), 1))
                             log(f"stack warm-up: {len(o.warm_prompts)} samples")
                             o.run_consumers("deliver", rnd, o.warm_prompts)
-                        run = o.run_stream(rnd, plain_rate) if cfg == "stream" else o.run_train(rnd, plain_rate)
+                        run = (o.run_train(rnd, plain_rate) if cfg == "train"
+                               else o.run_stream(rnd, plain_rate, ordered=True if cfg == "stream_ordered" else None))
                         run["kv_cache_tokens"] = kv_tokens(o.stack.workdir / "vllm.log")
                     run["seconds"] = round(time.perf_counter() - t1, 1)
                     doc["runs"].append(run)
@@ -1035,6 +1103,8 @@ def summarize(doc: dict) -> None:
         "stream_vllm_ratio_to_plain": mean("stream", lambda r: r.get("vllm_ratio_to_plain")),
         "latency_p50_ms": mean("stream", lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
         "latency_p99_ms": mean("stream", lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+        "ordered_latency_p50_ms": mean("stream_ordered", lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
+        "ordered_latency_p99_ms": mean("stream_ordered", lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
         # The floor: one sample from tmpfs onto the GPU, alone, the faster of the two ways measured.
         "floor_ms": mean("stream", _floor_ms),
         "train_samples_per_s": mean("train", lambda r: r.get("trainer_samples_per_s_overall")),
@@ -1055,6 +1125,8 @@ def summarize(doc: dict) -> None:
         ("(b) vLLM with our connector", "", s["stream_vllm_ratio_to_plain"]),
         ("(b) notice -> trainer GPU latency", f"p50 {s['latency_p50_ms']} ms, p99 {s['latency_p99_ms']} ms",
          f"floor {s['floor_ms']} ms"),
+        ("(b) the same, yielded in delivery order", f"p50 {s['ordered_latency_p50_ms']} ms, "
+         f"p99 {s['ordered_latency_p99_ms']} ms", "stream_ordered"),
         ("(c) Eagle-3 trainer", f"{s['train_samples_per_s']} samples/s, {s['train_tokens_per_s']} tok/s",
          f"waits {s['train_wait_frac']}"),
         ("(c) vLLM meanwhile", "", s["train_vllm_ratio_to_plain"]),
