@@ -8,6 +8,7 @@ one ``.env`` configures a whole stack (compose or ``hsstream up``).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -120,7 +121,5 @@ def load_settings(**overrides: object) -> Settings:
 def lower_switch_interval(ms: float) -> None:
     """Python's thread switch interval down to ``ms`` (``switch_interval_ms``); never raised, and
     0 leaves it. For processes whose latency-bound threads share the interpreter with busy ones."""
-    import sys
-
     if 0 < ms / 1000 < sys.getswitchinterval():
         sys.setswitchinterval(ms / 1000)

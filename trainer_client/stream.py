@@ -999,15 +999,7 @@ class HiddenStateStream:
             self.stats["load_s"] += tm["checked"] - tm["started"]
         # The tensors are in memory (read or copied out of the file): the file can go now.
         self.stats["bytes"] += d.notice.nbytes
-        reads_spool = self._receiver is not None and self._receiver.reads_spool
-        if reads_spool and self._deletes.workers and not self._deletes.full:
-            # Gone from the spool now (for the sidecar, as if deleted); the bytes are freed aside.
-            if (retired := P.retire_from_spool(self.spool, d.notice.file)) is not None:
-                self._deletes.submit(d, _unlink, retired)
-            if d.notice.key is not None:
-                self._send(P.Received(keys=[d.notice.key]))
-        else:
-            self._drop_copy(d)
+        self._drop_copy(d, aside=True)
         return sample
 
     def _collect_deletes(self) -> None:
@@ -1032,11 +1024,17 @@ class HiddenStateStream:
             job.set_exception(e)
         return self._settle(d, job)
 
-    def _drop_copy(self, d: P.Deliver) -> None:
+    def _drop_copy(self, d: P.Deliver, *, aside: bool = False) -> None:
         """Free the delivered file (ours to delete when we read the spool; else the sidecar
-        deletes its own on RECEIVED) and tell the sidecar its spool bytes are free."""
+        deletes its own on RECEIVED) and tell the sidecar its spool bytes are free. ``aside``:
+        renamed out of the spool now (for the sidecar, as if deleted), its bytes freed by the
+        deleter thread, unless that has no thread or is full."""
         if self._receiver is not None and self._receiver.reads_spool:
-            P.remove_from_spool(self.spool, d.notice.file)
+            if aside and self._deletes.workers and not self._deletes.full:
+                if (retired := P.retire_from_spool(self.spool, d.notice.file)) is not None:
+                    self._deletes.submit(d, _unlink, retired)
+            else:
+                P.remove_from_spool(self.spool, d.notice.file)
         if d.notice.key is not None:
             self._send(P.Received(keys=[d.notice.key]))
 
