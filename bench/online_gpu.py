@@ -820,7 +820,9 @@ def breakdown(recs: list[dict]) -> dict:
     the stream's per-sample stamps (``Sample.timings``, one host clock with ``sent_at``):
 
     * ``sidecar``: notice sent -> the delivery read off the trainer's socket (the sidecar's
-      ledger and delivery, and credit: a sample waits here while the stream holds ``credit``);
+      ledger and delivery, and credit: a sample waits here while the stream holds ``credit``),
+      in parts: ``sidecar_in`` (to the sidecar's notice socket), ``sidecar_queue`` (applied,
+      committed, woken, credit, leased, sent), ``sidecar_to_trainer`` (read off the trainer's socket);
     * ``pool_queue``: received -> a check worker starts on it (all workers busy);
     * ``check`` = ``alloc`` + ``read`` + ``checksum`` + ``finite`` (host) or ``to_device`` (copy
       and finiteness on the GPU with ``--finite-on-device``) + small checks;
@@ -835,11 +837,14 @@ def breakdown(recs: list[dict]) -> dict:
             stages.setdefault(k, []).append(1000 * v)
 
     for x in recs:
-        for k, v in (x.get("conn") or {}).items():
-            add(f"connector_{k}", v)
+        conn = x.get("conn") or {}
+        for k, v in conn.items():
+            add(k if k.startswith("sidecar_") else f"connector_{k}", v)
         t = x.get("stream") or {}
         if x.get("sent") is not None and "received" in t:
             add("sidecar", t["received"] - x["sent"])
+            if {"sidecar_in", "sidecar_queue"} <= set(conn):
+                add("sidecar_to_trainer", t["received"] - x["sent"] - conn["sidecar_in"] - conn["sidecar_queue"])
         if {"received", "started", "checked", "handed"} <= set(t):
             add("pool_queue", t["started"] - t["received"])
             add("check", t["checked"] - t["started"])

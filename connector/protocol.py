@@ -153,7 +153,8 @@ class Notice(_Model):
     sent_at: float | None = None
     #: Seconds the connector spent on this sample, per stage (``gather`` on the engine's step,
     #: ``copy_wait`` for the device-to-host copy, ``checksum``, ``write`` incl. rename): cheap
-    #: counters that let a benchmark say where time goes without profiling vLLM.
+    #: counters that let a benchmark say where time goes without profiling vLLM. The sidecar
+    #: adds its own (``TIMING_SIDECAR_IN``, ``TIMING_SIDECAR_QUEUE``) to the copy it delivers.
     timings: dict[str, float] = Field(default_factory=dict)
 
     def encode(self) -> bytes:
@@ -230,6 +231,21 @@ class Transfer(_Model):
 class Credit(_Model):
     v: int = PROTOCOL_VERSION
     n: int = Field(ge=0)
+
+
+#: Seconds from ``sent_at`` to the sidecar reading the notice off its socket.
+TIMING_SIDECAR_IN = "sidecar_in"
+#: Seconds from then to the DELIVER leaving for a trainer: the notice applied and committed,
+#: the delivery thread woken, a trainer's credit, the lease committed.
+TIMING_SIDECAR_QUEUE = "sidecar_queue"
+
+
+def stamp_sidecar_queue(n: Notice, now: float) -> Notice:
+    """``n`` as delivered at ``now``: with its time in the sidecar (when it has its arrival)."""
+    if n.sent_at is None or TIMING_SIDECAR_IN not in n.timings:
+        return n
+    queued = now - n.sent_at - n.timings[TIMING_SIDECAR_IN]
+    return n.model_copy(update={"timings": {**n.timings, TIMING_SIDECAR_QUEUE: round(queued, 6)}})
 
 
 class Deliver(_Model):

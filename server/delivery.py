@@ -364,8 +364,8 @@ class DeliveryService(SocketThread):
                 # All this pass's leases in one commit, before any DELIVER leaves.
                 for s in self.ledger.lease_many(owner, peer.jobs, peer.credit):
                     assert s.notice is not None
-                    d = P.Deliver(notice=s.notice, expected_token_ids=s.token_ids, loss_mask=s.loss_mask,
-                                  label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
+                    d = P.Deliver(notice=P.stamp_sidecar_queue(s.notice, time.time()), expected_token_ids=s.token_ids,
+                                  loss_mask=s.loss_mask, label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
                     sender = self.senders[peer.transport]
                     try:
                         # Only a sender that moves the bytes opens the file (the spool's trainer does itself).

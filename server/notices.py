@@ -65,26 +65,29 @@ class NoticeReceiver(SocketThread):
             while not self.stopping:
                 if sock.poll(200):
                     raws = [sock.recv()]
+                    arrived = time.time()
                     while len(raws) < BATCH:
                         try:
                             raws.append(sock.recv(zmq.NOBLOCK))
                         except zmq.Again:
                             break
-                    self.handle_batch(raws)
+                    self.handle_batch(raws, arrived)
         finally:
             sock.close()
 
     def handle(self, raw: bytes) -> None:
         self.handle_batch([raw])
 
-    def handle_batch(self, raws: list[bytes]) -> None:
-        """Apply notices in one ledger group; delete the files it refused once that is on disk."""
+    def handle_batch(self, raws: list[bytes], arrived: float | None = None) -> None:
+        """Apply notices in one ledger group; delete the files it refused once that is on disk.
+        ``arrived``: ``time.time()`` they were read off the socket (default: now)."""
+        arrived = time.time() if arrived is None else arrived
         delete: list[str] = []
         try:
             with self.ledger.group():
                 for raw in raws:
                     try:
-                        if (name := self._apply(raw)) is not None:
+                        if (name := self._apply(raw, arrived)) is not None:
                             delete.append(name)
                     except Exception:  # noqa: BLE001 - one bad notice must not end the thread
                         log.exception("notice handling failed")
@@ -95,7 +98,7 @@ class NoticeReceiver(SocketThread):
             self.stats["deleted"] += 1
             P.remove_from_spool(self.spool, name)
 
-    def _apply(self, raw: bytes) -> str | None:
+    def _apply(self, raw: bytes, arrived: float) -> str | None:
         """One notice into the ledger; returns its file if the ledger refused it (to delete)."""
         self.stats["notices"] += 1
         try:
@@ -127,6 +130,9 @@ class NoticeReceiver(SocketThread):
             size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
         except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
             n, path, size = n.model_copy(update={"status": P.NoticeStatus.error, "reason": "file vanished"}), None, 0
+        if n.sent_at is not None:
+            # For the trainer's latency breakdown (one host's clock): connector -> here.
+            n = n.model_copy(update={"timings": {**n.timings, P.TIMING_SIDECAR_IN: round(arrived - n.sent_at, 6)}})
         if self.observe is not None:
             self.observe(n)  # e.g. the sample size, learned before the ledger frees the sample's estimate
         if self.ledger.on_notice(n, size) == "delete" and path is not None:

@@ -66,3 +66,44 @@ def test_the_wake_up_pipe_is_closed_and_unhooked_when_the_thread_stops(tmp_path)
     assert svc._on_transition in ledger.listeners and svc._wake_w >= 0
     svc.stop()
     assert svc._on_transition not in ledger.listeners and svc._wake_r == svc._wake_w == -1
+
+
+def test_a_delivered_notice_says_how_long_it_took_to_the_sidecar_and_through_it(tmp_path):
+    """The sidecar's share of the notice-to-trainer latency, in the DELIVER's notice (the
+    connector's own timings kept): to its notice socket, then through ledger and delivery."""
+    from server.notices import NoticeReceiver
+
+    spool = tmp_path / "spool"
+    P.claim_spool(spool)
+    ledger = Ledger()
+    job = ledger.add_job([NewSample([1, 2, 3], None, "s0", 30)])
+    rx = NoticeReceiver(f"ipc://{tmp_path}/run/n.sock", spool, ledger)
+    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger, heartbeat_s=60)
+    rx.start()
+    svc.start()
+    ctx = zmq.Context.instance()
+    push, dealer = ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(svc.endpoint)
+        dealer.send_multipart(P.encode_msg(P.Hello(jobs=[job.job_id])))
+        dealer.send_multipart(P.encode_msg(P.Credit(n=4)))
+        push.connect(rx.endpoint)
+        s = ledger.next_to_submit(10**9)
+        (spool / "hs-0.safetensors").write_bytes(b"x" * 30)
+        sent = time.time() - 0.25  # as if the connector had sent it a quarter second ago
+        t0 = time.time()
+        push.send(P.Notice(status=P.NoticeStatus.ok, request_id="r", key=s.key, attempt=s.attempt,
+                           file="hs-0.safetensors", num_tokens=3, nbytes=30, sent_at=sent,
+                           timings={"write": 0.01}).encode())  # fmt: skip
+        assert dealer.poll(5000), "nothing delivered"
+        took = time.time() - t0
+        msg = P.decode_msg(dealer.recv_multipart())
+        t = msg.notice.timings
+        assert t["write"] == 0.01  # the connector's, untouched
+        assert 0.25 <= t[P.TIMING_SIDECAR_IN] < 0.25 + took
+        assert 0 <= t[P.TIMING_SIDECAR_QUEUE] <= took - (t[P.TIMING_SIDECAR_IN] - 0.25)
+    finally:
+        push.close(linger=0)
+        dealer.close(linger=0)
+        svc.stop()
+        rx.stop()
