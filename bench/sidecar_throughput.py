@@ -16,6 +16,11 @@ inclusive, in the sidecar process) say where the sidecar's time goes.
 
     python bench/sidecar_throughput.py --rounds 5 --out bench/results/sidecar_throughput.json
     python bench/sidecar_throughput.py --jobs 20 --no-profile --out bench/results/sidecar_successive_jobs.json
+    python bench/sidecar_throughput.py --concurrency 1 --credit 8 --samples 300 --rounds 3 --no-profile \
+        --out bench/results/sidecar_hop_cpu.json   # one sample at a time: the bare notice -> trainer hop
+
+Each yielded sample's hop from the notice to the trainer's socket is split by the stamps the
+sidecar adds to the delivered notice (``notice_to_trainer_socket_ms``).
 """
 
 from __future__ import annotations
@@ -95,6 +100,21 @@ def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> Non
         await send({"type": "http.response.body", "body": out})
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def hop_stages(x, hops: dict[str, list[float]]) -> None:  # noqa: ANN001
+    """One sample's notice → trainer-socket hop (seconds, one host's clock), and its parts from
+    the stamps the sidecar adds to the delivered notice: ``in`` (to the sidecar's notice socket),
+    ``queue`` (ledger, wake-up, credit, lease, send), ``to_trainer`` (the rest)."""
+    n, t = x.notice, x.timings
+    if n is None or n.sent_at is None or "received" not in t:
+        return
+    total = t["received"] - n.sent_at
+    hops["total"].append(total)
+    if {P.TIMING_SIDECAR_IN, P.TIMING_SIDECAR_QUEUE} <= set(n.timings):
+        hops["in"].append(n.timings[P.TIMING_SIDECAR_IN])
+        hops["queue"].append(n.timings[P.TIMING_SIDECAR_QUEUE])
+        hops["to_trainer"].append(total - n.timings[P.TIMING_SIDECAR_IN] - n.timings[P.TIMING_SIDECAR_QUEUE])
 
 
 def profile_summary(raw: Path, top: int = 15) -> dict:
@@ -185,10 +205,12 @@ def run_once(a: argparse.Namespace) -> dict:
         r.raise_for_status()
         job = r.json()["job_id"]
         stamps = []
+        hops: dict[str, list[float]] = collections.defaultdict(list)
         with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[job], spool_dir=spool, credit=a.credit,
                                timeout_s=60) as s:  # fmt: skip
-            for _ in s:
+            for x in s:
                 stamps.append(time.perf_counter())
+                hop_stages(x, hops)
             stream_stats = dict(s.stats)
         t_end = time.perf_counter()
         # CPU seconds of each process over the job (start-up left out): per sample, this is what
@@ -242,6 +264,8 @@ def run_once(a: argparse.Namespace) -> dict:
         "target_samples_per_s": 500, "cpu_s_during_job": cpu,
         "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(n, 1), 3),
         "sidecar_bound_samples_per_cpu_s": round(n / cpu["sidecar"], 1) if cpu["sidecar"] else None, "stream": {k: round(v, 3) if isinstance(v, float) else v for k, v in stream_stats.items()},
+        "notice_to_trainer_socket_ms": {k: {f"p{q}": round(1000 * v[min(len(v) - 1, int(q / 100 * len(v)))], 3)
+                                            for q in (50, 90, 99)} for k, v in ((k, sorted(v)) for k, v in hops.items())},
     }  # fmt: skip
     if len(successive) > 1:
         from bench.sidecar_overhead import slope_rel
@@ -296,6 +320,10 @@ def main() -> int:
     print(f"| {summary['samples_per_s_steady']} | {summary['samples_per_s_whole_job']} | "
           f"{summary['sidecar_cpu_ms_per_sample']} | {summary['sidecar_bound_samples_per_cpu_s']} |")
     print("CPU ms per sample (median):", summary["cpu_ms_per_sample"])
+    summary["notice_to_trainer_socket_ms_p50"] = {
+        k: round(statistics.median(r["notice_to_trainer_socket_ms"][k]["p50"] for r in runs), 3)
+        for k in runs[0]["notice_to_trainer_socket_ms"]}  # fmt: skip
+    print("notice -> trainer socket, ms p50 (median over rounds):", summary["notice_to_trainer_socket_ms_p50"])
     prof = next((r["sidecar_profile"] for r in reversed(runs) if "sidecar_profile" in r), None)
     if prof:
         print("\nsidecar (last run), inclusive share of py-spy samples (all threads; this project's and aiohttp's frames):")

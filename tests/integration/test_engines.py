@@ -86,16 +86,19 @@ def test_both_engines_get_requests_and_their_notices_arrive(stack):
 
 
 def test_an_engine_killed_mid_job_loses_nothing(stack):
-    n = 40
+    n = 60
     job = submit(stack, samples(n, 2))
     killed: dict = {}
 
     def killer() -> None:
-        """SIGKILL the second engine's process group the moment it holds one of our requests."""
+        """SIGKILL the second engine's process group the moment it holds one of our requests,
+        once it has answered a few (mid-job). Watching from the job's start: started only after
+        the sixth sample, it once found no moment left with a request in flight (a quick job
+        on a loaded machine) and killed an idle engine."""
         t0 = time.time()
         while time.time() - t0 < 60:
             e2 = stats(stack)["engines"][1]
-            if e2["in_flight"] > 0:
+            if e2["in_flight"] > 0 and e2["requests"] >= 2:
                 break
             time.sleep(0.002)
         victim = next(c for c in stack.children if c.name == "vllm-2")
@@ -104,11 +107,10 @@ def test_an_engine_killed_mid_job_loses_nothing(stack):
         killed.update(in_flight=e2["in_flight"], requests=e2["requests"])
 
     th = threading.Thread(target=killer)
+    th.start()  # the loop consumes while the killer waits for its moment
 
     def on_sample(used: int) -> None:
         time.sleep(0.02)  # a paced trainer, faster than the engines: both stay busy all along
-        if used == 6:
-            th.start()  # the loop keeps consuming while the killer waits for its moment
 
     labels = consume(stack, job, on_sample)
     th.join(60)
