@@ -146,8 +146,9 @@ def test_refused_custom_path_and_aborted_request_leave_nothing(vllm, tmp_path):
     err = out["kv_transfer_params"]["hidden_states_error"]
     assert "allow_custom_save_path is off" in err and "hidden_states_path" not in out["kv_transfer_params"]
     # a client that gives up mid-generation: vLLM aborts the request, its path never reaches anyone
+    # (900 tokens take ~1 s here: a 1 s timeout once saw the reply come first, so 0.3 s)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{vllm.url}/v1/completions", timeout=1.0, json={
+        httpx.post(f"{vllm.url}/v1/completions", timeout=0.3, json={
             "model": MODEL_NAME, "prompt": list(range(10, 60)), "max_tokens": 900, "ignore_eos": True})  # fmt: skip
     _wait_idle(vllm)
     time.sleep(0.5)  # the abort's error path runs on the next engine step
