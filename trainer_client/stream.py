@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,8 +148,8 @@ READ_PART = 2 << 20
 READ_THREADS = max(1, min(int(os.environ.get("HSSTREAM_READ_THREADS", "8")), os.cpu_count() or 1))
 #: Bytes read first, for the header (safetensors' header of a sample is < HEADER_ALLOWANCE).
 HEAD_BYTES = 64 << 10
-_readers = None
-_readers_lock = threading.Lock()
+_shared: dict[str, ThreadPoolExecutor] = {}  # module-wide helper pools, made on first use
+_shared_lock = threading.Lock()  # the stream's check workers may all ask for one at once
 
 
 def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
@@ -163,14 +163,12 @@ def _pread_into(fd: int, mv: memoryview, offset: int) -> int:
     return done
 
 
-def _reader_pool():  # noqa: ANN202
-    global _readers
-    with _readers_lock:
-        if _readers is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _readers = ThreadPoolExecutor(max_workers=2 * READ_THREADS, thread_name_prefix="hsstream-read")
-    return _readers
+def _shared_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The module's pool ``hsstream-<name>`` (the file readers, the finiteness scan)."""
+    with _shared_lock:
+        if name not in _shared:
+            _shared[name] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"hsstream-{name}")
+        return _shared[name]
 
 
 def read_parallel(fd: int, mv: memoryview, size: int, threads: int | None = None, *, start: int = 0,
@@ -206,7 +204,8 @@ def read_parallel(fd: int, mv: memoryview, size: int, threads: int | None = None
         while take():
             pass
 
-    helpers = [_reader_pool().submit(reader) for _ in range(n if feed is not None else n - 1)]
+    pool = _shared_pool("read", 2 * READ_THREADS)
+    helpers = [pool.submit(reader) for _ in range(n if feed is not None else n - 1)]
     fed, short = 0, False
     try:
         while fed < len(parts):
@@ -319,8 +318,6 @@ _EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16,
              torch.float32: (torch.int32, 0x7F800000),
              torch.float8_e4m3fn: (torch.uint8, 0x7F)}  # fmt: skip  # e4m3fn: no inf, NaN is S.1111.111
 _CHUNK = 1 << 18  # words per pass: the scratch stays in cache
-_pool = None
-_pool_lock = threading.Lock()  # the stream's check workers may all ask for it at once
 
 
 def _exponent_max_ok(words: np.ndarray, mask: int) -> bool:
@@ -348,15 +345,10 @@ def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
     n = threads if threads is not None else min(8, os.cpu_count() or 1)
     if n <= 1 or words.size < 4 * _CHUNK:
         return _exponent_max_ok(words, mask)
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hsstream-finite")
+    pool = _shared_pool("finite", min(8, os.cpu_count() or 1))
     step = -(-words.size // n)
     parts = [words[i : i + step] for i in range(0, words.size, step)]
-    return all(_pool.map(_exponent_max_ok, parts, [mask] * len(parts)))
+    return all(pool.map(_exponent_max_ok, parts, [mask] * len(parts)))
 
 
 def load_and_check(spool: Path | None, d: P.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
