@@ -91,17 +91,17 @@ def test_an_engine_killed_mid_job_loses_nothing(stack):
     killed: dict = {}
 
     def killer() -> None:
-        """SIGKILL the second engine's process group the moment it holds one of our requests,
-        once it has answered a few (mid-job). Watching from the job's start: started only after
-        the sixth sample, it once found no moment left with a request in flight (a quick job
-        on a loaded machine) and killed an idle engine."""
-        t0 = time.time()
-        while time.time() - t0 < 60:
-            e2 = stats(stack)["engines"][1]
-            if e2["in_flight"] > 0 and e2["requests"] >= 2:
-                break
-            time.sleep(0.002)
+        """Kill the second engine while it holds one of our requests, once it has answered a
+        few (mid-job). It is first stopped (SIGSTOP), so the next request sent to it stays in
+        flight until it is killed: catching a 40-token request in flight by polling /v1/stats
+        missed every one of 40 on a loaded CI machine."""
         victim = next(c for c in stack.children if c.name == "vllm-2")
+        t0 = time.time()
+        while stats(stack)["engines"][1]["requests"] < 2 and time.time() - t0 < 60:
+            time.sleep(0.002)
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        while (e2 := stats(stack)["engines"][1])["in_flight"] == 0 and time.time() - t0 < 60:
+            time.sleep(0.01)
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(30)
         killed.update(in_flight=e2["in_flight"], requests=e2["requests"])
