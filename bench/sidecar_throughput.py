@@ -18,6 +18,10 @@ inclusive, in the sidecar process) say where the sidecar's time goes.
     python bench/sidecar_throughput.py --jobs 20 --no-profile --out bench/results/sidecar_successive_jobs.json
     python bench/sidecar_throughput.py --concurrency 1 --credit 8 --samples 300 --rounds 3 --no-profile \
         --out bench/results/sidecar_hop_cpu.json   # one sample at a time: the bare notice -> trainer hop
+    python bench/sidecar_throughput.py --concurrency 1 --credit 8 --samples 200 --rounds 3 --pace-ms 25 \
+        --notice-after-ms 3 -1 --no-profile --out bench/results/sidecar_hop_idle_cpu.json
+        # samples 25 ms apart (an idle sidecar, as with a GPU's 1,024-token samples), each notice
+        # 3 ms after its answer as the connector sends it, and before it, interleaved
 
 Each yielded sample's hop from the notice to the trainer's socket is split by the stamps the
 sidecar adds to the delivered notice (``notice_to_trainer_socket_ms``).
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import shutil
@@ -63,10 +68,16 @@ def sample_bytes(token_ids: list[int]) -> tuple[bytes, str]:
 
 def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> None:
     """The vLLM stand-in and fake producer (run in its own process)."""
+    import asyncio
+
     import uvicorn
     import zmq
 
     data, digest = sample_bytes(token_ids)
+    pace_s = float(os.environ.get("BENCH_STAND_IN_PACE_MS", "0")) / 1000
+    # < 0: the notice before the answer (the file is ready first); >= 0: this long after it, as
+    # our connector's notice comes (its copy and write follow the request's last step).
+    notice_after_s = float(os.environ.get("BENCH_STAND_IN_NOTICE_AFTER_MS", "-1")) / 1000
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(notice_ep)
     models = json.dumps({"data": [{"id": "stand-in", "max_model_len": 4096}]}).encode()
@@ -82,22 +93,31 @@ def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> Non
                 break
         out = models
         if scope["path"] == "/v1/completions":
+            if pace_s:
+                await asyncio.sleep(pace_s)  # a request that takes a while, as a GPU's would
             req = json.loads(body)
             tag = P.tag_from_kv_params(req.get("kv_transfer_params"))
             rid = f"cmpl-{tag.key.job}-{tag.key.epoch}-{tag.key.index}-{tag.attempt}"
             name = P.file_name_for_request(rid)
-            tmp = os.path.join(spool, P.tmp_name_for(name))
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.rename(tmp, os.path.join(spool, name))
-            n = P.Notice(status=P.NoticeStatus.ok, request_id=rid, key=tag.key, attempt=tag.attempt, file=name,
-                         num_tokens=TOKENS, layer_ids=list(range(LAYERS)), num_hidden_layers=LAYERS,
-                         hidden_size=HIDDEN, dtype="bfloat16", nbytes=TOKENS * LAYERS * HIDDEN * 2, checksum=digest,
-                         model="stand-in", sent_at=time.time())  # fmt: skip
-            push.send(n.encode())
+            if notice_after_s < 0:
+                produce(tag, rid, name)
             out = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {P.KV_PARAMS_PATH_KEY: name}}).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": out})
+        if scope["path"] == "/v1/completions" and notice_after_s >= 0:
+            await asyncio.sleep(notice_after_s)
+            produce(tag, rid, name)
+
+    def produce(tag: P.RequestTag, rid: str, name: str) -> None:
+        tmp = os.path.join(spool, P.tmp_name_for(name))
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.rename(tmp, os.path.join(spool, name))
+        n = P.Notice(status=P.NoticeStatus.ok, request_id=rid, key=tag.key, attempt=tag.attempt, file=name,
+                     num_tokens=TOKENS, layer_ids=list(range(LAYERS)), num_hidden_layers=LAYERS,
+                     hidden_size=HIDDEN, dtype="bfloat16", nbytes=TOKENS * LAYERS * HIDDEN * 2, checksum=digest,
+                     model="stand-in", sent_at=time.time())  # fmt: skip
+        push.send(n.encode())
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
@@ -178,7 +198,8 @@ def run_once(a: argparse.Namespace) -> dict:
             time.sleep(0.1)
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--stand-in", str(vport), str(spool), f"ipc://{run}/notice.sock",
-             json.dumps(token_ids)], env=env, cwd=ROOT, start_new_session=True))  # fmt: skip
+             json.dumps(token_ids)], env={**env, "BENCH_STAND_IN_PACE_MS": str(a.pace_ms),
+                                                  "BENCH_STAND_IN_NOTICE_AFTER_MS": str(a.notice_after_ms)}, cwd=ROOT, start_new_session=True))  # fmt: skip
         for _ in range(300):
             try:
                 httpx.get(f"http://127.0.0.1:{vport}/v1/models", timeout=1)
@@ -260,6 +281,7 @@ def run_once(a: argparse.Namespace) -> dict:
         "samples": a.samples, "yielded": n, "consumed": status["counts"].get("consumed"),
         "failed": status["counts"].get("failed"), "left_in_spool": len(left),
         "file_bytes": len(sample_bytes(token_ids)[0]), "credit": a.credit, "concurrency": a.concurrency,
+        "pace_ms": a.pace_ms, "notice_after_ms": a.notice_after_ms,
         "samples_per_s_steady": round(steady, 1), "samples_per_s_whole_job": round(whole, 1),
         "target_samples_per_s": 500, "cpu_s_during_job": cpu,
         "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(n, 1), 3),
@@ -291,6 +313,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=1, help="jobs one after another through each round's sidecar "
                     "(the first is the measured one): per-job rate, CPU and RSS show anything growing per job")
+    ap.add_argument("--pace-ms", type=float, default=0.0, help="the stand-in answers each request after this "
+                    "long: with --concurrency 1, samples arrive this far apart and the hop is measured on an idle "
+                    "sidecar (as with 1,024-token samples from a GPU, ~25 ms apart)")
+    ap.add_argument("--notice-after-ms", type=float, nargs="+", default=[-1.0], help="the stand-in sends each "
+                    "notice this long after its answer, as our connector does (its copy and write follow the "
+                    "request's last step); default -1: before the answer. Several values: each round runs each, "
+                    "interleaved, and the hop is summarised per value")
     ap.add_argument("--out", default=None)
     ap.add_argument("--spool-parent", default="/dev/shm", help="a tmpfs for the spool (default /dev/shm)")
     ap.add_argument("--stand-in", nargs=4, metavar=("PORT", "SPOOL", "NOTICE_EP", "IDS"), help=argparse.SUPPRESS)
@@ -300,10 +329,13 @@ def main() -> int:
         return 0
 
     runs = []
-    for r in range(a.rounds):
+    orders = a.notice_after_ms
+    for r, v in itertools.product(range(a.rounds), orders):  # each round runs every order, interleaved
+        a.notice_after_ms = v
         res = run_once(a)
         runs.append(res)
-        print(f"round {r}: {res['samples_per_s_steady']:7.1f} samples/s steady, "
+        print(f"round {r}{f' (notice after {v} ms)' if len(orders) > 1 else ''}: "
+              f"{res['samples_per_s_steady']:7.1f} samples/s steady, "
               f"{res['samples_per_s_whole_job']:7.1f} whole job, sidecar {res['sidecar_cpu_ms_per_sample']} ms CPU/sample, "
               f"yielded {res['yielded']}/{a.samples}, failed {res['failed']}, left in spool {res['left_in_spool']}, "
               f"load average {res['load_avg_1_5_15'][0]}", flush=True)  # fmt: skip
@@ -324,6 +356,13 @@ def main() -> int:
         k: round(statistics.median(r["notice_to_trainer_socket_ms"][k]["p50"] for r in runs), 3)
         for k in runs[0]["notice_to_trainer_socket_ms"]}  # fmt: skip
     print("notice -> trainer socket, ms p50 (median over rounds):", summary["notice_to_trainer_socket_ms_p50"])
+    if len(orders) > 1:  # the same rounds split by the stand-in's notice order, side by side
+        summary["notice_to_trainer_socket_ms_p50_by_notice_after_ms"] = by = {
+            str(v): {k: round(statistics.median(r["notice_to_trainer_socket_ms"][k]["p50"] for r in runs
+                                                if r["notice_after_ms"] == v), 3)
+                     for k in runs[0]["notice_to_trainer_socket_ms"]} for v in orders}  # fmt: skip
+        for v, hop in by.items():
+            print(f"  notice after {v} ms:", hop)
     prof = next((r["sidecar_profile"] for r in reversed(runs) if "sidecar_profile" in r), None)
     if prof:
         print("\nsidecar (last run), inclusive share of py-spy samples (all threads; this project's and aiohttp's frames):")
