@@ -10,6 +10,7 @@ import contextlib
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,20 @@ def submit(stack: Stack, samples: list[dict], **options) -> str:
     r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples, "options": options}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["job_id"]
+
+
+#: Long enough for the reaper (60 s grace, a pass every 10 s) to take what a killed process left.
+REAPER_WAIT_S = 90.0
+
+
+def wait_spool_empty(stack: Stack, timeout: float = REAPER_WAIT_S) -> list[str]:
+    """The spool's files once it is empty, or what is left after ``timeout``. A wait, not a
+    fixed sleep: deletes after a job ends (RECEIVED, late notices of aborted requests, the
+    reaper's pass) take longer on a loaded machine; an empty spool returns at once."""
+    t0 = time.monotonic()
+    while (left := stack.spool_files()) and time.monotonic() - t0 < timeout:
+        time.sleep(0.1)
+    return left
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,9 @@ def test_refused_custom_path_and_aborted_request_leave_nothing(vllm, tmp_path):
         httpx.post(f"{vllm.url}/v1/completions", timeout=0.3, json={
             "model": MODEL_NAME, "prompt": list(range(10, 60)), "max_tokens": 900, "ignore_eos": True})  # fmt: skip
     _wait_idle(vllm)
-    time.sleep(0.5)  # the abort's error path runs on the next engine step
+    t0 = time.monotonic()  # the abort's error path runs on an engine step: waited for, not slept on
+    while vllm.spool_files() and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
     assert not want.exists() and vllm.spool_files() == []
     assert "allow_custom_save_path is off" in vllm.log()  # the error is in vLLM's log too
 

@@ -129,7 +129,8 @@ def test_unknown_sample_size_one_in_flight_until_the_first_notice_then_by_the_le
         key = (now["states"], now["reserved_bytes"])
         if key != last:
             last, since = key, time.time()
-        elif time.time() - since > 3 and now["states"].get("submitted", 0) == 0:
+        elif (time.time() - since > 3 and now["states"].get("submitted", 0) == 0 and now["sample_size"]["known"]
+              and now["states"].get("ready", 0) >= 1):  # settled after production, not before it began
             break
         time.sleep(0.2)
     stats = st()

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import start_stack, stop_stack, submit
+from tests.integration.conftest import start_stack, stop_stack, submit, wait_spool_empty
 from trainer_client import HiddenStateStream
 
 LAYERS = [2, 6, 9, 12]
@@ -61,13 +61,6 @@ def consume(stack, job, on_sample=None):
     return labels
 
 
-def wait_spool_empty(stack, timeout=10.0):
-    t0 = time.time()
-    while stack.spool_files() and time.time() - t0 < timeout:
-        time.sleep(0.1)
-    return stack.spool_files()
-
-
 def test_both_engines_get_requests_and_their_notices_arrive(stack):
     assert [c.name for c in stack.children if c.name.startswith("vllm")] == ["vllm", "vllm-2"]
     engines = stats(stack)["engines"]
@@ -82,7 +75,7 @@ def test_both_engines_get_requests_and_their_notices_arrive(stack):
     # Every answered request's file arrived from its own engine's writer: none timed out, none failed.
     assert st["submitter"]["notice_timeouts"] == 0 and st["submitter"]["vllm_down_retries"] == 0
     assert status(stack, job)["counts"]["consumed"] == n
-    assert wait_spool_empty(stack) == []
+    assert wait_spool_empty(stack, timeout=10) == []
 
 
 def test_an_engine_killed_mid_job_loses_nothing(stack):

@@ -139,11 +139,19 @@ def test_sigkill_after_checkpoint_then_resume_trains_each_sample_once(stack, ver
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while True:  # kill once a checkpoint exists and training went on past it
+        def past_a_checkpoint() -> bool:
             ck = latest_checkpoint(out)
             steps = [s for rows in _keys_by_pid(out).values() for s, _ in rows]
-            if ck is not None and steps and max(steps) > load_state(ck)["step"]:
-                break
+            return ck is not None and bool(steps) and max(steps) > load_state(ck)["step"]
+
+        while True:  # kill once a checkpoint exists and training went on past it
+            if past_a_checkpoint():
+                # Stopped, then looked at again: a checkpoint written between the look and the
+                # kill would leave nothing trained past it (the state judged is the one killed).
+                os.killpg(first.pid, signal.SIGSTOP)
+                if past_a_checkpoint():
+                    break
+                os.killpg(first.pid, signal.SIGCONT)
             assert first.poll() is None, first.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 300 s"
             time.sleep(0.01)

@@ -71,7 +71,10 @@ def test_held_jobs_and_running_workers_are_bounded():
         pool.submit(i, gate.wait, 5)
     with pytest.raises(PoolFull):
         pool.submit(5, gate.wait, 5)
-    time.sleep(0.2)
+    t0 = time.monotonic()
+    while pool.running < 3 and time.monotonic() - t0 < 5:  # the workers pick their jobs up
+        time.sleep(0.01)
+    time.sleep(0.05)  # and no fourth one starts
     assert pool.running == 3  # two wait in the queue
     gate.set()
     pool.close()

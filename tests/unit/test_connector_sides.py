@@ -348,7 +348,7 @@ def test_writer_rank_refuses_busy_before_copying_when_writers_are_behind(spool, 
         second = PendingSave("b", "b.safetensors", list(range(4)), [1], P.RequestTag(key=P.SampleKey(job="j", index=1)))
         t0 = time.monotonic()
         done = w.step([first, second], {"a", "b"})
-        assert time.monotonic() - t0 < 0.5 and done == {"a", "b"}  # both blocks free, no wait
+        assert time.monotonic() - t0 < 3.0 and done == {"a", "b"}  # both blocks free: no wait for the stuck writer
         assert copied == ["a"]  # b was refused before its rows were copied
         assert pull.poll(5000)
         n = P.Notice.decode(pull.recv())

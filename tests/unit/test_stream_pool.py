@@ -94,21 +94,34 @@ def test_a_burst_is_yielded_in_order_or_as_checked_with_one_invalid_sample_faile
     spool.mkdir()
     ds = [write_sample(spool, i, bad="nan" if i == 5 else None) for i in range(16)]
     real, finished = S.load_and_check, []
+    others_done, others_yielded = threading.Event(), threading.Event()
 
     def slow_first(spool_, d, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if d.notice.key.index == 0:
-            time.sleep(0.3)  # with workers, the first delivery is checked last
+        if d.notice.key.index == 0 and workers > 1:
+            # With workers the first delivery is checked last: it waits (for events, not for a
+            # while) until every other check is done and, as checked, every other sample is
+            # yielded — in delivery order none can be, so there only the checks.
+            others_done.wait(10)
+            if not ordered:
+                others_yielded.wait(10)
         try:
             return real(spool_, d, *a, **kw)
         finally:
             finished.append(d.notice.key.index)
+            if len(finished) == 15 and 0 not in finished:
+                others_done.set()
 
     monkeypatch.setattr(S, "load_and_check", slow_first)
     sc = FakeSidecar(tmp_path, ds)
     try:
         with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=16, timeout_s=20, workers=workers,
                                ordered=ordered) as s:  # fmt: skip
-            got = [x for x in s if x is not None]
+            got = []
+            for x in s:
+                if x is not None:
+                    got.append(x)
+                    if len(got) == 14:  # the 16 less the slow first and the invalid one
+                        others_yielded.set()
         time.sleep(0.2)
     finally:
         sc.stop()
