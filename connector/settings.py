@@ -97,6 +97,14 @@ class Settings(BaseSettings):
     # connector (writes it) and the sidecar (prices samples by it before the first notice).
     payload_dtype: str = "model"
 
+    @field_validator("switch_interval_ms")
+    @classmethod
+    def _switch_interval(cls, v: float) -> float:
+        if v != 0 and not MIN_SWITCH_INTERVAL_MS <= v <= 1000:
+            # Below ~50 µs threads hand the interpreter back and forth more than they run.
+            raise ValueError(f"must be 0 (leave Python's) or between {MIN_SWITCH_INTERVAL_MS} and 1000 ms, got {v}")
+        return v
+
     @field_validator("layer_ids", mode="before")
     @classmethod
     def _split_ids(cls, v: object) -> object:
@@ -116,6 +124,10 @@ class Settings(BaseSettings):
 
 def load_settings(**overrides: object) -> Settings:
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+#: The smallest switch interval accepted (``switch_interval_ms``), in milliseconds.
+MIN_SWITCH_INTERVAL_MS = 0.05
 
 
 def lower_switch_interval(ms: float) -> None:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +146,19 @@ OnHeader = Callable[[dict, "dict[str, tuple[int, int]] | None"], "Callable[[int,
 #: scales with threads (4.7 ms with 2, 2.7 with 4, 1.6 with 8). Parts smaller than a thread's
 #: share let the first ones be copied to the GPU while the rest are read (docs/benchmarks.md).
 READ_PART = 2 << 20
-READ_THREADS = max(1, min(int(os.environ.get("HSSTREAM_READ_THREADS", "8")), os.cpu_count() or 1))
+def _read_threads(env: str | None) -> int:
+    """``HSSTREAM_READ_THREADS``: a positive integer (default 8), at most the CPU count."""
+    try:
+        n = int(env) if env is not None and env.strip() else 8
+        if n < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"HSSTREAM_READ_THREADS must be a positive integer (threads reading one file), "
+                         f"got {env!r}") from None  # fmt: skip
+    return min(n, os.cpu_count() or 1)
+
+
+READ_THREADS = _read_threads(os.environ.get("HSSTREAM_READ_THREADS"))
 #: Bytes read first, for the header (safetensors' header of a sample is < HEADER_ALLOWANCE).
 HEAD_BYTES = 64 << 10
 _shared: dict[str, ThreadPoolExecutor] = {}  # module-wide helper pools, made on first use
@@ -225,8 +238,9 @@ def read_parallel(fd: int, mv: memoryview, size: int, threads: int | None = None
     finally:
         with lock:
             nxt[0] = len(parts)  # on an error: the helpers take nothing more ...
-        for h in helpers:
-            h.result()  # ... and the buffer is returned only once none writes into it
+        futures.wait(helpers)  # ... and the buffer (and fd) is given back only once none reads into it,
+        for h in helpers:  # even if one of them failed (its error is raised here)
+            h.result()
     if short:
         raise InvalidSample(f"short read: {start + sum(max(g, 0) for g in got)} of {size} bytes")
 
@@ -434,7 +448,7 @@ class _SampleChecks:
         nbytes = self.hs_bytes.numel()
         self.span = spans[P.HIDDEN_STATES_KEY] if spans is not None else (0, nbytes)
         self.pinned = hs.is_pinned()
-        self.copy = DeviceCopy(hs.shape, hs.dtype, self.dev, self.tm)
+        self.copy = DeviceCopy(hs.shape, hs.dtype, self.dev, self.tm, scales_like=tensors.get(PL.SCALES_KEY))
         return self._feed if spans is not None else (lambda a, b: self._feed(0, nbytes))
 
     def _feed(self, a: int, b: int) -> None:
@@ -484,10 +498,13 @@ class DeviceCopy:
     meanwhile; :meth:`finish` waits and returns the tensors, complete, or raises
     :class:`InvalidSample`. They are allocated on the device's current stream and marked used by
     the side stream, so the caching allocator never hands them out early (torch's pinned cache
-    likewise keeps a source buffer until the copies reading it are done)."""
+    likewise keeps a source buffer until the copies reading it are done). The FP8 scales' buffer
+    (``scales_like``: their shape and dtype, known from the header) is allocated with them,
+    before the side stream's one wait: allocated later, it could be a block the trainer's step
+    just freed on the current stream, still in use by kernels the side stream never waited for."""
 
     def __init__(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 timings: dict[str, float] | None = None) -> None:  # fmt: skip
+                 timings: dict[str, float] | None = None, scales_like: torch.Tensor | None = None) -> None:  # fmt: skip
         self.t0 = time.perf_counter()
         self.timings = timings
         s = getattr(_side, "stream", None)
@@ -497,10 +514,13 @@ class DeviceCopy:
         self.device = device
         self.out = torch.empty(shape, dtype=dtype, device=device)
         self.bytes = self.out.view(-1).view(torch.uint8)
-        self.sc: torch.Tensor | None = None
+        self.sc = None if scales_like is None else torch.empty(scales_like.shape, dtype=scales_like.dtype,
+                                                               device=device)  # fmt: skip
         self.ok: torch.Tensor | None = None
-        s.wait_stream(torch.cuda.current_stream(device))  # the allocation is ordered before the copy
-        self.out.record_stream(s)
+        s.wait_stream(torch.cuda.current_stream(device))  # the allocations are ordered before the copies
+        for t in (self.out, self.sc):
+            if t is not None:
+                t.record_stream(s)
 
     def part(self, src: torch.Tensor, offset: int, *, non_blocking: bool = True) -> None:
         """Bytes ``src`` (uint8, on the host) of the hidden states, at byte ``offset``."""
@@ -510,8 +530,11 @@ class DeviceCopy:
                 self.ok = torch.isfinite(self.out).all()
 
     def scales(self, scales: torch.Tensor) -> None:
-        self.sc = torch.empty(scales.shape, dtype=scales.dtype, device=self.device)
-        self.sc.record_stream(self.stream)
+        if self.sc is None or self.sc.shape != scales.shape or self.sc.dtype != scales.dtype:
+            # Not announced: allocated now, so the side stream waits for the current one again.
+            self.sc = torch.empty(scales.shape, dtype=scales.dtype, device=self.device)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.sc.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             self.sc.copy_(scales, non_blocking=scales.is_pinned())
 
@@ -532,7 +555,7 @@ def to_device_checked(hs: torch.Tensor, scales: torch.Tensor | None, device: tor
     """``hs`` (and ``scales``) copied to ``device``, raising :class:`InvalidSample` unless every
     value is finite, checked there (:class:`DeviceCopy` on CUDA)."""
     if device.type == "cuda":
-        copy = DeviceCopy(hs.shape, hs.dtype, device, timings)
+        copy = DeviceCopy(hs.shape, hs.dtype, device, timings, scales_like=scales)
         copy.part(hs.contiguous().view(-1).view(torch.uint8), 0, non_blocking=hs.is_pinned())
         if scales is not None:
             copy.scales(scales)

@@ -65,6 +65,28 @@ def test_a_file_shorter_than_its_size_is_an_invalid_sample(tmp_path, monkeypatch
         os.close(fd)
 
 
+def test_a_failed_read_returns_only_once_every_reader_is_done(tmp_path, monkeypatch):
+    """An I/O error in one part: the caller closes the file and frees the buffer when this
+    returns, so no other reader may still be inside its read (it would read a closed or
+    reused fd into a buffer handed back)."""
+    monkeypatch.setattr(S, "READ_PART", 1000)
+    slow_done = threading.Event()
+
+    def pread(fd, mv, offset):  # noqa: ANN001, ANN202
+        if offset == 1000:  # one slow part, taken by one helper ...
+            time.sleep(0.3)
+            slow_done.set()
+            return len(mv)
+        raise OSError(5, "Input/output error")  # ... while every other part fails at once
+
+    monkeypatch.setattr(S, "_pread_into", pread)
+    for _ in range(3):
+        slow_done.clear()
+        with pytest.raises(OSError, match="Input/output"):
+            S.read_parallel(-1, memoryview(bytearray(4000)), 4000, threads=4, feed=lambda a, b: None)
+        assert slow_done.is_set(), "read_parallel returned while a reader was still reading"
+
+
 def test_the_stream_reader_returns_the_saved_tensors(tmp_path, monkeypatch):
     """Through read_into_buffer (the pinned path's reader), parts and all."""
     from safetensors.torch import save_file

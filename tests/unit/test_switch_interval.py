@@ -48,3 +48,22 @@ def test_the_sidecar_lowers_it_when_it_starts(tmp_path):
     s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9")
     with TestClient(create_app(s)):  # the lifespan runs: threads start, then stop
         assert sys.getswitchinterval() == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("bad", ["0.001", "-1", "5000"])
+def test_a_switch_interval_that_would_thrash_or_stall_is_refused_naming_the_range(monkeypatch, bad):
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("HSSTREAM_SWITCH_INTERVAL_MS", bad)
+    with pytest.raises(ValidationError, match=r"switch_interval_ms[\s\S]*must be 0 \(leave Python's\) or between 0.05 and 1000 ms"):
+        Settings()
+
+
+def test_a_bad_read_thread_count_names_the_variable():
+    from trainer_client.stream import _read_threads
+
+    assert _read_threads(None) == min(8, __import__("os").cpu_count())
+    assert _read_threads("1") == 1
+    for bad in ("zero", "0", "-2", "1.5"):
+        with pytest.raises(ValueError, match=f"HSSTREAM_READ_THREADS must be a positive integer .*got '{bad}'"):
+            _read_threads(bad)
