@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -724,7 +724,9 @@ class HiddenStateStream:
         # Spool files of checked samples are renamed out of the spool on the socket's thread and
         # deleted here: freeing a 33.5 MB tmpfs file takes ~4 ms, which sat between a sample's
         # check and its yield. Bounded (finished deletes are collected every loop); past the
-        # bound a file is deleted inline.
+        # bound a file is deleted inline. Such a sample's RECEIVED (the sidecar frees its spool
+        # budget on it) waits for its delete: sent at once, the spool held the renamed bytes on
+        # top of the budget until the deleter got to them (test_reliability saw 294 kB of 200).
         self._deletes = CheckPool(1 if self.workers else 0, limit=4 * self.credit + 16, ordered=False)
         self._held: dict[P.SampleKey, str | None] = {}  # keys in the pool -> their files
         self._view_job: Future | None = None  # the job reading the transport's reused buffer
@@ -833,6 +835,7 @@ class HiddenStateStream:
     def _ack(self, keys: list[P.SampleKey]) -> None:
         keys = [k for k in keys if k not in self._acked]
         if keys and self._sock is not None:
+            self._collect_deletes(wait_for=set(keys))  # a sample's RECEIVED before its ACK
             self._send(P.Ack(keys=keys))
             for k in keys:
                 self._acked[k] = None
@@ -844,8 +847,8 @@ class HiddenStateStream:
         """Samples as they are checked (``ordered``: in delivery order). Each delivery is
         admitted here (duplicates dropped), read and checked by a worker, and settled here when
         the pool hands it back (``ordered``: when it is the oldest held): FAIL for an invalid
-        one, else its file removed (renamed away, freed by the deleter), RECEIVED, and the
-        sample yielded. One CREDIT goes back per delivery when it leaves the pool (settled) or
+        one, else its file removed (renamed away, freed by the deleter, RECEIVED once it has)
+        and the sample yielded. One CREDIT goes back per delivery when it leaves the pool (settled) or
         is dropped, so at most ``credit`` samples are ever held, whatever the pool's speed."""
         sock = self._connect()
         deadline = time.monotonic() + self.timeout_s
@@ -890,10 +893,14 @@ class HiddenStateStream:
                 poller.register(sock, zmq.POLLIN)
             if self._pool.fileno() >= 0:
                 poller.register(self._pool.fileno(), zmq.POLLIN)
+            if len(self._deletes) and self._deletes.fileno() >= 0:  # a RECEIVED to send once done
+                poller.register(self._deletes.fileno(), zmq.POLLIN)
             t0 = time.perf_counter()
             events = dict(poller.poll(int(min(self.heartbeat_s, 0.5, self.idle_s or 0.5) * 1000)))
             self.stats["check_wait_s" if busy else "wait_s"] += time.perf_counter() - t0
             self._pool.clear_wakeups()
+            self._deletes.clear_wakeups()
+            self._collect_deletes()
             if sock not in events:
                 if busy:
                     continue  # a worker is on it: the sidecar's silence and our deadline wait
@@ -1017,15 +1024,22 @@ class HiddenStateStream:
         self._drop_copy(d, aside=True)
         return sample
 
-    def _collect_deletes(self) -> None:
-        """Take back the deleter's finished jobs (what failed is the reaper's: the file has a
-        temporary name of ours)."""
+    def _collect_deletes(self, wait_for: Iterable[P.SampleKey] = ()) -> None:
+        """Take back the deleter's finished jobs and send their RECEIVEDs (what failed is the
+        reaper's: the file has a temporary name of ours). ``wait_for``: keys whose deletes are
+        waited for first (their RECEIVED must precede their ACK)."""
+        pending = self._deletes.tags()
+        for d in pending:
+            if d.notice.key in wait_for:
+                self._deletes.wait_for(self._deletes.future_of(d))
         while self._deletes.has_result():
             d, job = self._deletes.pop()
             try:
                 job.result()
             except OSError as e:
                 log.warning("could not delete %s's retired copy from the spool: %s", d.notice.file, e)
+            if d.notice.key is not None and self._sock is not None:
+                self._send(P.Received(keys=[d.notice.key]))
 
     def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
         """One delivery admitted, read, checked and settled on this thread (no pool)."""
@@ -1048,6 +1062,7 @@ class HiddenStateStream:
             if aside and self._deletes.workers and not self._deletes.full:
                 if (retired := P.retire_from_spool(self.spool, d.notice.file)) is not None:
                     self._deletes.submit(d, _unlink, retired)
+                    return  # its RECEIVED goes once the bytes are freed (_collect_deletes)
             else:
                 P.remove_from_spool(self.spool, d.notice.file)
         if d.notice.key is not None:
@@ -1082,6 +1097,7 @@ class HiddenStateStream:
             log.warning("closing: %d delivered sample(s) not read, their leases go back: %s", len(unread), unread[0])
         self._view_job = None
         if self._sock is not None:
+            self._collect_deletes(wait_for={d.notice.key for d in self._deletes.tags()})  # every RECEIVED first
             if self.ack_mode == "use":
                 if failed and self._used:
                     self._used_set.discard(self._used.pop())

@@ -44,7 +44,9 @@ class FakeSidecar:
     """Sends the deliveries as one burst once the stream says HELLO (honouring its credit unless
     ``ignore_credit``), then END; records everything the stream sends."""
 
-    def __init__(self, tmp_path, deliveries: list[P.Deliver], *, ignore_credit: bool = False, end: bool = True) -> None:
+    def __init__(self, tmp_path, deliveries: list[P.Deliver], *, ignore_credit: bool = False, end: bool = True,
+                 on_msg=None) -> None:  # noqa: ANN001
+        self.on_msg = on_msg  # called with each message as it arrives (on this fake's thread)
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.endpoint = f"ipc://{tmp_path}/d.sock"
         self.sock.bind(self.endpoint)
@@ -62,6 +64,8 @@ class FakeSidecar:
                 frames = self.sock.recv_multipart()
                 ident, msg = frames[0], P.decode_msg(frames[1:])
                 self.got.append(msg)
+                if self.on_msg is not None:
+                    self.on_msg(msg)
                 if isinstance(msg, P.Credit):
                     credit += msg.n
             while ident is not None and self.todo and (credit > 0 or self.ignore_credit):
@@ -146,6 +150,47 @@ def test_a_burst_is_yielded_in_order_or_as_checked_with_one_invalid_sample_faile
     assert not _workers_alive()
     if workers > 1:
         assert finished[-1] == 0  # checked out of order (and yielded in order if ordered)
+
+
+@pytest.mark.parametrize("ack", ["use", "manual"])
+def test_a_samples_received_comes_once_its_bytes_are_freed_and_before_its_ack(tmp_path, monkeypatch, ack):
+    """RECEIVED frees the sample's share of the sidecar's spool budget, so it may only go once
+    the file's bytes are gone, renamed copy included — with a deleter slower than the loop (as
+    freeing 33.5 MB is) — and still before the sample's ACK."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    ds = [write_sample(spool, i) for i in range(8)]
+    real_unlink = S._unlink
+
+    def slow_unlink(path):  # noqa: ANN001, ANN202
+        time.sleep(0.05)
+        real_unlink(path)
+
+    monkeypatch.setattr(S, "_unlink", slow_unlink)
+    early: list = []
+
+    def on_msg(msg) -> None:  # noqa: ANN001
+        if isinstance(msg, P.Received):
+            for k in msg.keys:
+                name = f"hs-{k.index}.safetensors"
+                if left := [p.name for p in spool.iterdir() if name in p.name]:
+                    early.append((k.index, left))
+
+    sc = FakeSidecar(tmp_path, ds, on_msg=on_msg)
+    try:
+        with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=8, timeout_s=20, workers=2, ack=ack) as s:
+            for x in s:
+                if ack == "manual":
+                    s.ack_through(x.key)
+        time.sleep(0.2)
+    finally:
+        sc.stop()
+    assert early == [], f"RECEIVED before the bytes were freed: {early}"
+    keys = [d.notice.key for d in ds]
+    assert sorted(sc.keys(P.Received), key=str) == sorted(keys, key=str)  # each once
+    said = [(type(m), k) for m in sc.got if isinstance(m, (P.Received, P.Ack)) for k in m.keys]
+    assert all(said.index((P.Received, k)) < said.index((P.Ack, k)) for k in keys)
+    assert list(spool.iterdir()) == []
 
 
 def test_the_pool_never_holds_more_than_the_credit_even_from_a_sidecar_that_ignores_it(tmp_path):
