@@ -123,9 +123,9 @@ class CheckPool:
     def tags(self) -> list[Any]:
         return [t for t, _ in self._jobs]
 
-    def future_of(self, tag: Any) -> Future:  # noqa: ANN401
-        """The job submitted with ``tag`` (the first, if several were)."""
-        return next(f for t, f in self._jobs if t is tag)
+    def held(self) -> list[tuple[Any, Future]]:
+        """The jobs not yet popped, (tag, future), oldest first."""
+        return list(self._jobs)
 
     def close(self) -> list[tuple[Any, Future]]:
         """Let every held job finish, stop the workers and return the jobs not yet popped, in

@@ -146,6 +146,8 @@ OnHeader = Callable[[dict, "dict[str, tuple[int, int]] | None"], "Callable[[int,
 #: scales with threads (4.7 ms with 2, 2.7 with 4, 1.6 with 8). Parts smaller than a thread's
 #: share let the first ones be copied to the GPU while the rest are read (docs/benchmarks.md).
 READ_PART = 2 << 20
+
+
 def _read_threads(env: str | None) -> int:
     """``HSSTREAM_READ_THREADS``: a positive integer (default 8), at most the CPU count."""
     try:
@@ -899,8 +901,7 @@ class HiddenStateStream:
             events = dict(poller.poll(int(min(self.heartbeat_s, 0.5, self.idle_s or 0.5) * 1000)))
             self.stats["check_wait_s" if busy else "wait_s"] += time.perf_counter() - t0
             self._pool.clear_wakeups()
-            self._deletes.clear_wakeups()
-            self._collect_deletes()
+            self._deletes.clear_wakeups()  # its finished deletes are collected at the loop's top
             if sock not in events:
                 if busy:
                     continue  # a worker is on it: the sidecar's silence and our deadline wait
@@ -1028,10 +1029,7 @@ class HiddenStateStream:
         """Take back the deleter's finished jobs and send their RECEIVEDs (what failed is the
         reaper's: the file has a temporary name of ours). ``wait_for``: keys whose deletes are
         waited for first (their RECEIVED must precede their ACK)."""
-        pending = self._deletes.tags()
-        for d in pending:
-            if d.notice.key in wait_for:
-                self._deletes.wait_for(self._deletes.future_of(d))
+        futures.wait([f for d, f in self._deletes.held() if d.notice.key in wait_for])
         while self._deletes.has_result():
             d, job = self._deletes.pop()
             try:
