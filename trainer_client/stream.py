@@ -532,11 +532,9 @@ class DeviceCopy:
                 self.ok = torch.isfinite(self.out).all()
 
     def scales(self, scales: torch.Tensor) -> None:
+        """The FP8 scales, into the buffer ``scales_like`` announced (allocated before the wait)."""
         if self.sc is None or self.sc.shape != scales.shape or self.sc.dtype != scales.dtype:
-            # Not announced: allocated now, so the side stream waits for the current one again.
-            self.sc = torch.empty(scales.shape, dtype=scales.dtype, device=self.device)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            self.sc.record_stream(self.stream)
+            raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype} were not announced (scales_like)")
         with torch.cuda.stream(self.stream):
             self.sc.copy_(scales, non_blocking=scales.is_pinned())
 
@@ -850,8 +848,9 @@ class HiddenStateStream:
         admitted here (duplicates dropped), read and checked by a worker, and settled here when
         the pool hands it back (``ordered``: when it is the oldest held): FAIL for an invalid
         one, else its file removed (renamed away, freed by the deleter, RECEIVED once it has)
-        and the sample yielded. One CREDIT goes back per delivery when it leaves the pool (settled) or
-        is dropped, so at most ``credit`` samples are ever held, whatever the pool's speed."""
+        and the sample yielded. One CREDIT goes back per delivery when it leaves the pool
+        (settled) or is dropped, so at most ``credit`` samples are ever held, whatever the
+        pool's speed."""
         sock = self._connect()
         deadline = time.monotonic() + self.timeout_s
         if self._started is None:
@@ -1025,11 +1024,12 @@ class HiddenStateStream:
         self._drop_copy(d, aside=True)
         return sample
 
-    def _collect_deletes(self, wait_for: Iterable[P.SampleKey] = ()) -> None:
+    def _collect_deletes(self, wait_for: Iterable[P.SampleKey] = (), *, every: bool = False) -> None:
         """Take back the deleter's finished jobs and send their RECEIVEDs (what failed is the
         reaper's: the file has a temporary name of ours). ``wait_for``: keys whose deletes are
-        waited for first (their RECEIVED must precede their ACK)."""
-        futures.wait([f for d, f in self._deletes.held() if d.notice.key in wait_for])
+        waited for first (their RECEIVED must precede their ACK); ``every``: all deletes."""
+        if wait_for or every:
+            futures.wait([f for d, f in self._deletes.held() if every or d.notice.key in wait_for])
         while self._deletes.has_result():
             d, job = self._deletes.pop()
             try:
@@ -1095,7 +1095,7 @@ class HiddenStateStream:
             log.warning("closing: %d delivered sample(s) not read, their leases go back: %s", len(unread), unread[0])
         self._view_job = None
         if self._sock is not None:
-            self._collect_deletes(wait_for={d.notice.key for d in self._deletes.tags()})  # every RECEIVED first
+            self._collect_deletes(every=True)  # every RECEIVED before the acks
             if self.ack_mode == "use":
                 if failed and self._used:
                     self._used_set.discard(self._used.pop())
