@@ -264,7 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         steps = [json.loads(x).get("step", 0) for x in lines.splitlines() if x.strip().startswith("{")]
         result["train_steps"] = max(steps) if steps else 0
         result["checkpoints"] = ckpts.split()
-        if not st["done"] or result["samples_consumed"] != args.samples or not result["checkpoints"]:
+        # docs/deploy.md's way to copy the draft out, which Compose v1 (no `cp`) runs too.
+        out_dir = work / "out"
+        out_dir.mkdir()
+        sh([*compose, "run", "--rm", "--no-deps", "-v", f"{out_dir}:/out", "--entrypoint", "cp", "trainer-cpu",
+            "-r", "/checkpoints", "/out"], step, timeout=120, env=cenv)
+        result["copied_out"] = sorted(p.name for p in (out_dir / "checkpoints" / "smoke" / "checkpoints").glob("step-*"))
+        if not st["done"] or result["samples_consumed"] != args.samples or not result["checkpoints"] \
+                or result["copied_out"] != result["checkpoints"]:
             raise StepFailed(step, f"job {job}: done={st['done']}, counts {st['counts']}, checkpoints {ckpts.split()}")
         print(f"[train] {result['samples_consumed']} samples consumed, {result['train_steps']} steps, "
               f"checkpoints {result['checkpoints']} in {result['train_s']} s", flush=True)

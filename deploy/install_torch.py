@@ -93,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"install_torch: {spec} already installed")
         return 0
 
+    verb = "resolving" if args.dry_run else "installing"
+    print(f"install_torch: {verb} {spec} from pip's configured sources…", flush=True)
     ok, out, url = pip_install(spec, [], args.dry_run)
     if ok:
         print(f"install_torch: {spec} from pip's configured sources" + (f" ({url})" if url else ""))
         return 0
     first = out
+    print(f"install_torch: not there; {verb} {spec} from {args.index}…", flush=True)
     ok, out, url = pip_install(spec, ["--extra-index-url", args.index], args.dry_run)
     if ok:
         print(f"install_torch: {spec} from {args.index}" + (f" ({url})" if url else ""))

@@ -102,8 +102,8 @@ def test_torch_comes_from_the_cpu_index_when_the_configured_sources_lack_it(inde
 
 
 def test_the_configured_sources_win_when_they_have_it(indexes, tmp_path):
-    base, whl = indexes
-    (tmp_path / whl.name).symlink_to(whl)
+    base, _ = indexes
+    _fake_wheel(tmp_path)  # a find-links folder (the real wheel is tried through the index above)
     env = {**_stock_env(f"{base}/empty/"), "PIP_FIND_LINKS": str(tmp_path)}
     p, _ = _run(env, "--index", "http://127.0.0.1:9/never-asked/")
     assert p.returncode == 0, p.stdout + p.stderr

