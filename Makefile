@@ -22,7 +22,9 @@ install: $(STAMP)
 
 # The stream demo (~1 min), then the point of it all: train an Eagle-3 draft online from the
 # stream and measure vLLM's acceptance rate, trained vs untrained (~5 min; +3 min the first
-# time, to pre-train the tiny verifier). Results go to .demo/, not into the repository.
+# time, to pre-train the tiny verifier). Results go to .demo/, not into the repository. Repeatable:
+# each run replaces the last one's .demo/acceptance/draft-run (its jobs died with that run's sidecar);
+# the verifiers stay cached in ~/.cache/hsstream, so only the first run pre-trains.
 demo: $(STAMP)
 	$(PY) -m hsstream demo
 	$(PY) bench/acceptance.py --workdir .demo/acceptance --out .demo/acceptance.json

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 TARGETS = {"t0_min": 0.7, "t1_min": 0.3, "margin_min": 0.15}
 SPEC_TOKENS = 3
 LAYERS = [2, 6, 9, 12]
+RUN_DIR_NAME = "draft-run"  # under --workdir: replaced by each run (train_draft)
 
 
 def log(*a: object) -> None:
@@ -148,6 +149,37 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     return res
 
 
+def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_vocab_size: int, steps: int,  # noqa: ANN001
+                lr: float, seed: int, checkpoint_every: int = 200) -> tuple[list[str], subprocess.CompletedProcess, float]:
+    """``hsstream train`` on ``jobs`` from ``stack``'s stream into WORKDIR/draft-run: the command,
+    its finished process (stdout: the run's JSON summary; stderr also in WORKDIR/train.log) and
+    its wall time.
+
+    The run directory is this invocation's own and is emptied first: one left by an earlier run
+    in the same workdir (``make demo`` again) follows jobs of a sidecar that is gone (its ledger
+    went with that run's stack), so ``hsstream train`` would refuse it ("belongs to a run
+    following jobs ...") and it could never be resumed. The verifier is cached elsewhere
+    (hsstream/pretrain_verifier.py), so later runs stay fast.
+    """
+    run_dir = workdir / RUN_DIR_NAME
+    if run_dir.exists():
+        log(f"removing the previous run's {run_dir}")
+        shutil.rmtree(run_dir)
+    cmd = [
+        sys.executable, "-m", "hsstream", "train", "--model", verifier, "--out", str(run_dir),
+        *[x for j in jobs for x in ("--job", j)], "--api", stack.api,
+        "--endpoint", stack.delivery_endpoint, "--spool", str(stack.spool),
+        "--draft-vocab-size", str(draft_vocab_size), "--steps", str(steps), "--lr", str(lr),
+        "--checkpoint-every", str(checkpoint_every), "--no-progress", "--seed", str(seed),
+    ]  # fmt: skip
+    log("training: " + " ".join(cmd[1:]))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    (workdir / "train.log").write_text(p.stderr)
+    return cmd, p, wall
+
+
 # --------------------------------------------------------------------------------------------
 # The measurement
 # --------------------------------------------------------------------------------------------
@@ -169,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the trainer's seed (draft init, order)")
     ap.add_argument("--no-untrained", action="store_true",
                     help="skip serving the untrained draft (its margin checks are then not made)")  # fmt: skip
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None,
+                    help="logs, drafts and serving results (default: a new temp dir); may be reused: its "
+                         f"{RUN_DIR_NAME}/ is replaced by each run")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "acceptance_cpu.json"))
     ap.add_argument("--serve-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -203,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     t_verifier = time.perf_counter() - t0
 
     # -- 2. stream + train -------------------------------------------------------------------
-    run_dir = wd / "draft-run"
+    run_dir = wd / RUN_DIR_NAME
     stack = Stack(verifier, LAYERS, wd)
     stack.env["HSSTREAM_PAYLOAD_DTYPE"] = a.payload_dtype
     t0 = time.perf_counter()
@@ -226,18 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             opts = {"loss_mask": "all"}
             job_specs.append({"samples": len(docs), "options": opts})
             jobs.append(submit(stack.api, [{"prompt": d} for d in docs], opts))
-        cmd = [
-            sys.executable, "-m", "hsstream", "train", "--model", verifier, "--out", str(run_dir),
-            *[x for j in jobs for x in ("--job", j)], "--api", stack.api,
-            "--endpoint", stack.delivery_endpoint, "--spool", str(stack.spool),
-            "--draft-vocab-size", str(a.draft_vocab_size), "--steps", str(a.steps), "--lr", str(a.lr),
-            "--checkpoint-every", "200", "--no-progress", "--seed", str(a.seed),
-        ]  # fmt: skip
-        log("training: " + " ".join(cmd[1:]))
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600)
-        t_train = time.perf_counter() - t0
-        (wd / "train.log").write_text(p.stderr)
+        cmd, p, t_train = train_draft(verifier, stack, jobs, wd, draft_vocab_size=a.draft_vocab_size, steps=a.steps,
+                                      lr=a.lr, seed=a.seed)  # fmt: skip
         if p.returncode != 0:
             log(f"training failed ({p.returncode}):\n" + "\n".join(p.stderr.splitlines()[-30:]))
             return 1

@@ -16,7 +16,8 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
   all of the job, everyone stops;
 * ``hsstream train --nproc 2`` (torchrun, two gloo ranks, each its own stream): disjoint
   samples, each trained and acknowledged once by the rank that got it, only after a checkpoint
-  that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool.
+  that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool;
+* ``make demo`` again: bench/acceptance.py's training step twice in the same workdir.
 
 The pre-trained verifier and its repeat fraction: test_trainer_pretrain.py; the acceptance
 measurement in vLLM: bench/acceptance.py.
@@ -181,6 +182,29 @@ def test_sigkill_after_checkpoint_then_resume_trains_each_sample_once(stack, ver
     assert min(s for s, _ in rows2[0]) == ck_step + 1 and summary["steps"] == n
     counts = job_counts(stack, job)
     assert counts["consumed"] == n and counts["leased"] == 0
+    assert stack.spool_files() == []
+
+
+def test_demo_training_step_runs_again_in_the_same_workdir(stack, verifier, tmp_path):
+    """``make demo`` twice in one clone (issue 21): bench/acceptance.py's training step, on a new
+    job each time (a new stack, as each run has) and the same ``--workdir``, succeeds both times.
+    The second used to be refused (exit 2): "WORKDIR/draft-run belongs to a run following jobs
+    [the first run's], not [its own]"."""
+    from bench.acceptance import RUN_DIR_NAME, train_draft
+
+    n = 6
+    for run in range(2):
+        job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 32, seed=900 + run)])
+        _, p, _ = train_draft(verifier, stack, [job], tmp_path, draft_vocab_size=256, steps=n, lr=3e-3, seed=0,
+                              checkpoint_every=n)  # fmt: skip
+        if p.returncode != 0:
+            httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30)  # its samples stay unacknowledged
+        assert p.returncode == 0, f"run {run + 1}: {p.stderr[-3000:]}"
+        summary = json.loads(p.stdout[p.stdout.index("{") :])
+        assert summary["steps"] == n and summary["samples"] == n
+        assert json.loads((tmp_path / RUN_DIR_NAME / "jobs.json").read_text())["jobs"] == [job]
+        assert Path(summary["draft_dir"]).is_relative_to(tmp_path / RUN_DIR_NAME)
+        assert job_counts(stack, job)["consumed"] == n
     assert stack.spool_files() == []
 
 
