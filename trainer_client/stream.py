@@ -121,7 +121,9 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
             else:
                 with safe_open(str(path), framework="pt") as f:
                     out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, OSError) is an invalid sample
+        except OSError:
+            raise  # the file is missing or cannot be opened: not its bytes' fault (see _settle)
+        except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, ...) is an invalid sample
             raise InvalidSample(f"unreadable safetensors: {e}") from e
         if on_header is not None and (feed := on_header(out, None)) is not None:
             feed(0, 0)
@@ -735,8 +737,9 @@ class HiddenStateStream:
         # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
         # load_s: reading and validating samples (summed over the workers); check_wait_s: time
         # the iterator waited for a worker with nothing else to do.
-        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0,
-                      "wait_s": 0.0, "load_s": 0.0, "check_wait_s": 0.0}  # fmt: skip
+        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "not_received": 0, "duplicates": 0, "bytes": 0,
+                      "reconnects": 0, "wait_s": 0.0, "load_s": 0.0, "check_wait_s": 0.0}  # fmt: skip
+        self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
 
     @property
     def waited_s(self) -> float:
@@ -1004,18 +1007,24 @@ class HiddenStateStream:
         try:
             sample = job.result()
         except OSError as e:
-            # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
-            # it failed would burn every sample's attempts. Stop at once instead; nothing is
-            # reported, and the lease goes back to the sidecar.
-            raise StreamError(
-                f"cannot read delivered file {d.notice.file!r} in spool_dir {self.spool}: {e.strerror or e}. "
-                "Is spool_dir the sidecar's HSSTREAM_SPOOL_DIR on this host? (no sample was reported failed)"
-            ) from e
+            if not self._reads_a_marked_spool():
+                # A wrong spool_dir: reporting the sample failed, or not received, would churn
+                # every sample of the job. Stop at once; nothing is reported, and the lease goes
+                # back to the sidecar.
+                raise StreamError(
+                    f"cannot read delivered file {d.notice.file!r} in spool_dir {self.spool}: {e.strerror or e}, "
+                    f"and it is not a spool (no {P.SPOOL_MARKER} marker). Is spool_dir the sidecar's "
+                    "HSSTREAM_SPOOL_DIR on this host? (no sample was reported failed)"
+                ) from e
+            self._not_received(d, e)
+            return None
         except (InvalidSample, P.ProtocolError, ValueError) as e:
+            self._unread_run = 0
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
             self._send(P.Fail(key=key, reason=str(e)[:500]))  # type: ignore[arg-type]
             return None
+        self._unread_run = 0
         tm = sample.timings
         if "started" in tm and "checked" in tm:
             self.stats["load_s"] += tm["checked"] - tm["started"]
@@ -1023,6 +1032,35 @@ class HiddenStateStream:
         self.stats["bytes"] += d.notice.nbytes
         self._drop_copy(d, aside=True)
         return sample
+
+    def _reads_a_marked_spool(self) -> bool:
+        """Whether this stream reads a spool, and ``spool_dir`` is one (a directory with the
+        sidecar's marker): then a file missing from it is a race, not a misconfiguration."""
+        if self._receiver is None or not self._receiver.reads_spool:
+            return False
+        try:
+            return P.is_marked_spool(self.spool)
+        except OSError:  # e.g. another user's 0700 spool
+            return False
+
+    def _not_received(self, d: P.Deliver, e: OSError) -> None:
+        """A delivered file is gone or unreadable in our spool (deleted by hand or by a clean-up,
+        or a transient read error): the sample is fine, we just never had it. FAIL with
+        ``not_received`` has the sidecar produce it again without spending an attempt. A long
+        run of them means this spool is not the sidecar's (another stack's marked spool): every
+        sample would go round forever, so the stream stops instead."""
+        key = d.notice.key
+        self.stats["not_received"] += 1
+        self._unread_run += 1
+        why = e.strerror or str(e)
+        log.warning("sample %s not received: cannot read %s in %s (%s); the sidecar produces it again",
+                    key, d.notice.file, self.spool, why)  # fmt: skip
+        self._send(P.Fail(key=key, reason=f"not received: {why}"[:500], not_received=True))  # type: ignore[arg-type]
+        if self._unread_run >= max(16, 2 * self.credit):
+            raise StreamError(
+                f"{self._unread_run} delivered files in a row could not be read in spool_dir {self.spool} "
+                f"(last: {d.notice.file!r}: {why}). Is spool_dir the spool of the sidecar at {self.endpoint}?"
+            ) from e
 
     def _collect_deletes(self, wait_for: Iterable[P.SampleKey] = (), *, every: bool = False) -> None:
         """Take back the deleter's finished jobs and send their RECEIVEDs (what failed is the
