@@ -117,11 +117,14 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
             return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8), timings, on_header)
         try:
             if payload is not None:
+                _header_length(np.frombuffer(payload[:8], dtype=np.uint8), len(payload))  # its limit is ours
                 out = safetensors_load(payload)
             else:
+                with open(path, "rb") as f:  # type: ignore[arg-type]
+                    _header_length(np.frombuffer(f.read(8), dtype=np.uint8), os.fstat(f.fileno()).st_size)
                 with safe_open(str(path), framework="pt") as f:
                     out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        except OSError:
+        except (OSError, InvalidSample):
             raise  # the file is missing or cannot be opened: not its bytes' fault (see _settle)
         except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, ...) is an invalid sample
             raise InvalidSample(f"unreadable safetensors: {e}") from e
@@ -165,6 +168,8 @@ def _read_threads(env: str | None) -> int:
 READ_THREADS = _read_threads(os.environ.get("HSSTREAM_READ_THREADS"))
 #: Bytes read first, for the header (safetensors' header of a sample is < HEADER_ALLOWANCE).
 HEAD_BYTES = 64 << 10
+#: The longest safetensors header a sample may have; anything longer is refused unparsed.
+MAX_HEADER_BYTES = 1 << 20
 _shared: dict[str, ThreadPoolExecutor] = {}  # module-wide helper pools, made on first use
 _shared_lock = threading.Lock()  # the stream's check workers may all ask for one at once
 
@@ -279,8 +284,8 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
             head = min(size, HEAD_BYTES)
             if _pread_into(fd, mv[:head], 0) != head:
                 raise InvalidSample(f"short read: the file is shorter than its {size} bytes")
-            hlen = int.from_bytes(view[:8].tobytes(), "little")
-            if head < 8 + hlen <= size:  # a long header: the rest of it before the data
+            hlen = _header_length(view, size)
+            if head < 8 + hlen:  # a long header: the rest of it before the data
                 head = 8 + hlen
                 if _pread_into(fd, mv[HEAD_BYTES:head], HEAD_BYTES) != head - HEAD_BYTES:
                     raise InvalidSample(f"short read: the file is shorter than its {size} bytes")
@@ -296,37 +301,79 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
     return tensors
 
 
-def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, dict[str, tuple[int, int]]]:
-    """The tensors the header at the start of ``buf`` describes (views of it) and their byte spans."""
+def _header_length(view: np.ndarray, size: int) -> int:
+    """The safetensors header's length from its first 8 bytes, refused past the file's end or
+    past MAX_HEADER_BYTES (ours are a few kB: a longer one is not worth parsing)."""
     hlen = int.from_bytes(view[:8].tobytes(), "little")
-    if hlen > size - 8:
-        raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file")
+    if hlen > size - 8 or hlen > MAX_HEADER_BYTES:
+        raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file (at most {MAX_HEADER_BYTES})")
+    return hlen
+
+
+def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """The tensors the header at the start of ``buf`` describes (views of it) and their byte spans.
+
+    The header is input from another process and every malformed one is an
+    :class:`InvalidSample` (refused, produced again), never another exception, which would stop
+    the trainer at each redelivery of the sample: the rules are safetensors' own (it reads the
+    same files when unpinned), so both readers refuse the same headers. Each entry is
+    ``{"dtype": <a known name>, "shape": [ints >= 0], "data_offsets": [start, end]}`` (other
+    fields ignored) whose bytes match its shape; the entries tile the data section exactly, no
+    overlap and no gap; ``__metadata__`` is null or a map of strings."""
+    hlen = _header_length(view, size)
     try:
         header = json.loads(view[8 : 8 + hlen].tobytes())
-    except ValueError as e:
-        raise InvalidSample(f"unreadable safetensors header: {e}") from e
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past Python's stack
+        raise InvalidSample(f"unreadable safetensors header: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise InvalidSample("unreadable safetensors header: not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise InvalidSample("safetensors header: __metadata__ is not a map of strings")
     base = 8 + hlen
     out, spans = {}, {}
-    for name, meta in header.items():
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _ST_DTYPES[meta["dtype"]]
-            shape = [int(x) for x in meta["shape"]]
-            start, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidSample(f"tensor {name!r}: bad header entry {meta!r}") from e
+        dtype, shape, start, end = _entry(name, entry, size - base)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        if not 0 <= start <= end <= size - base or end - start != math.prod(shape) * itemsize:
-            raise InvalidSample(f"tensor {name!r}: offsets {start}..{end} do not fit its shape or the file")
+        if end - start != math.prod(shape) * itemsize:
+            raise InvalidSample(f"tensor {name!r}: offsets {start}..{end} do not fit its shape {shape}")
         if (base + start) % itemsize:
             # Never with safetensors' own writer (it aligns); the header is all we have read.
             raise InvalidSample(f"tensor {name!r}: data at offset {base + start}, not aligned to {itemsize} bytes")
-        out[name] = buf[base + start : base + end].view(dtype).view(shape)
         spans[name] = (base + start, base + end)
+    at = base
+    for name, (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
+        if a != at:
+            raise InvalidSample(f"tensor {name!r}: offsets {a - base}..{b - base} "
+                                f"{'overlap the tensor before' if a < at else 'leave a gap after the tensor before'}")  # fmt: skip
+        at = b
+    if at != size:
+        raise InvalidSample(f"safetensors data: the tensors' offsets cover {at - base} of its {size - base} bytes")
+    for name, (a, b) in spans.items():
+        dtype, shape = _ST_DTYPES[header[name]["dtype"]], header[name]["shape"]
+        out[name] = buf[a:b].view(dtype).view(shape)
     return out, spans
+
+
+def _entry(name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, list[int], int, int]:
+    """One tensor's (dtype, shape, start, end), checked, or :class:`InvalidSample`."""
+    if not isinstance(entry, dict):
+        raise InvalidSample(f"tensor {name!r}: bad header entry {str(entry)[:200]!r}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise InvalidSample(f"tensor {name!r}: dtype {str(dtype)[:50]!r} is not one a sample holds")
+
+    def count(x: object) -> bool:  # a JSON integer (not a bool) that can be a size in this file
+        return type(x) is int and 0 <= x <= data_bytes
+
+    if not isinstance(shape, list) or len(shape) > 8 or not all(count(x) for x in shape):
+        raise InvalidSample(f"tensor {name!r}: shape {str(shape)[:100]} is not a list of sizes in this file")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(count(x) for x in offsets) or offsets[0] > offsets[1]:
+        raise InvalidSample(f"tensor {name!r}: data_offsets {str(offsets)[:100]} do not fit the file's "
+                            f"{data_bytes} data bytes")  # fmt: skip
+    return _ST_DTYPES[dtype], shape, offsets[0], offsets[1]
 
 
 #: Non-finite floats are the ones whose exponent bits are all ones: test the bits (an integer
