@@ -11,10 +11,12 @@ import os
 import sys
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from connector import endpoints as E
 
 
 def _default_run_dir() -> str:
@@ -81,6 +83,9 @@ class Settings(BaseSettings):
     # Serve the REST API without a token on a non-loopback address (hsstream/exposure.py): off,
     # so an open API on the network is always something a person asked for.
     allow_open: bool = False
+    # Accept a tcp:// notice or delivery endpoint, or a stream's tcp:// without CURVE keys
+    # (connector/endpoints.py): off, so unauthenticated sockets are always something asked for.
+    allow_insecure_tcp: bool = False
 
     # Connector
     num_writer_threads: int = 4
@@ -104,6 +109,15 @@ class Settings(BaseSettings):
             # Below ~50 µs threads hand the interpreter back and forth more than they run.
             raise ValueError(f"must be 0 (leave Python's) or between {MIN_SWITCH_INTERVAL_MS} and 1000 ms, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _no_plain_tcp(self) -> Settings:
+        """The notice and delivery sockets have no CURVE: on a network address they are refused
+        (``connector/endpoints.py``) wherever the settings are read, so no role starts on them."""
+        for name, ep, exposes in (("HSSTREAM_NOTICE_ENDPOINT", self.notice_endpoint, E.NOTICE_EXPOSES),
+                                  ("HSSTREAM_DELIVERY_ENDPOINT", self.delivery_endpoint, E.DELIVERY_EXPOSES)):  # fmt: skip
+            E.check_plain(name, ep, allow=self.allow_insecure_tcp, exposes=exposes, fix=E.SIDECAR_FIX)
+        return self
 
     @field_validator("layer_ids", mode="before")
     @classmethod

@@ -32,6 +32,7 @@ import zmq.auth
 from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
+from connector import endpoints as E
 from connector import payload as PL
 from connector import protocol as P
 from connector.curve_keys import load_secret
@@ -681,7 +682,8 @@ class HiddenStateStream:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar, authenticated with CURVE: ``curve_server_key`` is the sidecar's public key (or
         its ``.key`` file), ``curve_client_cert`` this trainer's ``.key_secret`` file, whose
-        public half must be in the sidecar's clients directory.
+        public half must be in the sidecar's clients directory. Without them a ``tcp://``
+        endpoint is refused (``InsecureEndpoint``) unless ``HSSTREAM_ALLOW_INSECURE_TCP=1``.
 
         ``transport`` (default ``HSSTREAM_TRANSPORT``, else ``spool`` for ``ipc://`` and ``zmq``
         for ``tcp://``): how the bytes come (``connector/transport/``). ``spool`` reads the
@@ -747,10 +749,13 @@ class HiddenStateStream:
         self._waited = 0.0  # seconds the loop spent in the stream waiting for a sample
         self._waiting_since: float | None = None  # inside __iter__, not yet yielded
         self._outbox: deque[list[bytes]] = deque()
-        self.remote = self.endpoint.startswith("tcp://")
-        if self.remote and not (curve_server_key and curve_client_cert):
-            raise ValueError(f"{self.endpoint} is remote: pass curve_server_key and curve_client_cert")
-        self._curve = (curve_server_key, curve_client_cert)
+        self.remote = E.is_network(self.endpoint)
+        if bool(curve_server_key) != bool(curve_client_cert):
+            raise ValueError("CURVE needs both curve_server_key and curve_client_cert")
+        self._curve = (curve_server_key, curve_client_cert) if curve_server_key else None
+        if self.remote and self._curve is None:  # refused unless HSSTREAM_ALLOW_INSECURE_TCP=1 (then a WARNING)
+            E.check_plain("HiddenStateStream endpoint", self.endpoint, allow=s.allow_insecure_tcp,
+                          exposes=E.DELIVERY_EXPOSES, fix=E.STREAM_FIX)  # fmt: skip
         self.transport = transport or s.transport or ("zmq" if self.remote else "spool")
         if self.transport not in P.TRANSPORTS:
             raise ValueError(f"transport {self.transport!r}: one of {', '.join(P.TRANSPORTS)}")
@@ -816,7 +821,7 @@ class HiddenStateStream:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
-            if self.remote:
+            if self.remote and self._curve is not None:
                 server_key, cert = self._curve
                 if isinstance(server_key, str) and os.path.exists(server_key):
                     server_key = zmq.auth.load_certificate(server_key)[0]
