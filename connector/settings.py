@@ -20,8 +20,16 @@ from connector import endpoints as E
 
 
 def _default_run_dir() -> str:
-    # The notice socket lives in a directory only our user can write (ipc:// has no auth).
+    # The notice socket lives in a directory only our user can write (ipc:// has no auth). The
+    # runtime dir may go at logout or reboot: only sockets live here, remade at each start.
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"hsstream-{os.getuid()}")
+
+
+def _default_state_dir() -> str:
+    # The ledger (jobs, every sample's state, the users' token ids) must outlive a reboot, as
+    # the sidecar's restart promises: the XDG state directory, per user.
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "hsstream")
 
 
 class Settings(BaseSettings):
@@ -29,7 +37,8 @@ class Settings(BaseSettings):
 
     # Shared by all roles
     spool_dir: Path = Path("/dev/shm/hsstream")
-    run_dir: Path = Field(default_factory=lambda: Path(_default_run_dir()))
+    run_dir: Path = Field(default_factory=lambda: Path(_default_run_dir()))  # sockets
+    state_dir: Path = Field(default_factory=lambda: Path(_default_state_dir()))  # the ledger (see ledger_file)
     notice_endpoint: str = ""  # default: ipc://{run_dir}/notice.sock
     delivery_endpoint: str = ""  # default: ipc://{run_dir}/delivery.sock
 
@@ -46,7 +55,7 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     spool_budget_bytes: int = 2 * 2**30
     max_ready_samples: int = 4096  # ready-but-unconsumed samples before submission pauses
-    ledger_path: Path | None = None  # default: {run_dir}/ledger.sqlite
+    ledger_path: Path | None = None  # default: see ledger_file()
     vllm_down_deadline_s: float = 600.0
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
@@ -130,7 +139,15 @@ class Settings(BaseSettings):
         return self.notice_endpoint or f"ipc://{self.run_dir}/notice.sock"
 
     def ledger_file(self) -> Path:
-        return self.ledger_path or self.run_dir / "ledger.sqlite"
+        """``ledger_path``; else ``ledger.sqlite`` in ``state_dir`` if that was given; else in a
+        ``run_dir`` that was given (a stack of its own: a second stack, a test, keeps its own
+        ledger beside its sockets); else in the default state dir, which survives a reboot."""
+        if self.ledger_path:
+            return self.ledger_path
+        given = self.model_fields_set
+        if "run_dir" in given and "state_dir" not in given:
+            return self.run_dir / "ledger.sqlite"
+        return self.state_dir / "ledger.sqlite"
 
     def delivery_ep(self) -> str:
         return self.delivery_endpoint or f"ipc://{self.run_dir}/delivery.sock"

@@ -182,8 +182,10 @@ class Ledger:
         self._throttled = False  # a limit was hit: wait for the low watermark
         self.path = str(path) if path else ":memory:"
         if path and not os.path.exists(self.path):
-            # It holds the users' prompts (token ids): private from its creation; SQLite gives
-            # its -wal and -shm files the database file's mode.
+            # It holds the users' prompts (token ids): private from its creation, in a private
+            # directory (the state dir may not exist yet); SQLite gives its -wal and -shm files
+            # the database file's mode.
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
