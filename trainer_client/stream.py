@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import threading
 import time
 from collections import OrderedDict, deque
@@ -359,20 +360,21 @@ def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, d
 
 
 def _entry(name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, list[int], int, int]:
-    """One tensor's (dtype, shape, start, end), checked, or :class:`InvalidSample`."""
+    """One tensor's (dtype, shape, start, end), checked, or :class:`InvalidSample`. Values are
+    shown abridged (``reprlib``): a full repr of a deeply nested value would recurse as deep."""
     if not isinstance(entry, dict):
-        raise InvalidSample(f"tensor {name!r}: bad header entry {str(entry)[:200]!r}")
+        raise InvalidSample(f"tensor {name!r}: bad header entry {reprlib.repr(entry)}")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-        raise InvalidSample(f"tensor {name!r}: dtype {str(dtype)[:50]!r} is not one a sample holds")
+        raise InvalidSample(f"tensor {name!r}: dtype {reprlib.repr(dtype)} is not one a sample holds")
 
     def count(x: object) -> bool:  # a JSON integer (not a bool) that can be a size in this file
         return type(x) is int and 0 <= x <= data_bytes
 
     if not isinstance(shape, list) or len(shape) > 8 or not all(count(x) for x in shape):
-        raise InvalidSample(f"tensor {name!r}: shape {str(shape)[:100]} is not a list of sizes in this file")
+        raise InvalidSample(f"tensor {name!r}: shape {reprlib.repr(shape)} is not a list of sizes in this file")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(count(x) for x in offsets) or offsets[0] > offsets[1]:
-        raise InvalidSample(f"tensor {name!r}: data_offsets {str(offsets)[:100]} do not fit the file's "
+        raise InvalidSample(f"tensor {name!r}: data_offsets {reprlib.repr(offsets)} do not fit the file's "
                             f"{data_bytes} data bytes")  # fmt: skip
     return _ST_DTYPES[dtype], shape, offsets[0], offsets[1]
 

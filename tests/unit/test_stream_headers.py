@@ -217,6 +217,17 @@ def test_each_bad_header_is_an_invalid_sample(real, tmp_path, case):
         assert isinstance(got, InvalidSample), (case, got)
 
 
+@pytest.mark.parametrize("depth", [500, 900, 950, 980, 990, 995, 1000, 1100])
+def test_nesting_at_the_edge_of_the_recursion_limit_is_an_invalid_sample(real, tmp_path, depth):
+    """Deep enough to parse, or just too deep: a value Python can hold but hardly print."""
+    raw, d = real
+    header, data = _split(raw)
+    header[P.HIDDEN_STATES_KEY]["shape"] = "@@"
+    blob = _join(None, data, raw_header=json.dumps(header).encode().replace(b'"@@"', b"[" * depth + b"]" * depth))
+    for got in _every_reader(d, blob, tmp_path):
+        assert isinstance(got, InvalidSample), (depth, got)
+
+
 @pytest.mark.parametrize("case", ["deep nesting", "non-UTF-8", "huge length", "a huge header in the file",
                                   "not an object", "holes between tensors"])  # fmt: skip
 def test_each_bad_header_in_bytes_is_an_invalid_sample(real, tmp_path, case):
