@@ -26,7 +26,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from connector import payload as _payload
 
@@ -271,9 +271,23 @@ class Received(_Model):
 
 
 class Fail(_Model):
+    """The trainer could not use a delivered sample. ``not_received``: it never had the bytes
+    (the file was gone or unreadable in the spool it reads, a race of ours, not a bad sample),
+    so the sidecar produces the sample again without counting an attempt; else the sample was
+    invalid and the attempt counts. Optional and left out when false, so a plain FAIL is the
+    message every sidecar of this version parses."""
+
     v: int = PROTOCOL_VERSION
     key: SampleKey
     reason: str
+    not_received: bool = False
+
+    @model_serializer(mode="wrap")
+    def _omit_default_flag(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if not self.not_received:
+            out.pop("not_received", None)
+        return out
 
 
 class Heartbeat(_Model):

@@ -11,15 +11,25 @@ import os
 import sys
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from connector import endpoints as E
+
 
 def _default_run_dir() -> str:
-    # The notice socket lives in a directory only our user can write (ipc:// has no auth).
+    # The notice socket lives in a directory only our user can write (ipc:// has no auth). The
+    # runtime dir may go at logout or reboot: only sockets live here, remade at each start.
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"hsstream-{os.getuid()}")
+
+
+def _default_state_dir() -> str:
+    # The ledger (jobs, every sample's state, the users' token ids) must outlive a reboot, as
+    # the sidecar's restart promises: the XDG state directory, per user.
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "hsstream")
 
 
 class Settings(BaseSettings):
@@ -27,7 +37,8 @@ class Settings(BaseSettings):
 
     # Shared by all roles
     spool_dir: Path = Path("/dev/shm/hsstream")
-    run_dir: Path = Field(default_factory=lambda: Path(_default_run_dir()))
+    run_dir: Path = Field(default_factory=lambda: Path(_default_run_dir()))  # sockets
+    state_dir: Path = Field(default_factory=lambda: Path(_default_state_dir()))  # the ledger (see ledger_file)
     notice_endpoint: str = ""  # default: ipc://{run_dir}/notice.sock
     delivery_endpoint: str = ""  # default: ipc://{run_dir}/delivery.sock
 
@@ -44,7 +55,7 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     spool_budget_bytes: int = 2 * 2**30
     max_ready_samples: int = 4096  # ready-but-unconsumed samples before submission pauses
-    ledger_path: Path | None = None  # default: {run_dir}/ledger.sqlite
+    ledger_path: Path | None = None  # default: see ledger_file()
     vllm_down_deadline_s: float = 600.0
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
@@ -81,6 +92,9 @@ class Settings(BaseSettings):
     # Serve the REST API without a token on a non-loopback address (hsstream/exposure.py): off,
     # so an open API on the network is always something a person asked for.
     allow_open: bool = False
+    # Accept a tcp:// notice or delivery endpoint, or a stream's tcp:// without CURVE keys
+    # (connector/endpoints.py): off, so unauthenticated sockets are always something asked for.
+    allow_insecure_tcp: bool = False
 
     # Connector
     num_writer_threads: int = 4
@@ -105,6 +119,15 @@ class Settings(BaseSettings):
             raise ValueError(f"must be 0 (leave Python's) or between {MIN_SWITCH_INTERVAL_MS} and 1000 ms, got {v}")
         return v
 
+    @model_validator(mode="after")
+    def _no_plain_tcp(self) -> Settings:
+        """The notice and delivery sockets have no CURVE: on a network address they are refused
+        (``connector/endpoints.py``) wherever the settings are read, so no role starts on them."""
+        for name, ep, exposes in (("HSSTREAM_NOTICE_ENDPOINT", self.notice_endpoint, E.NOTICE_EXPOSES),
+                                  ("HSSTREAM_DELIVERY_ENDPOINT", self.delivery_endpoint, E.DELIVERY_EXPOSES)):  # fmt: skip
+            E.check_plain(name, ep, allow=self.allow_insecure_tcp, exposes=exposes, fix=E.SIDECAR_FIX)
+        return self
+
     @field_validator("layer_ids", mode="before")
     @classmethod
     def _split_ids(cls, v: object) -> object:
@@ -116,7 +139,15 @@ class Settings(BaseSettings):
         return self.notice_endpoint or f"ipc://{self.run_dir}/notice.sock"
 
     def ledger_file(self) -> Path:
-        return self.ledger_path or self.run_dir / "ledger.sqlite"
+        """``ledger_path``; else ``ledger.sqlite`` in ``state_dir`` if that was given; else in a
+        ``run_dir`` that was given (a stack of its own: a second stack, a test, keeps its own
+        ledger beside its sockets); else in the default state dir, which survives a reboot."""
+        if self.ledger_path:
+            return self.ledger_path
+        given = self.model_fields_set
+        if "run_dir" in given and "state_dir" not in given:
+            return self.run_dir / "ledger.sqlite"
+        return self.state_dir / "ledger.sqlite"
 
     def delivery_ep(self) -> str:
         return self.delivery_endpoint or f"ipc://{self.run_dir}/delivery.sock"

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from connector import endpoints as E
 from connector import payload as PL
 from connector import protocol as P
 from connector.layers import storage_permutation, validate_layer_ids
@@ -143,6 +144,12 @@ class ConnectorOptions:
         endpoint = str(extra.get("notice_endpoint") or env.notice_ep())
         if not endpoint:
             raise ConnectorConfigError("no notice endpoint: set kv_connector_extra_config.notice_endpoint")
+        if "notice_endpoint" in extra:  # HSSTREAM_NOTICE_ENDPOINT was checked with the settings
+            try:
+                E.check_plain("kv_connector_extra_config.notice_endpoint", endpoint, allow=env.allow_insecure_tcp,
+                              exposes=E.NOTICE_EXPOSES, fix=E.SIDECAR_FIX)  # fmt: skip
+            except E.InsecureEndpoint as e:
+                raise ConnectorConfigError(str(e)) from None
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         algo = str(extra.get("checksum") or env.checksum)
         if algo not in P.CHECKSUM_ALGOS:

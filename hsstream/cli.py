@@ -310,7 +310,13 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
 
 
 def main() -> None:
-    app(prog_name="hsstream")
+    from connector.endpoints import InsecureEndpoint
+
+    try:
+        app(prog_name="hsstream")
+    except InsecureEndpoint as e:  # a plain tcp:// notice or delivery endpoint, from any command's settings
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -330,6 +330,7 @@ def build_config(
         "HSSTREAM_LAYER_IDS": ",".join(map(str, ids)),
         "HSSTREAM_SPOOL_DIR": str(s.spool_dir),
         "HSSTREAM_RUN_DIR": str(s.run_dir),
+        "HSSTREAM_LEDGER_PATH": str(s.ledger_file()),  # given a run dir, the sidecar would put it there
         "HSSTREAM_VLLM_URL": ",".join(f"http://{_url_host(vllm_host)}:{vllm_port + i}" for i in range(engines)),
         "HSSTREAM_HOST": s.host,
         "HSSTREAM_PORT": str(s.port),

@@ -308,7 +308,8 @@ class DeliveryService(SocketThread):
             self.stats["trainer_failed"] += 1
             if (sender := self.senders.get(peer.transport)) is not None:
                 sender.release(msg.key)
-            P.remove_from_spool(self.spool, self.ledger.trainer_failed(owner, msg.key, msg.reason))
+            gone = self.ledger.trainer_failed(owner, msg.key, msg.reason, not_received=msg.not_received)
+            P.remove_from_spool(self.spool, gone)
 
     def _delete_after_commit(self, sender: Sender, key: P.SampleKey, file: str | None) -> None:
         """Free a sample's offer and delete its file, once the ledger group that decided it is

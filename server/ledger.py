@@ -182,8 +182,10 @@ class Ledger:
         self._throttled = False  # a limit was hit: wait for the low watermark
         self.path = str(path) if path else ":memory:"
         if path and not os.path.exists(self.path):
-            # It holds the users' prompts (token ids): private from its creation; SQLite gives
-            # its -wal and -shm files the database file's mode.
+            # It holds the users' prompts (token ids): private from its creation, in a private
+            # directory (the state dir may not exist yet); SQLite gives its -wal and -shm files
+            # the database file's mode.
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -880,8 +882,12 @@ class Ledger:
             for fn in self.listeners:
                 fn(*ev)
 
-    def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str) -> str | None:
-        """The trainer found the sample invalid: regenerate it. Returns a file to delete."""
+    def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str, *, not_received: bool = False) -> str | None:
+        """The trainer found the sample invalid: regenerate it. Returns a file to delete.
+
+        ``not_received``: the trainer never had the bytes (the file was gone or unreadable in
+        the spool): produced again as a lost file is, with a new attempt number (a late notice
+        of this one is refused) and no error counted, since the sample itself was never seen."""
         with self._lock:
             s = self._live.get(key)
             if s is None or s.state != State.leased or s.lease_owner != owner:
@@ -890,8 +896,21 @@ class Ledger:
             s.lease_owner = None
             f = s.notice.file if s.notice else None
             s.notice = None
-            self._retry(s, f"trainer: {reason}")
+            if not_received:
+                s.attempt += 1
+                self._reset_prompt(s)
+                self._enqueue(s, front=True)
+                self._save(s)
+            else:
+                self._retry(s, f"trainer: {reason}")
             return f
+
+    def awaits_notice(self, key: P.SampleKey, attempt: int) -> bool:
+        """True while ``key`` is SUBMITTED at ``attempt`` with no notice yet: a file of that
+        attempt in the spool is this sample's, its notice still on the way."""
+        with self._lock:
+            s = self._live.get(key)
+            return s is not None and s.state == State.submitted and s.attempt == attempt and s.notice is None
 
     def release_owner(self, owner: bytes, file_exists: Callable[[str], bool]) -> int:
         """A trainer went away: its leases go back to READY if the file is there, else QUEUED."""

@@ -2,14 +2,17 @@
 
 Only the connector's own names (``protocol.is_own_name``) in a spool that carries our marker
 (``protocol.claim_spool``) are ever touched: a spool pointed at a model folder deletes nothing. A file is garbage when
-no READY/LEASED sample names it and it is old enough that its notice cannot still be on the
-way; temp files are garbage once their writer had ample time. Killed processes (connector,
+no READY/LEASED sample names it, it is older than the grace period, and no SUBMITTED sample
+waits for its notice (the notice in its header names the sample's current attempt): however
+late a notice is, its file is still there. Temp files are garbage once their writer had ample
+time. Killed processes (connector,
 trainer, sidecar) therefore never leave /dev/shm filling up for long.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -76,6 +79,8 @@ class SpoolKeeper:
                     os.unlink(os.path.join(self.spool, name))
                 elif P.is_tmp_name(name):
                     os.unlink(os.path.join(self.spool, name))
+                elif self._awaits_its_notice(os.path.join(self.spool, name)):
+                    continue  # written and renamed, its notice still on the way: the sample's
                 elif not P.remove_from_spool(self.spool, name):  # the file and its lock
                     continue
                 gone += 1
@@ -92,6 +97,14 @@ class SpoolKeeper:
         self.removed_total += gone
         return gone
 
+    def _awaits_its_notice(self, path: str) -> bool:
+        """True if the notice in the file's header names a sample still SUBMITTED at that
+        attempt: its notice comes after the rename (a busy sidecar, a connector's notice thread
+        restarting), and the file must be there when it does. Once the sample moves on (notice
+        timeout, new attempt), the file is garbage like any other."""
+        n = _header_notice(path)
+        return n is not None and n.key is not None and self.ledger.awaits_notice(n.key, n.attempt)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
@@ -99,3 +112,21 @@ class SpoolKeeper:
                 await asyncio.to_thread(self.sweep)
             except Exception:  # noqa: BLE001 - the reaper must outlive a bad scan
                 log.exception("spool sweep failed")
+
+
+#: The most header bytes read to find a stray file's notice (ours are a few kB).
+_MAX_HEADER = 1 << 20
+
+
+def _header_notice(path: str) -> P.Notice | None:
+    """The notice our connector wrote into a file's safetensors header; None for anything else
+    (not safetensors, no notice, unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            hlen = int.from_bytes(f.read(8), "little")
+            if not 0 < hlen <= _MAX_HEADER:
+                return None
+            header = json.loads(f.read(hlen))
+        return P.Notice.decode(header["__metadata__"][P.HEADER_NOTICE_KEY])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, P.ProtocolError):
+        return None

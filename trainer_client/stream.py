@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import threading
 import time
 from collections import OrderedDict, deque
@@ -32,6 +33,7 @@ import zmq.auth
 from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
+from connector import endpoints as E
 from connector import payload as PL
 from connector import protocol as P
 from connector.curve_keys import load_secret
@@ -117,11 +119,16 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
             return read_into_buffer(None, payload, lambda n: torch.empty(n, dtype=torch.uint8), timings, on_header)
         try:
             if payload is not None:
+                _header_length(np.frombuffer(payload[:8], dtype=np.uint8), len(payload))  # its limit is ours
                 out = safetensors_load(payload)
             else:
+                with open(path, "rb") as f:  # type: ignore[arg-type]
+                    _header_length(np.frombuffer(f.read(8), dtype=np.uint8), os.fstat(f.fileno()).st_size)
                 with safe_open(str(path), framework="pt") as f:
                     out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, OSError) is an invalid sample
+        except (OSError, InvalidSample):
+            raise  # the file is missing or cannot be opened: not its bytes' fault (see _settle)
+        except Exception as e:  # noqa: BLE001 - any parse failure (SafetensorError, ...) is an invalid sample
             raise InvalidSample(f"unreadable safetensors: {e}") from e
         if on_header is not None and (feed := on_header(out, None)) is not None:
             feed(0, 0)
@@ -163,6 +170,8 @@ def _read_threads(env: str | None) -> int:
 READ_THREADS = _read_threads(os.environ.get("HSSTREAM_READ_THREADS"))
 #: Bytes read first, for the header (safetensors' header of a sample is < HEADER_ALLOWANCE).
 HEAD_BYTES = 64 << 10
+#: The longest safetensors header a sample may have; anything longer is refused unparsed.
+MAX_HEADER_BYTES = 1 << 20
 _shared: dict[str, ThreadPoolExecutor] = {}  # module-wide helper pools, made on first use
 _shared_lock = threading.Lock()  # the stream's check workers may all ask for one at once
 
@@ -277,8 +286,8 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
             head = min(size, HEAD_BYTES)
             if _pread_into(fd, mv[:head], 0) != head:
                 raise InvalidSample(f"short read: the file is shorter than its {size} bytes")
-            hlen = int.from_bytes(view[:8].tobytes(), "little")
-            if head < 8 + hlen <= size:  # a long header: the rest of it before the data
+            hlen = _header_length(view, size)
+            if head < 8 + hlen:  # a long header: the rest of it before the data
                 head = 8 + hlen
                 if _pread_into(fd, mv[HEAD_BYTES:head], HEAD_BYTES) != head - HEAD_BYTES:
                     raise InvalidSample(f"short read: the file is shorter than its {size} bytes")
@@ -294,37 +303,80 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
     return tensors
 
 
-def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, dict[str, tuple[int, int]]]:
-    """The tensors the header at the start of ``buf`` describes (views of it) and their byte spans."""
+def _header_length(view: np.ndarray, size: int) -> int:
+    """The safetensors header's length from its first 8 bytes, refused past the file's end or
+    past MAX_HEADER_BYTES (ours are a few kB: a longer one is not worth parsing)."""
     hlen = int.from_bytes(view[:8].tobytes(), "little")
-    if hlen > size - 8:
-        raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file")
+    if hlen > size - 8 or hlen > MAX_HEADER_BYTES:
+        raise InvalidSample(f"safetensors header of {hlen} bytes in a {size}-byte file (at most {MAX_HEADER_BYTES})")
+    return hlen
+
+
+def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """The tensors the header at the start of ``buf`` describes (views of it) and their byte spans.
+
+    The header is input from another process and every malformed one is an
+    :class:`InvalidSample` (refused, produced again), never another exception, which would stop
+    the trainer at each redelivery of the sample: the rules are safetensors' own (it reads the
+    same files when unpinned), so both readers refuse the same headers. Each entry is
+    ``{"dtype": <a known name>, "shape": [ints >= 0], "data_offsets": [start, end]}`` (other
+    fields ignored) whose bytes match its shape; the entries tile the data section exactly, no
+    overlap and no gap; ``__metadata__`` is null or a map of strings."""
+    hlen = _header_length(view, size)
     try:
         header = json.loads(view[8 : 8 + hlen].tobytes())
-    except ValueError as e:
-        raise InvalidSample(f"unreadable safetensors header: {e}") from e
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested past Python's stack
+        raise InvalidSample(f"unreadable safetensors header: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise InvalidSample("unreadable safetensors header: not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise InvalidSample("safetensors header: __metadata__ is not a map of strings")
     base = 8 + hlen
     out, spans = {}, {}
-    for name, meta in header.items():
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _ST_DTYPES[meta["dtype"]]
-            shape = [int(x) for x in meta["shape"]]
-            start, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidSample(f"tensor {name!r}: bad header entry {meta!r}") from e
+        dtype, shape, start, end = _entry(name, entry, size - base)
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        if not 0 <= start <= end <= size - base or end - start != math.prod(shape) * itemsize:
-            raise InvalidSample(f"tensor {name!r}: offsets {start}..{end} do not fit its shape or the file")
+        if end - start != math.prod(shape) * itemsize:
+            raise InvalidSample(f"tensor {name!r}: offsets {start}..{end} do not fit its shape {shape}")
         if (base + start) % itemsize:
             # Never with safetensors' own writer (it aligns); the header is all we have read.
             raise InvalidSample(f"tensor {name!r}: data at offset {base + start}, not aligned to {itemsize} bytes")
-        out[name] = buf[base + start : base + end].view(dtype).view(shape)
         spans[name] = (base + start, base + end)
+    at = base
+    for name, (a, b) in sorted(spans.items(), key=lambda kv: kv[1]):
+        if a != at:
+            raise InvalidSample(f"tensor {name!r}: offsets {a - base}..{b - base} "
+                                f"{'overlap the tensor before' if a < at else 'leave a gap after the tensor before'}")  # fmt: skip
+        at = b
+    if at != size:
+        raise InvalidSample(f"safetensors data: the tensors' offsets cover {at - base} of its {size - base} bytes")
+    for name, (a, b) in spans.items():
+        dtype, shape = _ST_DTYPES[header[name]["dtype"]], header[name]["shape"]
+        out[name] = buf[a:b].view(dtype).view(shape)
     return out, spans
+
+
+def _entry(name: str, entry: object, data_bytes: int) -> tuple[torch.dtype, list[int], int, int]:
+    """One tensor's (dtype, shape, start, end), checked, or :class:`InvalidSample`. Values are
+    shown abridged (``reprlib``): a full repr of a deeply nested value would recurse as deep."""
+    if not isinstance(entry, dict):
+        raise InvalidSample(f"tensor {name!r}: bad header entry {reprlib.repr(entry)}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise InvalidSample(f"tensor {name!r}: dtype {reprlib.repr(dtype)} is not one a sample holds")
+
+    def count(x: object) -> bool:  # a JSON integer (not a bool) that can be a size in this file
+        return type(x) is int and 0 <= x <= data_bytes
+
+    if not isinstance(shape, list) or len(shape) > 8 or not all(count(x) for x in shape):
+        raise InvalidSample(f"tensor {name!r}: shape {reprlib.repr(shape)} is not a list of sizes in this file")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(count(x) for x in offsets) or offsets[0] > offsets[1]:
+        raise InvalidSample(f"tensor {name!r}: data_offsets {reprlib.repr(offsets)} do not fit the file's "
+                            f"{data_bytes} data bytes")  # fmt: skip
+    return _ST_DTYPES[dtype], shape, offsets[0], offsets[1]
 
 
 #: Non-finite floats are the ones whose exponent bits are all ones: test the bits (an integer
@@ -632,7 +684,8 @@ class HiddenStateStream:
         """``endpoint`` ``ipc://…`` reads the spool on this host; ``tcp://…`` is a remote
         sidecar, authenticated with CURVE: ``curve_server_key`` is the sidecar's public key (or
         its ``.key`` file), ``curve_client_cert`` this trainer's ``.key_secret`` file, whose
-        public half must be in the sidecar's clients directory.
+        public half must be in the sidecar's clients directory. Without them a ``tcp://``
+        endpoint is refused (``InsecureEndpoint``) unless ``HSSTREAM_ALLOW_INSECURE_TCP=1``.
 
         ``transport`` (default ``HSSTREAM_TRANSPORT``, else ``spool`` for ``ipc://`` and ``zmq``
         for ``tcp://``): how the bytes come (``connector/transport/``). ``spool`` reads the
@@ -698,10 +751,13 @@ class HiddenStateStream:
         self._waited = 0.0  # seconds the loop spent in the stream waiting for a sample
         self._waiting_since: float | None = None  # inside __iter__, not yet yielded
         self._outbox: deque[list[bytes]] = deque()
-        self.remote = self.endpoint.startswith("tcp://")
-        if self.remote and not (curve_server_key and curve_client_cert):
-            raise ValueError(f"{self.endpoint} is remote: pass curve_server_key and curve_client_cert")
-        self._curve = (curve_server_key, curve_client_cert)
+        self.remote = E.is_network(self.endpoint)
+        if bool(curve_server_key) != bool(curve_client_cert):
+            raise ValueError("CURVE needs both curve_server_key and curve_client_cert")
+        self._curve = (curve_server_key, curve_client_cert) if curve_server_key else None
+        if self.remote and self._curve is None:  # refused unless HSSTREAM_ALLOW_INSECURE_TCP=1 (then a WARNING)
+            E.check_plain("HiddenStateStream endpoint", self.endpoint, allow=s.allow_insecure_tcp,
+                          exposes=E.DELIVERY_EXPOSES, fix=E.STREAM_FIX)  # fmt: skip
         self.transport = transport or s.transport or ("zmq" if self.remote else "spool")
         if self.transport not in P.TRANSPORTS:
             raise ValueError(f"transport {self.transport!r}: one of {', '.join(P.TRANSPORTS)}")
@@ -735,8 +791,9 @@ class HiddenStateStream:
         # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
         # load_s: reading and validating samples (summed over the workers); check_wait_s: time
         # the iterator waited for a worker with nothing else to do.
-        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "duplicates": 0, "bytes": 0, "reconnects": 0,
-                      "wait_s": 0.0, "load_s": 0.0, "check_wait_s": 0.0}  # fmt: skip
+        self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "not_received": 0, "duplicates": 0, "bytes": 0,
+                      "reconnects": 0, "wait_s": 0.0, "load_s": 0.0, "check_wait_s": 0.0}  # fmt: skip
+        self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
 
     @property
     def waited_s(self) -> float:
@@ -766,7 +823,7 @@ class HiddenStateStream:
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
-            if self.remote:
+            if self.remote and self._curve is not None:
                 server_key, cert = self._curve
                 if isinstance(server_key, str) and os.path.exists(server_key):
                     server_key = zmq.auth.load_certificate(server_key)[0]
@@ -1004,18 +1061,24 @@ class HiddenStateStream:
         try:
             sample = job.result()
         except OSError as e:
-            # Not the sample's fault but ours (a wrong spool_dir, an unreadable spool): reporting
-            # it failed would burn every sample's attempts. Stop at once instead; nothing is
-            # reported, and the lease goes back to the sidecar.
-            raise StreamError(
-                f"cannot read delivered file {d.notice.file!r} in spool_dir {self.spool}: {e.strerror or e}. "
-                "Is spool_dir the sidecar's HSSTREAM_SPOOL_DIR on this host? (no sample was reported failed)"
-            ) from e
+            if not self._reads_a_marked_spool():
+                # A wrong spool_dir: reporting the sample failed, or not received, would churn
+                # every sample of the job. Stop at once; nothing is reported, and the lease goes
+                # back to the sidecar.
+                raise StreamError(
+                    f"cannot read delivered file {d.notice.file!r} in spool_dir {self.spool}: {e.strerror or e}, "
+                    f"and it is not a spool (no {P.SPOOL_MARKER} marker). Is spool_dir the sidecar's "
+                    "HSSTREAM_SPOOL_DIR on this host? (no sample was reported failed)"
+                ) from e
+            self._not_received(d, e)
+            return None
         except (InvalidSample, P.ProtocolError, ValueError) as e:
+            self._unread_run = 0
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
             self._send(P.Fail(key=key, reason=str(e)[:500]))  # type: ignore[arg-type]
             return None
+        self._unread_run = 0
         tm = sample.timings
         if "started" in tm and "checked" in tm:
             self.stats["load_s"] += tm["checked"] - tm["started"]
@@ -1023,6 +1086,35 @@ class HiddenStateStream:
         self.stats["bytes"] += d.notice.nbytes
         self._drop_copy(d, aside=True)
         return sample
+
+    def _reads_a_marked_spool(self) -> bool:
+        """Whether this stream reads a spool, and ``spool_dir`` is one (a directory with the
+        sidecar's marker): then a file missing from it is a race, not a misconfiguration."""
+        if self._receiver is None or not self._receiver.reads_spool:
+            return False
+        try:
+            return P.is_marked_spool(self.spool)
+        except OSError:  # e.g. another user's 0700 spool
+            return False
+
+    def _not_received(self, d: P.Deliver, e: OSError) -> None:
+        """A delivered file is gone or unreadable in our spool (deleted by hand or by a clean-up,
+        or a transient read error): the sample is fine, we just never had it. FAIL with
+        ``not_received`` has the sidecar produce it again without spending an attempt. A long
+        run of them means this spool is not the sidecar's (another stack's marked spool): every
+        sample would go round forever, so the stream stops instead."""
+        key = d.notice.key
+        self.stats["not_received"] += 1
+        self._unread_run += 1
+        why = e.strerror or str(e)
+        log.warning("sample %s not received: cannot read %s in %s (%s); the sidecar produces it again",
+                    key, d.notice.file, self.spool, why)  # fmt: skip
+        self._send(P.Fail(key=key, reason=f"not received: {why}"[:500], not_received=True))  # type: ignore[arg-type]
+        if self._unread_run >= max(16, 2 * self.credit):
+            raise StreamError(
+                f"{self._unread_run} delivered files in a row could not be read in spool_dir {self.spool} "
+                f"(last: {d.notice.file!r}: {why}). Is spool_dir the spool of the sidecar at {self.endpoint}?"
+            ) from e
 
     def _collect_deletes(self, wait_for: Iterable[P.SampleKey] = (), *, every: bool = False) -> None:
         """Take back the deleter's finished jobs and send their RECEIVEDs (what failed is the
