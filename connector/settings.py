@@ -48,6 +48,12 @@ class Settings(BaseSettings):
     vllm_down_deadline_s: float = 600.0
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
+    # What one trainer may hold: samples sent to it and not yet confirmed (RECEIVED/ACK/FAIL),
+    # whatever credit it claims (its window is a hint), and messages waiting in ZeroMQ's queue
+    # to it. A DELIVER its full queue refuses goes back to READY at once: the delivery thread
+    # never waits for one trainer.
+    max_trainer_credit: int = Field(default=256, ge=1, le=65536)
+    trainer_send_hwm: int = Field(default=256, ge=1, le=65536)
     max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
     max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
     job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary

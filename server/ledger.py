@@ -912,6 +912,23 @@ class Ledger:
                 self._save(s)
         return n
 
+    def unlease(self, owner: bytes, keys: list[P.SampleKey], file_exists: Callable[[str], bool]) -> int:
+        """Leases whose DELIVER never left (the trainer's queue was full): READY again at the
+        front, in their order, in one transaction; a sample whose file is gone is produced again."""
+        n = 0
+        with self._lock, self._tx():
+            for key in reversed(keys):
+                s = self._live.get(key)
+                if s is None or s.state != State.leased or s.lease_owner != owner:
+                    continue
+                n += 1
+                s.lease_owner = None
+                if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
+                    self._make_ready(s, front=True)
+                else:
+                    self.file_lost(key)
+        return n
+
     def file_lost(self, key: P.SampleKey) -> None:
         """A READY/LEASED sample's file vanished: produce it again (not the sample's fault)."""
         with self._lock:
