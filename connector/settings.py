@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     trainer_send_hwm: int = Field(default=256, ge=1, le=65536)
     max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
     max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
+    # One job's size: its samples, and its rows in the ledger (samples x epochs), each written and
+    # later produced. A dataset of a million samples for a few epochs fits; more is several jobs.
+    max_job_samples: int = Field(default=1_000_000, ge=1)
+    max_job_rows: int = Field(default=5_000_000, ge=1)
     job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary
     # Python's thread switch interval in the sidecar, in vLLM's worker where the connector writes
     # (rank 0), and in a trainer whose HiddenStateStream has check workers (0: leave Python's

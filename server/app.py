@@ -118,6 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await svc.submitter.stop()
         svc.delivery.stop()
         svc.notices.stop()
+        svc.admitter.close()
         ledger.close()
 
     app = FastAPI(title="hsstream sidecar", version=str(P.PROTOCOL_VERSION), lifespan=lifespan,
