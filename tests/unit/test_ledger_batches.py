@@ -18,6 +18,7 @@ def test_other_threads_get_the_lock_while_a_big_job_is_written():
     done = threading.Event()
     t = threading.Thread(target=lambda: (led.add_job(rows, epochs=10), done.set()))
     waits = []
+    start = time.monotonic()
     t.start()
     while not done.is_set():
         t0 = time.monotonic()
@@ -25,7 +26,11 @@ def test_other_threads_get_the_lock_while_a_big_job_is_written():
         waits.append(time.monotonic() - t0)
         time.sleep(0.005)
     t.join()
-    assert len(waits) > 3 and max(waits) < 0.25, f"waited {max(waits):.2f} s for the lock (of {len(waits)} reads)"
+    total = time.monotonic() - start
+    # Relative to the whole write, so a loaded machine does not fail it: one transaction for the
+    # whole job makes the first read wait for all of it.
+    assert len(waits) > 3 and max(waits) < total / 4, (
+        f"waited {max(waits):.2f} s for the lock while the job took {total:.2f} s ({len(waits)} reads)")
     job = next(iter(led.jobs.values()))
     assert job.num_samples == 200_000 and job.counts()["queued"] == 200_000 and not job.admitting
 
