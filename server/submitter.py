@@ -231,7 +231,7 @@ class Submitter:
         self.engine_max_len = n
         if self.on_engine_limit:
             self.on_engine_limit(n)
-        self._apply_limits()
+        self.wake()  # the submit loop applies it to the queue (a thread: O(queue)) before its next submission
 
     async def probe_engine(self, timeout: float = 2.0) -> int | None:
         """vLLM's max_model_len, asking the engines not heard from yet; None while none answered."""

@@ -58,15 +58,21 @@ def _run(tmp_path, *, seconds: float, **svc_kw) -> tuple[list[float], int, Ledge
     job_size = 2400
     job = ledger.add_job([NewSample([1, 2, 3], None, None, FILE_BYTES) for _ in range(job_size)]).job_id
     ep = f"ipc://{tmp_path}/run/d.sock"
-    svc = DeliveryService(ep, spool, ledger, heartbeat_s=0.5, **svc_kw)
+    svc = DeliveryService(ep, spool, ledger, peer_timeout_s=2.0, heartbeat_s=0.5, **svc_kw)
     svc.start()
     stop = threading.Event()
-    stuck = honest = None
+    stuck = honest = vanishing = None
     try:
         stuck = _stuck_peer(ep)
         time.sleep(0.2)  # the stuck peer is known first: an old sidecar served it first on every pass
         producer = threading.Thread(target=_produce, args=(ledger, spool, job_size, 800.0, stop), daemon=True)
         producer.start()
+        # A third trainer takes a few samples and goes silent: its timeout still fires on time.
+        vanishing = zmq.Context.instance().socket(zmq.DEALER)
+        vanishing.setsockopt(zmq.LINGER, 0)
+        vanishing.connect(ep)
+        vanishing.send_multipart(P.encode_msg(P.Hello(jobs=[job])))
+        vanishing.send_multipart(P.encode_msg(P.Credit(n=4)))
         honest = zmq.Context.instance().socket(zmq.DEALER)
         honest.setsockopt(zmq.LINGER, 0)
         honest.connect(ep)
@@ -94,7 +100,7 @@ def _run(tmp_path, *, seconds: float, **svc_kw) -> tuple[list[float], int, Ledge
         return heard, consumed, ledger, svc, job
     finally:
         stop.set()
-        for sock in (stuck, honest):
+        for sock in (stuck, honest, vanishing):
             if sock is not None:
                 sock.close(linger=0)
         svc.stop()
@@ -108,6 +114,7 @@ def test_a_peer_that_never_reads_cannot_take_the_samples_or_stall_the_others(tmp
     heard, consumed, ledger, svc, job = _run(tmp_path, seconds=5.0, max_credit=16)
     assert _gaps(heard) < 2.0, f"the honest trainer heard nothing for {_gaps(heard):.1f} s"
     assert consumed > 1000, f"the honest trainer got only {consumed} samples"
+    assert svc.stats["peers_lost"] == 1, "the trainer that went silent was never timed out"
     held = sum(1 for s in ledger.job_samples(job) if s.state == State.leased)
     assert held <= 16 + 8, f"{held} samples leased: the stuck peer holds more than its capped credit"
 
