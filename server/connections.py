@@ -29,8 +29,9 @@ log = logging.getLogger("hsstream.sidecar")
 #: tokenizer's files, logs.
 FD_RESERVE = 256
 
-_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-_503 = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+_HEAD = b"content-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+_408 = b"HTTP/1.1 408 Request Timeout\r\n" + _HEAD
+_503 = b"HTTP/1.1 503 Service Unavailable\r\n" + _HEAD
 
 
 def _response(template: bytes, text: str) -> bytes:
@@ -70,7 +71,8 @@ class _Guard:
 
     def _head_begins(self) -> None:
         if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._head_too_slow)  # type: ignore[attr-defined]
+            loop = self.loop  # type: ignore[attr-defined]
+            self._header_timer = loop.call_later(self.header_timeout_s, self._head_too_slow)
 
     def _head_done(self) -> None:
         if self._header_timer is not None:

@@ -415,7 +415,9 @@ class DeliveryService(SocketThread):
                     try:
                         self._send(owner, P.encode_msg(P.Heartbeat()))
                     except zmq.ZMQError:
-                        pass  # a full queue (it has plenty to read), or unreachable: handled on its next delivery, or by its timeout
+                        # A full queue (it has plenty to read), or unreachable: handled on its
+                        # next delivery, or by its timeout.
+                        pass
                 if peer.stalled_until > now:
                     continue
                 self._deliver(owner, peer)
