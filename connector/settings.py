@@ -59,8 +59,25 @@ class Settings(BaseSettings):
     vllm_down_deadline_s: float = 600.0
     notice_timeout_s: float = 120.0
     trainer_timeout_s: float = 120.0  # silence after which a trainer's leases go back
+    # What one trainer may hold: samples sent to it and not yet confirmed (RECEIVED/ACK/FAIL),
+    # whatever credit it claims (its window is a hint), and messages waiting in ZeroMQ's queue
+    # to it. A DELIVER its full queue refuses goes back to READY at once: the delivery thread
+    # never waits for one trainer.
+    max_trainer_credit: int = Field(default=256, ge=1, le=65536)
+    trainer_send_hwm: int = Field(default=256, ge=1, le=65536)
     max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
     max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
+    # One job's size: its samples, and its rows in the ledger (samples x epochs), each written and
+    # later produced. A dataset of a million samples for a few epochs fits; more is several jobs.
+    max_job_samples: int = Field(default=1_000_000, ge=1)
+    max_job_rows: int = Field(default=5_000_000, ge=1)
+    # REST connections (server/connections.py): a request's head must arrive within the header
+    # timeout (from the connection's start, or the request's first byte), a connection idle
+    # after an answer is closed after the idle timeout, and past the connection limit a new one
+    # gets 503 and is closed (file descriptors for vLLM and the sidecar's files are kept back).
+    http_header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    http_idle_timeout_s: float = Field(default=5.0, gt=0, le=3600)
+    http_max_connections: int = Field(default=512, ge=1, le=65536)
     job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary
     # Python's thread switch interval in the sidecar, in vLLM's worker where the connector writes
     # (rank 0), and in a trainer whose HiddenStateStream has check workers (0: leave Python's

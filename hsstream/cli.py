@@ -29,6 +29,7 @@ def serve(
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
     from server.app import create_app
+    from server.connections import connection_limit, protocol_class
 
     s = Settings()
     bind = host or s.host
@@ -47,7 +48,10 @@ def serve(
     except (P.SpoolNotOurs, InsecureKeyFile) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    uvicorn.run(app_, host=bind, port=port or s.port, log_level="warning")
+    # Slow, idle and surplus connections are closed (server/connections.py).
+    http = protocol_class(s.http_header_timeout_s, connection_limit(s))
+    uvicorn.run(app_, host=bind, port=port or s.port, log_level="warning", http=http,
+                timeout_keep_alive=s.http_idle_timeout_s)  # fmt: skip
 
 
 @app.command()

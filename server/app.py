@@ -87,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         delivery=DeliveryService(
             s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s,
             remote_endpoint=s.remote_endpoint, curve=_curve(s), mooncake=_mooncake(s),
+            max_credit=s.max_trainer_credit, send_hwm=s.trainer_send_hwm,
         ),
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,
@@ -117,6 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await svc.submitter.stop()
         svc.delivery.stop()
         svc.notices.stop()
+        svc.admitter.close()
         ledger.close()
 
     app = FastAPI(title="hsstream sidecar", version=str(P.PROTOCOL_VERSION), lifespan=lifespan,

@@ -27,7 +27,7 @@ import zmq
 
 from connector import protocol as P
 from connector.transport import Sender, TransportError, make_sender
-from server.ledger import Ledger, State
+from server.ledger import Ledger, Sample, State
 from server.notices import prepare_ipc
 from server.schemas import TrainerInfo
 from server.socket_thread import SocketThread
@@ -39,6 +39,9 @@ BATCH = 256
 #: The delivery thread's longest sleep; heartbeats and lost trainers are looked at this often.
 #: New READY samples and trainer messages wake it at once.
 POLL_MS = 20
+#: Seconds a trainer whose queue was full gets nothing new (unless it shows progress first):
+#: without a pause every pass would lease, be refused and hand back the same samples.
+STALLED_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class Peer:
     greeted: bool = False
     delivered: int = 0
     acked: int = 0
+    #: Keys delivered to it and not yet RECEIVED, ACKed, FAILed or handed back: what it holds.
+    #: Its credit is only a claim; this is what the server counts against ``max_credit``.
+    holding: set[P.SampleKey] = field(default_factory=set)
+    #: A DELIVER to it was refused (its queue full, it does not read): no new leases until then.
+    stalled_until: float = 0.0
     #: The stream's own figures from its heartbeats: (alive_s, waited_s) now and one beat before.
     beat: tuple[float, float] | None = None
     prev_beat: tuple[float, float] | None = None
@@ -103,8 +111,12 @@ class DeliveryService(SocketThread):
         remote_endpoint: str | None = None,
         curve: CurveServer | None = None,
         mooncake: Sender | None = None,
+        max_credit: int = 256,
+        send_hwm: int = 256,
     ) -> None:
         super().__init__()
+        if max_credit < 1 or send_hwm < 1:
+            raise ValueError(f"max_credit and send_hwm must be at least 1 (got {max_credit}, {send_hwm})")
         if remote_endpoint and curve is None:
             raise ValueError("a remote (TCP) delivery endpoint needs CURVE keys: tensors must not travel unauthenticated")
         self.endpoint = endpoint
@@ -114,11 +126,13 @@ class DeliveryService(SocketThread):
         self.ledger = ledger
         self.peer_timeout_s = peer_timeout_s
         self.heartbeat_s = heartbeat_s
+        self.max_credit = max_credit
+        self.send_hwm = send_hwm
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         # delivered_remote: the bytes left through us (zmq or mooncake), also counted per transport.
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
                       "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0,
-                      "orphans_deleted": 0}  # fmt: skip
+                      "orphans_deleted": 0, "send_refused": 0}  # fmt: skip
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
@@ -148,6 +162,7 @@ class DeliveryService(SocketThread):
         local = ctx.socket(zmq.ROUTER)
         local.setsockopt(zmq.LINGER, 0)
         local.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        local.setsockopt(zmq.SNDHWM, self.send_hwm)
         local.bind(self.endpoint)
         self._socks[b"L"] = local
         auth = None
@@ -160,6 +175,7 @@ class DeliveryService(SocketThread):
             remote = ctx.socket(zmq.ROUTER)
             remote.setsockopt(zmq.LINGER, 0)
             remote.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            remote.setsockopt(zmq.SNDHWM, self.send_hwm)
             remote.curve_server = True
             remote.curve_publickey = self.curve.public
             remote.curve_secretkey = self.curve.secret
@@ -267,7 +283,8 @@ class DeliveryService(SocketThread):
         peer.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat) and msg.hello is not None and not peer.greeted:
             # A trainer we do not know (we restarted, it did not): resume from its heartbeat.
-            peer.jobs, peer.follow, peer.credit, peer.greeted = msg.hello.jobs, msg.hello.follow, msg.window, True
+            peer.jobs, peer.follow, peer.greeted = msg.hello.jobs, msg.hello.follow, True
+            peer.credit = min(msg.window, self.max_credit)
             self._set_transport(owner, peer, msg.hello)
             log.info("trainer %s resumed from its heartbeat (window %d)", owner.hex(), msg.window)
         if isinstance(msg, P.Heartbeat):
@@ -276,10 +293,12 @@ class DeliveryService(SocketThread):
             peer.jobs, peer.follow, peer.greeted = msg.jobs, msg.follow, True
             self._set_transport(owner, peer, msg)
         elif isinstance(msg, P.Credit):
-            peer.credit += msg.n
+            peer.credit = min(peer.credit + msg.n, self.max_credit)  # its window is a hint; ours is the cap
         elif isinstance(msg, P.Received):
             sender = self.senders.get(peer.transport)
+            peer.stalled_until = 0.0  # it reads again
             for k in msg.keys:
+                peer.holding.discard(k)
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
                 if self.ledger.received(owner, k, self._file_exists) and sender is not None and sender.sidecar_deletes:
@@ -297,6 +316,8 @@ class DeliveryService(SocketThread):
                 return
             self.stats["acked"] += acked
             peer.acked += acked
+            peer.holding.difference_update(msg.keys)
+            peer.stalled_until = 0.0
             self.stats["duplicate_acks"] += dup
             # Files of consumed samples no one will read (a copy produced again after a restart,
             # or one never RECEIVED): deleted with the ack, not left for the reaper.
@@ -306,6 +327,7 @@ class DeliveryService(SocketThread):
                 self._delete_after_commit(sender, k, file)
         elif isinstance(msg, P.Fail):
             self.stats["trainer_failed"] += 1
+            peer.holding.discard(msg.key)
             if (sender := self.senders.get(peer.transport)) is not None:
                 sender.release(msg.key)
             gone = self.ledger.trainer_failed(owner, msg.key, msg.reason, not_received=msg.not_received)
@@ -327,7 +349,10 @@ class DeliveryService(SocketThread):
             why = (f"this sidecar does not offer transport {peer.transport!r} (it offers {', '.join(self.senders)}; "
                    "Mooncake needs HSSTREAM_MOONCAKE_HOSTNAME on the sidecar)")  # fmt: skip
             log.warning("trainer %s: %s", owner.hex(), why)
-            self._send(owner, P.encode_msg(P.End(jobs=peer.jobs, reason=why)))
+            try:
+                self._send(owner, P.encode_msg(P.End(jobs=peer.jobs, reason=why)))
+            except zmq.ZMQError:
+                pass  # it is refused all the same: nothing is ever sent to it
             peer.ended = True
 
     def _release_owner(self, owner: bytes) -> None:
@@ -335,11 +360,41 @@ class DeliveryService(SocketThread):
         for sender in self.senders.values():
             sender.release_owner(owner)
         self.ledger.release_owner(owner, self._file_exists)
+        if (peer := self.peers.get(owner)) is not None:
+            peer.holding.clear()
 
     def _send(self, owner: bytes, frames: list) -> None:
-        self._socks[owner[:1]].send_multipart([owner[1:], *frames], copy=False)
+        """Never waits: a trainer whose queue is full (``send_hwm`` messages it has not read)
+        raises ``zmq.Again`` here, one that is gone ``zmq.ZMQError`` (ROUTER_MANDATORY). The one
+        thread serves every trainer, lease lapses and heartbeats: a send that waited for one
+        trainer to read would stop them all."""
+        self._socks[owner[:1]].send_multipart([owner[1:], *frames], flags=zmq.NOBLOCK, copy=False)
         if (peer := self.peers.get(owner)) is not None:
             peer.last_sent = time.monotonic()
+
+    def _room(self, owner: bytes, peer: Peer) -> int:
+        """Samples to lease it now: its credit, within what the server lets one trainer hold
+        (``max_credit``, counting what it was sent and has not yet confirmed)."""
+        if len(peer.holding) >= self.max_credit:
+            # Keys it will never confirm (a lease that lapsed and went elsewhere, a copy it dropped)
+            # must not count for ever: keep only what the ledger still has leased to it, unreceived.
+            peer.holding = {k for k in peer.holding if (s := self.ledger.get(k)) is not None
+                            and s.state == State.leased and s.lease_owner == owner and s.on_disk_bytes}  # fmt: skip
+        return min(peer.credit, self.max_credit - len(peer.holding))
+
+    def _hand_back(self, owner: bytes, peer: Peer, samples: list[Sample]) -> None:
+        """Leases whose DELIVER never left (the trainer's queue is full): READY again at once,
+        for any trainer, and the trainer gets nothing new for a while."""
+        self.stats["send_refused"] += 1
+        first = peer.stalled_until == 0.0  # the first refusal since it last showed progress: say so once
+        peer.stalled_until = time.monotonic() + STALLED_S
+        sender = self.senders[peer.transport]
+        for s in samples:
+            sender.release(s.key)
+        self.ledger.unlease(owner, [s.key for s in samples], self._file_exists)
+        (log.warning if first else log.debug)(
+            "trainer %s does not read (its queue of %d messages is full): %d lease(s) handed back",
+            owner.hex(), self.send_hwm, len(samples))  # fmt: skip
 
     def _dispatch(self) -> None:
         now = time.monotonic()
@@ -354,45 +409,64 @@ class DeliveryService(SocketThread):
                 # No HELLO yet (we do not know which jobs it wants), or its jobs are done: a
                 # closed stream's peer lingers until its timeout, and must cost nothing meanwhile.
                 continue
-            if now - peer.last_sent > self.heartbeat_s:
-                # Heartbeats both ways (ZeroMQ Guide, ch. 4): a trainer that hears nothing from
-                # us for a while reconnects instead of waiting out its whole timeout.
-                try:
-                    self._send(owner, P.encode_msg(P.Heartbeat()))
-                except zmq.ZMQError:
-                    pass  # unreachable: handled below on its next delivery, or by its timeout
             try:
-                # All this pass's leases in one commit, before any DELIVER leaves.
-                for s in self.ledger.lease_many(owner, peer.jobs, peer.credit):
-                    assert s.notice is not None
-                    d = P.Deliver(notice=P.stamp_sidecar_queue(s.notice, time.time()), expected_token_ids=s.token_ids,
-                                  loss_mask=s.loss_mask, label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
-                    sender = self.senders[peer.transport]
+                if now - peer.last_sent > self.heartbeat_s:
+                    # Heartbeats both ways (ZeroMQ Guide, ch. 4): a trainer that hears nothing from
+                    # us for a while reconnects instead of waiting out its whole timeout.
                     try:
-                        # Only a sender that moves the bytes opens the file (the spool's trainer does itself).
-                        path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None
-                        transfer, payload = sender.offer(owner, s.key, path)
-                    except (OSError, P.UnsafePathError, TransportError) as e:
-                        if isinstance(e, TransportError):
-                            log.error("%s: %s", peer.transport, e)
-                        stale = s.notice.file
-                        self.ledger.file_lost(s.key)  # produce it again
-                        # A transport's failure leaves the file there, now no sample's: not the reaper's.
-                        P.remove_from_spool(self.spool, stale)
-                        continue
-                    if transfer is not None:
-                        d = d.model_copy(update={"transfer": transfer})
-                    if sender.sidecar_deletes:
-                        self.stats["delivered_remote"] += 1
-                        self.stats[f"delivered_{sender.name}"] += 1
-                    self._send(owner, P.encode_msg(d, payload))
-                    peer.credit -= 1
-                    peer.delivered += 1
-                    self.stats["delivered"] += 1
+                        self._send(owner, P.encode_msg(P.Heartbeat()))
+                    except zmq.ZMQError:
+                        # A full queue (it has plenty to read), or unreachable: handled on its
+                        # next delivery, or by its timeout.
+                        pass
+                if peer.stalled_until > now:
+                    continue
+                self._deliver(owner, peer)
                 if not peer.follow and not peer.ended and self.ledger.jobs_done(peer.jobs):
                     self._send(owner, P.encode_msg(P.End(jobs=peer.jobs)))
                     peer.ended = True
+            except zmq.Again:
+                pass  # an END its full queue refused: sent again on a later pass
             except zmq.ZMQError as e:  # peer vanished (ROUTER_MANDATORY): treat as lost
                 log.warning("trainer %s unreachable (%s): returning its leases", owner.hex(), e)
                 self._release_owner(owner)
                 del self.peers[owner]
+
+    def _deliver(self, owner: bytes, peer: Peer) -> None:
+        """Lease what it has room for, in one commit before any DELIVER leaves, and send them;
+        what its full queue refuses goes back at once."""
+        leased = self.ledger.lease_many(owner, peer.jobs, self._room(owner, peer))
+        sender = self.senders[peer.transport]
+        for i, s in enumerate(leased):
+            assert s.notice is not None
+            d = P.Deliver(notice=P.stamp_sidecar_queue(s.notice, time.time()), expected_token_ids=s.token_ids,
+                          loss_mask=s.loss_mask, label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
+            try:
+                # Only a sender that moves the bytes opens the file (the spool's trainer does itself).
+                path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None
+                transfer, payload = sender.offer(owner, s.key, path)
+            except (OSError, P.UnsafePathError, TransportError) as e:
+                if isinstance(e, TransportError):
+                    log.error("%s: %s", peer.transport, e)
+                stale = s.notice.file
+                self.ledger.file_lost(s.key)  # produce it again
+                # A transport's failure leaves the file there, now no sample's: not the reaper's.
+                P.remove_from_spool(self.spool, stale)
+                continue
+            if transfer is not None:
+                d = d.model_copy(update={"transfer": transfer})
+            try:
+                self._send(owner, P.encode_msg(d, payload))
+            except zmq.Again:
+                self._hand_back(owner, peer, leased[i:])
+                return
+            except zmq.ZMQError:
+                sender.release(s.key)  # the rest of its leases go back with it (_dispatch)
+                raise
+            if sender.sidecar_deletes:
+                self.stats["delivered_remote"] += 1
+                self.stats[f"delivered_{sender.name}"] += 1
+            peer.holding.add(s.key)
+            peer.credit -= 1
+            peer.delivered += 1
+            self.stats["delivered"] += 1

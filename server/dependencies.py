@@ -8,13 +8,14 @@ and readers can follow on its own.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
 from connector.settings import Settings
+from server.admission import Admitter
 from server.delivery import DeliveryService
 from server.ledger import Job, Ledger
 from server.metrics import SidecarMetrics
@@ -38,6 +39,7 @@ class Services:
     delivery: DeliveryService
     submitter: Submitter
     sizer: SampleSizer  # bytes a sample takes on the spool (unknown until a config or the first notice)
+    admitter: Admitter = field(default_factory=Admitter)  # jobs are tokenised and written off the event loop
 
     @property
     def spool(self) -> Path:

@@ -51,6 +51,11 @@ class State(str, Enum):
     cancelled = "cancelled"
 
 
+#: Rows one transaction of :meth:`Ledger.add_job` writes (the lock is held meanwhile).
+ADD_BATCH = 2000
+#: In a job's meta while its rows are being written: a job still so marked at restart is dropped.
+ADMITTING = "admitting"
+
 TERMINAL = {State.consumed, State.failed, State.cancelled}
 IN_FLIGHT = (State.submitted, State.ready, State.leased)
 
@@ -101,6 +106,8 @@ class Job:
     state_counts: Counter = field(default_factory=Counter, repr=False)
     n_errors: int = 0  # samples with at least one error
     compacted: bool = False  # rows deleted after the retention; the counts are a summary
+    admitting: bool = False  # its rows are still being written (a batch at a time): not done whatever the counts
+    cancelling: bool = False  # cancelled: its queued rows are being marked a chunk at a time; none is submitted
 
     def counts(self) -> dict[str, int]:
         return {st.value: self.state_counts.get(st.value, 0) for st in State}
@@ -111,7 +118,7 @@ class Job:
 
     @property
     def done(self) -> bool:
-        return self.n_terminal == self.num_samples
+        return not self.admitting and self.n_terminal == self.num_samples
 
 
 @dataclass
@@ -347,8 +354,15 @@ class Ledger:
             for jid, created, finished, tok, nb, meta in self._db.execute(
                 "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs "
                 "WHERE summary IS NULL ORDER BY created"
-            ):
-                self.jobs[jid] = Job(jid, 0, created, finished, tok, nb, json.loads(meta or "{}").get("sampling"))
+            ).fetchall():
+                meta = json.loads(meta or "{}")
+                if meta.get(ADMITTING):  # killed while its rows went in: its client never got the id
+                    with self._tx():
+                        self._db.execute("DELETE FROM samples WHERE job_id=?", (jid,))
+                        self._db.execute("DELETE FROM jobs WHERE job_id=?", (jid,))
+                    stats["half_admitted_jobs_dropped"] += 1
+                    continue
+                self.jobs[jid] = Job(jid, 0, created, finished, tok, nb, meta.get("sampling"))
             for jid, st, n in self._db.execute("SELECT job_id, state, count(*) FROM samples GROUP BY job_id, state"):
                 if jid in self.jobs:
                     self.jobs[jid].state_counts[st] += n
@@ -396,36 +410,54 @@ class Ledger:
     # ------------------------------------------------------------------ jobs
     def add_job(
         self, samples: list[NewSample], *, epochs: int = 1, seed: int = 0, meta: dict | None = None,
-        sampling: dict | None = None,
+        sampling: dict | None = None, batch: int = ADD_BATCH,
     ) -> Job:
         """Queue a job. Each epoch submits the data again in a seeded shuffle (hidden states are
-        regenerated, never stored), so epoch e of sample i has its own key (job, i, e)."""
+        regenerated, never stored), so epoch e of sample i has its own key (job, i, e).
+
+        Rows go in ``batch`` at a time, each batch its own transaction with the lock released
+        after it, so a big job never holds up the notice and delivery threads or a status read
+        for long; its first samples may be submitted while the rest are written. Until the last
+        batch the job is ``admitting`` (never done), and marked so on disk: a sidecar killed
+        meanwhile drops it on restart (its client never got the id)."""
         job_id = uuid.uuid4().hex[:16]
-        with self._lock:
-            job = Job(job_id, sampling=sampling)
-            with self._tx():
-                self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
-                                 (job_id, job.created, json.dumps({**(meta or {}), "sampling": sampling})))  # fmt: skip
-                packed = [(_pack(n.token_ids), _pack(n.loss_mask)) for n in samples]
-                order = 0
-                for ep in range(epochs):
-                    idxs = list(range(len(samples)))
-                    if epochs > 1 or seed:
-                        random.Random(seed * 1_000_003 + ep).shuffle(idxs)
-                    self._db.executemany(
-                        "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                        ((job_id, ep, i, order + k, *packed[i], samples[i].label, samples[i].expected_bytes,
-                          State.queued.value, 0, None, 0, None, len(samples[i].token_ids), self._qhi + 1 + order + k)
-                         for k, i in enumerate(idxs)),
-                    )  # fmt: skip
-                    order += len(idxs)
-            self._qhi += order
-            job.num_samples = order
-            job.state_counts[State.queued.value] = order
+        job = Job(job_id, sampling=sampling, admitting=True)
+        meta = {**(meta or {}), "sampling": sampling}
+        with self._lock, self._tx():
+            self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
+                             (job_id, job.created, json.dumps({**meta, ADMITTING: True})))  # fmt: skip
             self.jobs[job_id] = job
-            for fn in self.listeners:
-                fn(State.queued, None, order, 0)
-            return job
+        packed = [(_pack(n.token_ids), _pack(n.loss_mask)) for n in samples]
+        order = 0
+        for ep in range(epochs):
+            idxs = list(range(len(samples)))
+            if epochs > 1 or seed:
+                random.Random(seed * 1_000_003 + ep).shuffle(idxs)
+            for lo in range(0, len(idxs), batch):
+                part = idxs[lo : lo + batch]
+                with self._lock:
+                    with self._tx():
+                        q0 = self._qhi + 1
+                        self._db.executemany(
+                            "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            ((job_id, ep, i, order + k, *packed[i], samples[i].label, samples[i].expected_bytes,
+                              State.queued.value, 0, None, 0, None, len(samples[i].token_ids), q0 + k)
+                             for k, i in enumerate(part)),
+                        )  # fmt: skip
+                    self._qhi += len(part)
+                    order += len(part)
+                    job.num_samples = order
+                    job.state_counts[State.queued.value] += len(part)
+                    for fn in self.listeners:
+                        fn(State.queued, None, len(part), 0)
+                time.sleep(0)  # let a thread waiting for the lock have it before the next batch
+        with self._lock, self._tx():
+            self._db.execute("UPDATE jobs SET meta=? WHERE job_id=?", (json.dumps(meta), job_id))
+            job.admitting = False
+            if job.done:  # every sample already finished (cancelled) while the rest went in
+                job.finished = job.finished or time.time()
+                self._save_job(job)
+        return job
 
     def get(self, key: P.SampleKey) -> Sample | None:
         """The sample in flight, or a copy loaded from SQLite (changes to it must be saved)."""
@@ -484,7 +516,7 @@ class Ledger:
                 last = idx
                 yield _unpack(ids) or [], _unpack(mask)
 
-    def cancel_job(self, job_id: str) -> list[str]:
+    def cancel_job(self, job_id: str, chunk: int = 5000) -> list[str]:
         """Cancel every unfinished sample; returns spool files to delete. Samples in flight in
         vLLM are cancelled too: their late notices find them CANCELLED and are discarded."""
         files = []
@@ -502,14 +534,25 @@ class Ledger:
                     s.state = State.cancelled
                     self._save(s)
                 self._ready.pop(job_id, None)
-                n = self._db.execute("UPDATE samples SET state=? WHERE job_id=? AND state=?",
-                                     (State.cancelled.value, job_id, State.queued.value)).rowcount  # fmt: skip
-                job.state_counts[State.queued.value] -= n
-                job.state_counts[State.cancelled.value] += n
-                job.finished = job.finished or time.time()
-                self._save_job(job)
-            for fn in self.listeners:
-                fn(State.cancelled, State.queued, n, 0)
+            job.cancelling = True
+            epochs, width = self._db.execute("SELECT max(epoch), max(idx) FROM samples WHERE job_id=?",
+                                             (job_id,)).fetchone()  # fmt: skip
+        # The queued rows a range of the primary key at a time, the lock released between them,
+        # so cancelling a big job never holds up the other threads for long.
+        for ep in range(-1 if epochs is None else epochs, -1, -1):
+            for lo in range(0, (width or 0) + 1, chunk):
+                with self._lock, self._tx():
+                    n = self._db.execute(
+                        "UPDATE samples SET state=? WHERE job_id=? AND epoch=? AND idx>=? AND idx<? AND state=?",
+                        (State.cancelled.value, job_id, ep, lo, lo + chunk, State.queued.value),
+                    ).rowcount
+                    job.state_counts[State.queued.value] -= n
+                    job.state_counts[State.cancelled.value] += n
+                    for fn in self.listeners if n else ():
+                        fn(State.cancelled, State.queued, n, 0)
+        with self._lock, self._tx():
+            job.finished = job.finished or time.time()
+            self._save_job(job)
         return files
 
     def compact(self, retention_s: float, now: float | None = None, chunk: int = 5000) -> list[str]:
@@ -551,10 +594,15 @@ class Ledger:
                 self._throttled = True
                 return None
             head = f"SELECT {_COLS} FROM samples WHERE state = 'queued' ORDER BY qpos LIMIT 1"  # the queue index
-            row = self._db.execute(head).fetchone()
-            if row is None:
-                return None
-            s = _sample(row)
+            while True:
+                row = self._db.execute(head).fetchone()
+                if row is None:
+                    return None
+                s = _sample(row)
+                if not ((job := self.jobs.get(s.key.job)) is not None and job.cancelling):
+                    break
+                s.state = State.cancelled  # its job's cancel has not reached this row yet
+                self._save(s)
             if self.reserved_bytes + s.expected_bytes > budget and self.reserved_bytes > 0:
                 self._throttled = True
                 return None
@@ -929,6 +977,23 @@ class Ledger:
                 self._reset_prompt(s)
                 self._enqueue(s, front=True)
                 self._save(s)
+        return n
+
+    def unlease(self, owner: bytes, keys: list[P.SampleKey], file_exists: Callable[[str], bool]) -> int:
+        """Leases whose DELIVER never left (the trainer's queue was full): READY again at the
+        front, in their order, in one transaction; a sample whose file is gone is produced again."""
+        n = 0
+        with self._lock, self._tx():
+            for key in reversed(keys):
+                s = self._live.get(key)
+                if s is None or s.state != State.leased or s.lease_owner != owner:
+                    continue
+                n += 1
+                s.lease_owner = None
+                if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
+                    self._make_ready(s, front=True)
+                else:
+                    self.file_lost(key)
         return n
 
     def file_lost(self, key: P.SampleKey) -> None:

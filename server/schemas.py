@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: A token id as the ledger stores it (int32) and vLLM takes it; a tokenizer's vocabulary narrows it.
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+#: An integer SQLite and vLLM can hold (int64).
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 def _encodable(v: object, where: str = "sample") -> None:
     """JSON may carry lone surrogates (``"\\ud800"``); no tokenizer, UTF-8 file or SQLite column
-    can hold them, so they are refused here, with the place, instead of failing deep inside."""
+    can hold them, so they are refused here, with the place, instead of failing deep inside.
+    Likewise NaN and infinities (Python's JSON reads ``NaN``, ``Infinity`` and ``1e400``), which
+    no JSON encoder writes back out."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{where}: not a finite number")
     if isinstance(v, str):
         try:
             v.encode("utf-8")
@@ -43,7 +53,7 @@ class SampleIn(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     conversations: list[ShareGPTTurn] | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[TokenId] | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SampleIn:
@@ -59,21 +69,21 @@ class SampleIn(BaseModel):
 class SamplingOptions(BaseModel):
     """How vLLM writes the new reply in ``regenerate`` mode (the data's own reply is dropped)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     max_tokens: int = Field(default=256, ge=2, le=32768)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: Int64 | None = None
 
 
 class JobOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     loss_mask: Literal["assistant", "all"] = "assistant"
-    max_tokens_per_sample: int | None = Field(default=None, ge=1)
+    max_tokens_per_sample: int | None = Field(default=None, ge=1, lt=2**31)
     overlong: Literal["truncate", "reject"] = "reject"
     on_invalid: Literal["reject", "skip"] = "reject"
     epochs: int = Field(default=1, ge=1, le=1000)
-    seed: int = 0
+    seed: Int64 = 0
     mode: Literal["extract", "regenerate"] = "extract"
     sampling: SamplingOptions = Field(default_factory=lambda: SamplingOptions())
 

@@ -231,7 +231,7 @@ class Submitter:
         self.engine_max_len = n
         if self.on_engine_limit:
             self.on_engine_limit(n)
-        self._apply_limits()
+        self.wake()  # the submit loop applies it to the queue (a thread: O(queue)) before its next submission
 
     async def probe_engine(self, timeout: float = 2.0) -> int | None:
         """vLLM's max_model_len, asking the engines not heard from yet; None while none answered."""
@@ -324,6 +324,9 @@ class Submitter:
             return None
         return too_long_reason(len(s.token_ids), self.engine_max_len, self._room(s), "vLLM's max_model_len")
 
+    def _limits_changed(self) -> bool:
+        return ((self.sizer.version if self.sizer else 0), self.engine_max_len) != self._applied
+
     def _apply_limits(self) -> None:
         """Apply a newly known sample size or engine limit to the samples already queued."""
         version = self.sizer.version if self.sizer else 0
@@ -365,7 +368,8 @@ class Submitter:
         while True:
             if time.monotonic() - last_sweep > 1.0:
                 last_sweep = time.monotonic()
-                self._sweep()
+                if reason := self._sweep():
+                    await asyncio.to_thread(self.fail_queued, reason)  # O(queue): never on the event loop
             if self.down_since is not None:
                 # Every engine is away: their probes will wake us; burn no requests meanwhile.
                 self._wake.clear()
@@ -375,7 +379,8 @@ class Submitter:
                     pass
                 continue
             await sem.acquire()
-            self._apply_limits()
+            if self._limits_changed():
+                await asyncio.to_thread(self._apply_limits)  # O(queue): never on the event loop
             sized = self._sized()
             # size unknown: one sample at a time, its notice will tell the size
             ok = self._fs_has_room() and (sized or self.in_flight == 0)
@@ -421,9 +426,9 @@ class Submitter:
         self._fs_ok_at = now if ok else -1.0
         return ok
 
-    def _sweep(self) -> None:
-        """Samples whose request returned but whose notice never came are tried again, and
-        everything waiting is failed once every engine has been gone past the deadline."""
+    def _sweep(self) -> str | None:
+        """Samples whose request returned but whose notice never came are tried again; once
+        every engine has been gone past the deadline, the reason to fail everything waiting."""
         self._forget_delivered()
         for s in self.ledger.stale_submissions(self.notice_timeout_s):
             if s.key not in self._inflight:
@@ -432,9 +437,12 @@ class Submitter:
                 self.ledger.requeue(s.key, s.attempt, f"no notice from the connector within {self.notice_timeout_s:.0f} s")
         down = self.down_since
         if down is not None and time.monotonic() - down > self.down_deadline_s:
-            reason = f"vLLM at {self.url} unreachable for more than {self.down_deadline_s:.0f} s"
-            while (s := self.ledger.next_to_submit(2**62)) is not None:
-                self.ledger.fail(s.key, reason)
+            return f"vLLM at {self.url} unreachable for more than {self.down_deadline_s:.0f} s"
+        return None
+
+    def fail_queued(self, reason: str) -> int:
+        """Fail every queued sample with ``reason`` (a chunk per transaction: see the ledger)."""
+        return self.ledger.fail_queued(lambda _s: reason)
 
     async def _submit(self, s: Sample, sem: asyncio.Semaphore, engine: Engine | None = None) -> None:
         e = engine or self.engines[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import time
@@ -11,6 +12,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
 from pydantic import ValidationError
 
+from connector.settings import Settings
+from server.admission import check_job_size, too_many_samples
 from server.content_type import expects
 from server.dependencies import Services, ServicesDep, job_or_404, require_token
 from server.ledger import Job, NewSample
@@ -23,7 +26,8 @@ JobDep = Annotated[Job, Depends(job_or_404)]
 
 
 def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated:
-    """Tokenise, size against the spool budget, and queue what passes (or nothing, per ``on_invalid``)."""
+    """Tokenise, size against the spool budget, and queue what passes (or nothing, per ``on_invalid``).
+    On the admission thread (``server/admission.py``), never the event loop."""
     s = svc.settings
     rows, bad = [], []
     for i, smp in enumerate(samples):
@@ -45,14 +49,16 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
     sampling = opt.sampling.model_dump() if opt.mode == "regenerate" else None
     created = svc.ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
                                  meta={"options": opt.model_dump(), "rejected": bad})  # fmt: skip
-    svc.submitter.wake()
     return JobCreated(job_id=created.job_id, num_samples=created.num_samples, num_failed_at_submission=len(bad))
 
 
 @router.post("", response_model=JobCreated, dependencies=[Depends(expects("application/json"))])
 async def create_job(job: JobIn, svc: ServicesDep) -> JobCreated:
+    check_job_size(len(job.samples), job.options.epochs, svc.settings)
     await svc.submitter.probe_engine()  # the engine's length limit, if vLLM has answered by now
-    return admit(svc, job.samples, job.options)
+    created = await svc.admitter.run(admit, svc, job.samples, job.options)
+    svc.submitter.wake()
+    return created
 
 
 @router.post("/upload", response_model=JobCreated, dependencies=[Depends(expects("multipart/form-data"))])
@@ -64,14 +70,27 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
         # without the input: it may hold what JSON cannot carry back (-Infinity, found by the fuzz test)
         errors = json.loads(e.json(include_input=False, include_url=False))
         raise HTTPException(422, {"message": "bad options", "errors": errors}) from e
-    samples, bad = [], []
-    # The form parser spooled the file to disk as it arrived; read it a line at a time, not whole
-    # (utf-8-sig: a leading BOM, as some editors write, is not part of the first line).
     await file.seek(0)
+    samples = await svc.admitter.run(read_jsonl, file, svc.settings)
+    check_job_size(len(samples), opt.epochs, svc.settings)
+    await svc.submitter.probe_engine()
+    created = await svc.admitter.run(admit, svc, samples, opt)
+    svc.submitter.wake()
+    return created
+
+
+def read_jsonl(file: UploadFile, s: Settings) -> list[SampleIn]:
+    """An upload's records (on the admission thread: a big file takes a while to parse). The form
+    parser spooled the file to disk as it arrived; it is read a line at a time, not whole, and
+    no further than the job's sample limit (utf-8-sig: a leading BOM, as some editors write, is
+    not part of the first line)."""
+    samples, bad = [], []
     lines = io.TextIOWrapper(file.file, encoding="utf-8-sig", errors="replace", newline=None)
     for ln, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        if len(samples) + len(bad) >= s.max_job_samples:
+            raise too_many_samples(None, s)
         try:
             samples.append(SampleIn.model_validate_json(line))
         except ValidationError as e:
@@ -81,8 +100,7 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
         raise HTTPException(422, {"message": f"{len(bad)} bad line(s) in {file.filename}", "lines": bad[:100]})
     if not samples:
         raise HTTPException(422, {"message": f"{file.filename} holds no records"})
-    await svc.submitter.probe_engine()
-    return admit(svc, samples, opt)
+    return samples
 
 
 @router.get("")
@@ -93,7 +111,7 @@ async def list_jobs(svc: ServicesDep) -> list[dict]:
 
 
 @router.get("/{job_id}", response_model=JobStatus)
-async def job_status(j: JobDep, svc: ServicesDep, errors_offset: int = Query(0, ge=0), errors_limit: int = Query(100, ge=1, le=1000)):  # noqa: ANN201
+async def job_status(j: JobDep, svc: ServicesDep, errors_offset: int = Query(0, ge=0, lt=2**31), errors_limit: int = Query(100, ge=1, le=1000)):  # noqa: ANN201
     elapsed = (j.finished or time.time()) - j.created
     page = svc.ledger.errors_page(j.job_id, errors_offset, errors_limit)  # an indexed read, not a scan
     return JobStatus(
@@ -107,22 +125,27 @@ async def job_status(j: JobDep, svc: ServicesDep, errors_offset: int = Query(0, 
 
 @router.get("/{job_id}/token_counts", response_model=TokenCounts)
 async def token_counts(j: JobDep, svc: ServicesDep) -> TokenCounts:
-    c: Counter[int] = Counter()
-    total = 0
     if j.compacted:
         raise HTTPException(410, f"job {j.job_id!r} was compacted after HSSTREAM_JOB_RETENTION_S: its data is gone")
-    for ids, mask in svc.ledger.iter_token_ids(j.job_id, epoch=0):
+    c, total = await asyncio.to_thread(_count_tokens, svc, j.job_id)  # O(job): off the event loop
+    return TokenCounts(job_id=j.job_id, vocab_size=svc.tokenizer.vocab_size, total_tokens=total, counts=dict(c))
+
+
+def _count_tokens(svc: Services, job_id: str) -> tuple[Counter[int], int]:
+    c: Counter[int] = Counter()
+    total = 0
+    for ids, mask in svc.ledger.iter_token_ids(job_id, epoch=0):
         mask = mask or [1] * len(ids)
         c.update(t for t, m in zip(ids, mask, strict=False) if m)
         total += len(ids)
-    return TokenCounts(job_id=j.job_id, vocab_size=svc.tokenizer.vocab_size, total_tokens=total, counts=dict(c))
+    return c, total
 
 
 @router.delete("/{job_id}")
 async def cancel_job(j: JobDep, svc: ServicesDep) -> dict:
     if j.compacted:
         raise HTTPException(409, f"job {j.job_id!r} finished and was compacted: nothing to cancel")
-    files = svc.ledger.cancel_job(j.job_id)
+    files = await asyncio.to_thread(svc.ledger.cancel_job, j.job_id)  # O(job): off the event loop
     aborted = await svc.submitter.cancel_job(j.job_id)
     removed = svc.keeper.remove(files)
     return {"job_id": j.job_id, "cancelled": True, "aborted_requests": aborted, "removed_files": removed,
