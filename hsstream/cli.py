@@ -289,6 +289,8 @@ def train(
         raise typer.Exit(2) from e
     if int(os.environ.get("RANK", "0")) == 0:  # one summary per run (it lists every rank)
         typer.echo(json.dumps(result.summary(), indent=2))
+        if result.serve:  # stdout stays one JSON document; the line to copy goes to the terminal
+            typer.echo(f"serve the trained draft ({result.final_dir}) with:\n  {result.serve}", err=True)
 
 
 @app.command()

@@ -89,6 +89,8 @@ class TrainResult:
     history: list[dict] = field(default_factory=list, repr=False)
     eval_top1: list[float] | None = None  # the last held-out evaluation (``eval_every``)
     held_out: int = 0  # samples held out for it (their repeats in later epochs are not trained either)
+    final_dir: str | None = None  # OUT/final: the last checkpoint's draft, kept whatever rotation does
+    serve: str | None = None  # the `vllm serve` line that serves the verifier with final_dir
 
     def summary(self) -> dict:
         d = asdict(self)

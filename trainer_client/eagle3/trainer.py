@@ -484,6 +484,11 @@ class Eagle3OnlineTrainer:
             n = sum(h[f"n_{i}"] for h in tail)
             top1.append(sum(h[f"top1_{i}"] * h[f"n_{i}"] for h in tail) / n if n else 0.0)
         loss = sum(h["loss"] for h in tail) / len(tail) if tail else float("nan")
+        final = serve = None
+        if ckpt is not None and self.world.is_writer:
+            final = M.publish_final(self.out, Path(ckpt))
+            serve = M.serve_command(self.cfg.verifier, final, k)
+            log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
         ranks = self.world.gather({"rank": self.world.rank, "device": str(self.device), "samples": run["samples"],
                                    "tokens": run["tokens"], "wait_s": round(wait, 2), "pid": os.getpid()})  # fmt: skip
         return TrainResult(
@@ -493,5 +498,5 @@ class Eagle3OnlineTrainer:
             device=str(self.device), autocast=str(self.autocast).removeprefix("torch.") if self.autocast else None,
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
-            held_out=len(self.heldout),
+            held_out=len(self.heldout), final_dir=str(final) if final else None, serve=serve,
         )  # fmt: skip
