@@ -257,6 +257,7 @@ def train(
     device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda or cuda:N; under torchrun cuda:LOCAL_RANK"),
     autocast: str = typer.Option("auto", help="auto (bf16 on CUDA, none on CPU), bf16 or none"),
     prefetch: int = typer.Option(None, help="batches copied to the device ahead of the step (default 1 on CUDA, 0 on CPU)"),
+    logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
 ) -> None:
     """Train an Eagle-3 draft online from the stream.

@@ -51,7 +51,9 @@ class TrainConfig:
     seed: int = 0
     train_lm_head: bool = False
     control: str = "none"  # "swap-hidden": negative control, aux states from another sample
-    tensorboard: bool = True
+    tensorboard: bool = True  # with logger None: TensorBoard if its package is installed
+    # "tensorboard", "wandb", comma-separated, or "none"; a named one must be installed (loggers.py)
+    logger: str | None = None
     progress: bool = True
     threads: int | None = None
     # "auto": cuda if available else cpu; "cpu", "cuda", "cuda:N". Under torchrun every rank

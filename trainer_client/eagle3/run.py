@@ -192,8 +192,10 @@ def run_train(
     timeout_s: float = 600.0,
     credit: int = 8,
 ) -> TrainResult:
+    from trainer_client.eagle3.loggers import names as logger_names
     from trainer_client.stream import HiddenStateStream
 
+    logger_names(cfg.logger, tensorboard=cfg.tensorboard)  # a logger asked for but missing: before any job is submitted
     n = World.env_size()
     world = World.from_env(resolve_device(cfg.device, local_rank=World.env_local_rank(), world_size=n))
     try:
