@@ -109,17 +109,18 @@ def load_mapping(path: str | Path) -> dict:
         text = p.read_text()
     except OSError as e:
         raise ConfigFileError(f"--config {p}: cannot read it: {e.strerror or e}") from e
-    try:
-        if p.suffix.lower() == ".toml":
+    if p.suffix.lower() == ".toml":
+        try:
             data = tomllib.loads(text)
-        else:  # .yaml / .yml, and JSON (a YAML document too)
-            import yaml
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigFileError(f"--config {p}: not valid TOML: {e}") from e
+    else:  # .yaml / .yml, and JSON (a YAML document too)
+        import yaml
 
+        try:
             data = yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, ValueError) as e:
-        raise ConfigFileError(f"--config {p}: not valid {'TOML' if p.suffix.lower() == '.toml' else 'YAML'}: {e}") from e
-    except Exception as e:  # yaml.YAMLError, without importing yaml for TOML files
-        raise ConfigFileError(f"--config {p}: not valid YAML: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigFileError(f"--config {p}: not valid YAML: {e}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -174,7 +175,8 @@ def _scalar(tp: type, value: object) -> object:
         raise TypeError("true or false")
     if tp in (int, float):
         what = "an integer" if tp is int else "a number"
-        if isinstance(value, bool) or not isinstance(value, int | float | str) or (tp is int and isinstance(value, float)):
+        wrong = isinstance(value, bool) or not isinstance(value, int | float | str)
+        if wrong or (tp is int and isinstance(value, float)):
             raise TypeError(what)
         try:
             return tp(value)
@@ -227,8 +229,9 @@ def merge(defaults: dict, file: dict, given: dict) -> tuple[TrainConfig, dict]:
     ``defaults`` and ``given`` are the CLI's values by canonical name, split by whether the flag
     was on the command line; fields in none of the three keep ``TrainConfig``'s default."""
     v = {**defaults, **file, **given}
-    missing = [m for k, m in (("verifier", "no verifier: pass --model, set HSSTREAM_MODEL or verifier in --config"),
-                              ("out_dir", "no run dir: pass --out or set out_dir in --config")) if not v.get(k)]  # fmt: skip
+    needed = (("verifier", "no verifier: pass --model, set HSSTREAM_MODEL or verifier in --config"),
+              ("out_dir", "no run dir: pass --out or set out_dir in --config"))
+    missing = [m for k, m in needed if not v.get(k)]
     if missing:
         raise ConfigFileError("; ".join(missing))
     if v.get("schedule", "cosine") not in SCHEDULES:

@@ -148,6 +148,12 @@ def test_a_bad_value_or_a_missing_verifier_is_a_clear_error(train, tmp_path):
     assert code == 2 and "no verifier" in output, output
     code, output, _ = train("--config", _write(tmp_path / "g.toml", {"model": "/m", "out": "r"}) + "x")
     assert code == 2 and "cannot read" in output, output
+    (tmp_path / "h.yaml").write_text("lr: [0.1\n")
+    code, output, _ = train("--config", str(tmp_path / "h.yaml"))
+    assert code == 2 and "not valid YAML" in output, output
+    (tmp_path / "i.toml").write_text("lr = \n")
+    code, output, _ = train("--config", str(tmp_path / "i.toml"))
+    assert code == 2 and "not valid TOML" in output, output
 
 
 def test_speculators_names_and_run_yaml_layout_are_understood(train, tmp_path):

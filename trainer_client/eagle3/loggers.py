@@ -69,8 +69,9 @@ class MetricLoggers:
             id_file = out / WANDB_ID_FILE
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
-            self._wandb = wandb.init(id=run_id, resume="allow", dir=str(out), name=os.path.basename(os.path.abspath(out)),
-                                     config={k: v for k, v in asdict(cfg).items() if k != "extra"})  # fmt: skip
+            self._wandb = wandb.init(id=run_id, resume="allow", dir=str(out),
+                                     name=os.path.basename(os.path.abspath(out)),
+                                     config={k: v for k, v in asdict(cfg).items() if k != "extra"})
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         if self._tb is not None:

@@ -199,7 +199,8 @@ def publish_final(out_dir: str | Path, ckpt: Path) -> Path:
 def serve_command(verifier: str, draft_dir: str | Path, num_speculative_tokens: int) -> str:
     """The shell line that serves the verifier with the draft, as ``bench/acceptance.py`` does
     (``speculative_config={"method": "eagle3", "model": <draft dir>, "num_speculative_tokens": N}``)."""
-    spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}
+    spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()),
+            "num_speculative_tokens": num_speculative_tokens}
     return f"vllm serve {shlex.quote(str(verifier))} --speculative-config {shlex.quote(json.dumps(spec))}"
 
 
