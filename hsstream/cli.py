@@ -189,8 +189,9 @@ def up(
     if train is not None:  # checked now, not after vLLM has loaded for a minute
         train_cmd = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
         try:
-            with train_cmd.make_context("hsstream train", shlex.split(train)):
-                pass
+            with train_cmd.make_context("hsstream train", shlex.split(train)) as tctx:
+                if not tctx.params.get("out") and not tctx.params.get("config"):
+                    raise typer.BadParameter("no run dir: pass --out (or --config with out_dir)")
         except typer.TyperException as e:  # typer's own click: a usage error, bad option or value
             typer.echo(f"error: --train {train!r}: {getattr(e, 'format_message', e.__str__)()}", err=True)
             raise typer.Exit(2) from e
@@ -210,8 +211,11 @@ def up(
 
 @app.command()
 def train(
-    model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL)"),
-    out: str = typer.Option(..., help="run dir: checkpoints/, metrics.jsonl, jobs.json; resumed if it exists"),
+    ctx: typer.Context,
+    config: str = typer.Option(None, help="YAML or TOML file of settings (keys: docs/trainer.md); flags override it"),
+    dump_config: bool = typer.Option(False, "--dump-config", help="print the resolved settings as a --config file and exit"),
+    model: str = typer.Option(None, "--model", "--verifier-name-or-path", help="verifier checkpoint dir (default HSSTREAM_MODEL)"),
+    out: str = typer.Option(None, "--out", "--save-path", help="run dir: checkpoints/, final/, metrics.jsonl; resumed if it exists"),
     job: list[str] = typer.Option(None, help="job id to follow (repeatable)"),
     submit: str = typer.Option(None, help="JSONL of REST samples to submit as one job"),
     epochs: int = typer.Option(1, help="with --submit: how many times the sidecar streams each sample"),
@@ -221,35 +225,62 @@ def train(
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
     token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
-    aux_layers: str = typer.Option(None, help="three aux layer ids, comma-separated (default 2, N//2, N-3)"),
-    steps: int = typer.Option(None, help="stop after this many steps (default: when the jobs are complete)"),
+    aux_layers: str = typer.Option(None, "--aux-layers", "--target-layer-ids",
+                                   help="three aux layer ids, comma-separated (default 2, N//2, N-3)"),
+    steps: int = typer.Option(None, "--steps", "--max-steps", help="stop after this many steps (default: when the jobs are complete)"),
     samples_per_step: int = typer.Option(1, help="samples per optimiser step"),
+    max_tokens_per_step: int = typer.Option(4096, "--max-tokens-per-step", "--total-seq-len",
+                                            help="a step takes no more samples once it holds this many tokens"),
     lr: float = typer.Option(1e-3, help="peak learning rate"),
-    warmup: int = typer.Option(20, help="linear warm-up steps"),
-    schedule: str = typer.Option("cosine", help="cosine | linear | constant"),
-    schedule_steps: int = typer.Option(None, help="length of the LR decay (default --steps)"),
+    min_lr_ratio: float = typer.Option(0.1, help="the LR decays to this share of --lr"),
+    warmup: int = typer.Option(20, "--warmup", "--scheduler-warmup-steps", help="linear warm-up steps"),
+    schedule: str = typer.Option("cosine", "--schedule", "--scheduler-type",
+                                 help="LR after warm-up: cosine | linear (decay to --min-lr-ratio) | constant"),
+    schedule_steps: int = typer.Option(None, "--schedule-steps", "--scheduler-total-steps",
+                                       help="length of the LR decay (default --steps, else the jobs' samples × epochs / samples a step)"),
+    weight_decay: float = typer.Option(0.0, help="AdamW weight decay"),
+    betas: str = typer.Option(None, help="AdamW betas, comma-separated (default 0.9,0.95)"),
     grad_clip: float = typer.Option(1.0, help="gradient norm clip"),
     ttt_steps: int = typer.Option(3, help="test-time-training steps (draft tokens unrolled)"),
+    ttt_step_loss_decay: float = typer.Option(1.0, help="loss weight of each TTT step relative to the one before"),
+    train_lm_head: bool = typer.Option(False, "--train-lm-head/--no-train-lm-head", help="train the draft's lm_head (frozen by default, as speculators)", show_default=False),
+    draft_attn_impl: str = typer.Option("sdpa", help="draft attention: sdpa, eager or simple_flex_attention (GPU only)"),
     checkpoint_every: int = typer.Option(100, help="steps between checkpoints"),
     checkpoint_every_s: float = typer.Option(None, help="also checkpoint every this many seconds of wall-clock"),
-    keep_checkpoints: int = typer.Option(2, help="checkpoints kept (0: all)"),
-    eval_every: int = typer.Option(0, help="every N steps, top-1 per TTT step on held-out samples (0: never)"),
+    keep_checkpoints: int = typer.Option(2, help="checkpoints kept (0: all); final/ is never removed"),
+    eval_every: int = typer.Option(0, help="every N steps, top-1 per TTT step on samples held out (0: never)"),
     eval_samples: int = typer.Option(8, help="with --eval-every: the first K samples of the stream are held out"),
     eval_ids: str = typer.Option(None, help="with --eval-every: hold out these sample ids instead (comma-separated)"),
+    log_every: int = typer.Option(10, "--log-every", "--log-freq", help="steps between lines in metrics.jsonl and the log"),
     threads: int = typer.Option(1, help="torch CPU threads (1 is fastest beside vLLM on a small machine)"),
     timeout: float = typer.Option(600.0, help="seconds without a sample before giving up"),
+    idle_s: float = typer.Option(0.2, help="seconds without a sample before the loop checkpoints a job's tail"),
     seed: int = typer.Option(0, help="random seed"),
     control: str = typer.Option("none", help="'swap-hidden': negative control, aux states from another sample"),
     progress: bool = typer.Option(True, help="progress bar on stderr"),
     device: str = typer.Option("auto", help="auto (cuda if available), cpu, cuda or cuda:N; under torchrun cuda:LOCAL_RANK"),
     autocast: str = typer.Option("auto", help="auto (bf16 on CUDA, none on CPU), bf16 or none"),
     prefetch: int = typer.Option(None, help="batches copied to the device ahead of the step (default 1 on CUDA, 0 on CPU)"),
+    logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
 ) -> None:
     """Train an Eagle-3 draft online from the stream.
 
-    Speculators' format; checkpoints, resumes from --out."""
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+    Speculators' format; checkpoints, resumes from --out, ends with OUT/final and the
+    `vllm serve` line. Settings from --config FILE, flags winning."""
+    from hsstream import train_config as TC
+
+    def given(name: str) -> bool:
+        src = ctx.get_parameter_source(name)
+        return src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP")
+
+    if config and not given("nproc") and "WORLD_SIZE" not in os.environ:
+        try:  # read before torch loads: the file may ask for several ranks
+            nproc = int(TC.load_mapping(config).get("nproc", nproc) or 1)
+        except (TC.ConfigFileError, ValueError, TypeError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from e
+    if nproc > 1 and "WORLD_SIZE" not in os.environ and not dump_config:
         from trainer_client.eagle3.distributed import torchrun_argv
 
         args = torchrun_argv(nproc, sys.argv[1:])
@@ -262,37 +293,46 @@ def train(
     import logging
 
     from connector.settings import Settings
-    from trainer_client.eagle3 import MissingLayersError, TrainConfig
+
+    s = Settings()
+    try:
+        layers = ({}, TC.read(config) if config else {}, {})  # default, file, flag
+        for name, value in ctx.params.items():
+            if name in ("config", "dump_config") or value is None or (name == "job" and not value):
+                continue
+            key = TC.canonical(name)
+            assert key is not None, f"--{name} names no setting"
+            layers[2 if given(name) else 0][key] = TC.coerce(key, value, where="--" + name.replace("_", "-"))
+        if s.model:
+            layers[0].setdefault("verifier", s.model)
+        cfg, run = TC.merge(*layers)
+    except TC.ConfigFileError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if dump_config:
+        typer.echo(TC.dump(cfg, run), nl=False)
+        return
+    cfg.extra = {**cfg.extra, "argv": sys.argv, **({"config": os.path.abspath(config)} if config else {})}
+
+    from trainer_client.eagle3 import MissingLayersError
     from trainer_client.eagle3.config import DeviceError
     from trainer_client.eagle3.run import run_train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    s = Settings()
-    mdl = model or s.model
-    if not mdl:
-        raise typer.BadParameter("no verifier: pass --model or set HSSTREAM_MODEL")
-    cfg = TrainConfig(
-        verifier=mdl, out_dir=out, draft_vocab_size=draft_vocab_size,
-        aux_layer_ids=[int(x) for x in aux_layers.replace(",", " ").split()] if aux_layers else None,
-        ttt_steps=ttt_steps, lr=lr, warmup_steps=warmup, schedule=schedule, schedule_steps=schedule_steps,
-        max_steps=steps, grad_clip=grad_clip, samples_per_step=samples_per_step, checkpoint_every=checkpoint_every,
-        checkpoint_every_s=checkpoint_every_s, keep_checkpoints=keep_checkpoints, eval_every=eval_every,
-        eval_samples=eval_samples, eval_ids=tuple(x.strip() for x in eval_ids.split(",") if x.strip()) if eval_ids else None,
-        seed=seed, control=control, progress=progress, threads=threads, device=device,
-        autocast=autocast, prefetch=prefetch, extra={"argv": sys.argv},
-    )  # fmt: skip
     try:
         result = run_train(
-            cfg, api=api or f"http://{s.host}:{s.port}", endpoint=endpoint or s.delivery_ep(),
-            spool_dir=spool or str(s.spool_dir), jobs=job or None, submit_file=submit, epochs=epochs,
-            job_options={"loss_mask": loss_mask}, token_counts_file=token_counts, api_token=s.api_token,
-            timeout_s=timeout,
+            cfg, api=run.get("api") or f"http://{s.host}:{s.port}", endpoint=run.get("endpoint") or s.delivery_ep(),
+            spool_dir=run.get("spool") or str(s.spool_dir), jobs=run.get("jobs") or None, submit_file=run.get("submit"),
+            epochs=run.get("epochs", 1), job_options={"loss_mask": run.get("loss_mask", "assistant")},
+            token_counts_file=run.get("token_counts"), api_token=s.api_token, timeout_s=run.get("timeout", 600.0),
         )  # fmt: skip
     except (MissingLayersError, DeviceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     if int(os.environ.get("RANK", "0")) == 0:  # one summary per run (it lists every rank)
         typer.echo(json.dumps(result.summary(), indent=2))
+        if result.serve:  # stdout stays one JSON document; the line to copy goes to the terminal
+            typer.echo(f"serve the trained draft ({result.final_dir}) with:\n  {result.serve}", err=True)
 
 
 @app.command()

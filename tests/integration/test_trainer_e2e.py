@@ -18,6 +18,9 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
   samples, each trained and acknowledged once by the rank that got it, only after a checkpoint
   that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool;
 * ``make demo`` again: bench/acceptance.py's training step twice in the same workdir.
+* ``hsstream train --config FILE`` (speculators' layout, a flag overriding it) without
+  ``--steps``: the cosine LR decays over the job's samples to its floor, and the run ends with
+  ``OUT/final``, ``OUT/latest`` and the ``vllm serve`` line.
 
 The pre-trained verifier and its repeat fraction: test_trainer_pretrain.py; the acceptance
 measurement in vLLM: bench/acceptance.py.
@@ -318,4 +321,40 @@ def test_hsstream_train_nproc_2_gloo_ranks_disjoint_one_writer_acks_once_stop_to
     assert last == summary["steps"] and {r["rank"] for r in log if r["event"] == "ack" and r["step"] == last} <= {0, 1}
     counts = job_counts(stack, job)
     assert counts["consumed"] == n and counts["leased"] == 0 and counts["ready"] == 0
+    assert stack.spool_files() == []
+
+
+def test_hsstream_train_from_a_config_file_decays_over_the_job_and_ends_with_a_draft_to_serve(stack, verifier, tmp_path):
+    import shlex
+
+    import yaml
+
+    from trainer_client.eagle3 import model as M
+
+    n = 16
+    job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 32, seed=4242)])
+    out = tmp_path / "cfg-run"
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump({"train": {
+        "verifier": {"verifier_name_or_path": verifier}, "trainer": {"save_path": str(out), "log_freq": 1},
+        "optimizer": {"lr": 0.5}, "jobs": [job], "api": stack.api, "endpoint": stack.delivery_endpoint,
+        "spool": str(stack.spool), "draft_vocab_size": 256, "warmup_steps": 2, "checkpoint_every": 4,
+        "keep_checkpoints": 1, "progress": False, "timeout": 120, "logger": "none",
+    }}))  # fmt: skip
+    p = subprocess.run([sys.executable, "-m", "hsstream", "train", "--config", str(conf), "--lr", "0.002"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout[p.stdout.index("{") :])
+    assert summary["steps"] == n
+    assert json.loads((out / "jobs.json").read_text())["samples_total"] == n
+    lrs = [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(lrs) == pytest.approx(0.002)  # the flag, not the file's 0.5
+    assert lrs[-1] == pytest.approx(0.1 * 0.002, rel=0.05)  # at the floor when the job ends: not constant
+    final = out / M.FINAL_DIR
+    assert summary["final_dir"] == str(final) and (final / "config.json").is_file()
+    assert (out / M.LATEST_LINK).resolve() == (M.latest_checkpoint(out) / M.DRAFT_DIR).resolve()
+    line = p.stderr.strip().splitlines()[-1].strip()
+    assert line == summary["serve"] and shlex.split(line)[:3] == ["vllm", "serve", verifier]
+    assert json.loads(shlex.split(line)[4])["model"] == str(final.resolve())
+    assert job_counts(stack, job)["consumed"] == n
     assert stack.spool_files() == []

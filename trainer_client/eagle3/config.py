@@ -51,7 +51,9 @@ class TrainConfig:
     seed: int = 0
     train_lm_head: bool = False
     control: str = "none"  # "swap-hidden": negative control, aux states from another sample
-    tensorboard: bool = True
+    tensorboard: bool = True  # with logger None: TensorBoard if its package is installed
+    # "tensorboard", "wandb", comma-separated, or "none"; a named one must be installed (loggers.py)
+    logger: str | None = None
     progress: bool = True
     threads: int | None = None
     # "auto": cuda if available else cpu; "cpu", "cuda", "cuda:N". Under torchrun every rank
@@ -89,6 +91,8 @@ class TrainResult:
     history: list[dict] = field(default_factory=list, repr=False)
     eval_top1: list[float] | None = None  # the last held-out evaluation (``eval_every``)
     held_out: int = 0  # samples held out for it (their repeats in later epochs are not trained either)
+    final_dir: str | None = None  # OUT/final: the last checkpoint's draft, kept whatever rotation does
+    serve: str | None = None  # the `vllm serve` line that serves the verifier with final_dir
 
     def summary(self) -> dict:
         d = asdict(self)

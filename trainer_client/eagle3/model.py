@@ -6,6 +6,11 @@ speculators' format with ``eagle_aux_hidden_state_layer_ids``, which vLLM loads 
 (optimizer, schedule, step, and which samples the weights include). It is written under a
 hidden temporary name and renamed into place, so a crash mid-write leaves no checkpoint that
 looks complete; resume picks the newest complete one.
+
+For serving, ``OUT/latest`` is a symlink to the newest checkpoint's ``draft/`` (moved with each
+save) and ``OUT/final`` a copy of the last one's, written when training ends: both outside
+``checkpoints/``, so rotating checkpoints (``keep``) never removes the draft users were told to
+serve.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,6 +30,8 @@ log = logging.getLogger("hsstream.eagle3")
 
 CKPT_DIR = "checkpoints"
 DRAFT_DIR = "draft"
+LATEST_LINK = "latest"
+FINAL_DIR = "final"
 STATE_FILE = "trainer_state.pt"
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 
@@ -133,9 +141,67 @@ def save_checkpoint(out_dir: str | Path, step: int, model, state: dict, keep: in
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    point_latest(out_dir, final)
     for _, old in list_checkpoints(out_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def point_latest(out_dir: str | Path, ckpt: Path) -> Path:
+    """``OUT/latest`` → ``checkpoints/step-N/draft`` (relative, so the run dir can move), replaced
+    in one rename: a reader never finds it missing or pointing at a half-written checkpoint."""
+    out = Path(out_dir)
+    link = out / LATEST_LINK
+    tmp = out / f".{LATEST_LINK}.tmp-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(os.path.relpath(ckpt / DRAFT_DIR, out), tmp)
+    os.replace(tmp, link)
+    return link
+
+
+def publish_final(out_dir: str | Path, ckpt: Path) -> Path:
+    """Copy ``ckpt``'s draft to ``OUT/final``, the folder ``vllm serve`` takes as the draft model.
+
+    A copy, not a link: rotation or a later run in the same dir must not take it away. Written
+    under a temporary name and renamed into place like a checkpoint."""
+    out = Path(out_dir)
+    dest = out / FINAL_DIR
+    tmp = Path(tempfile.mkdtemp(prefix=f".{FINAL_DIR}.tmp-", dir=out))
+    try:
+        shutil.copytree(ckpt / DRAFT_DIR, tmp, dirs_exist_ok=True)
+        (tmp / "checkpoint.json").write_text(json.dumps({"from": os.path.relpath(ckpt, out)}) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if dest.exists():
+            old = out / f".{FINAL_DIR}.old-{os.getpid()}"
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def serve_command(verifier: str, draft_dir: str | Path, num_speculative_tokens: int) -> str:
+    """The shell line that serves the verifier with the draft, as ``bench/acceptance.py`` does
+    (``speculative_config={"method": "eagle3", "model": <draft dir>, "num_speculative_tokens": N}``)."""
+    spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()),
+            "num_speculative_tokens": num_speculative_tokens}
+    return f"vllm serve {shlex.quote(str(verifier))} --speculative-config {shlex.quote(json.dumps(spec))}"
 
 
 def load_weights(model, ckpt: Path) -> None:  # noqa: ANN001

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import httpx
@@ -75,6 +76,55 @@ def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa:
         return left == 0
 
     return probe
+
+
+def jobs_samples_total(api: str | None, jobs: list[str], token: str | None = None) -> int | None:
+    """How many samples the jobs deliver in all, every epoch's copy counted (a job's
+    ``num_samples`` in ``GET /v1/jobs/{id}`` is the sample count times its ``options.epochs``);
+    None when the sidecar cannot say."""
+    if not api:
+        return None
+    total = 0
+    for j in jobs:
+        try:
+            r = httpx.get(f"{api.rstrip('/')}/v1/jobs/{j}", headers=_headers(token), timeout=30)
+        except httpx.HTTPError as e:
+            log.warning("job %s: its size is unknown (%s)", j, e)
+            return None
+        if r.status_code != 200:
+            log.warning("job %s: its size is unknown (%s: %s)", j, r.status_code, r.text[:200])
+            return None
+        total += int(r.json()["num_samples"])
+    return total
+
+
+def plan_schedule(cfg: TrainConfig, samples_total: int | None, world_size: int = 1) -> None:
+    """Without ``--steps`` or ``--schedule-steps`` the run lasts until the jobs are complete, so
+    the LR decay spans the steps the jobs' samples make: ``samples_total`` over the samples a
+    step takes on all ranks. An estimate: steps cut short by ``max_tokens_per_step`` make the run
+    longer (the LR then stays at its floor), held-out samples make it a little shorter."""
+    if cfg.schedule_steps is not None or cfg.max_steps is not None or cfg.schedule == "constant":
+        return
+    if not samples_total:
+        log.warning("the jobs' sizes are unknown and neither --steps nor --schedule-steps is given: "
+                    "the LR stays constant after warm-up")  # fmt: skip
+        return
+    cfg.schedule_steps = max(1, math.ceil(samples_total / (max(1, cfg.samples_per_step) * max(1, world_size))))
+    log.info("LR schedule (%s) over %d steps: %d samples, %d a step", cfg.schedule, cfg.schedule_steps,
+             samples_total, cfg.samples_per_step * max(1, world_size))  # fmt: skip
+
+
+def recorded_samples_total(cfg: TrainConfig, api: str | None, jobs: list[str], token: str | None) -> int | None:
+    """The jobs' total from ``OUT/jobs.json`` (a restarted run keeps its schedule, whatever the
+    sidecar still knows), else asked of the sidecar and recorded there."""
+    path = Path(cfg.out_dir) / JOBS_FILE
+    rec = json.loads(path.read_text()) if path.exists() else {}
+    if rec.get("samples_total"):
+        return int(rec["samples_total"])
+    total = jobs_samples_total(api, jobs, token)
+    if total and path.exists():
+        path.write_text(json.dumps({**rec, "samples_total": total}) + "\n")
+    return total
 
 
 def resolve_jobs_and_counts(
@@ -142,8 +192,10 @@ def run_train(
     timeout_s: float = 600.0,
     credit: int = 8,
 ) -> TrainResult:
+    from trainer_client.eagle3.loggers import names as logger_names
     from trainer_client.stream import HiddenStateStream
 
+    logger_names(cfg.logger, tensorboard=cfg.tensorboard)  # a logger asked for but missing: before any job is submitted
     n = World.env_size()
     world = World.from_env(resolve_device(cfg.device, local_rank=World.env_local_rank(), world_size=n))
     try:
@@ -153,7 +205,8 @@ def run_train(
                     cfg, api=api, jobs=jobs, submit_file=submit_file, epochs=epochs, job_options=job_options,
                     token_counts_file=token_counts_file, api_token=api_token,
                 )  # fmt: skip
-                got: object = {"jobs": jobs, "counts": counts}
+                total = recorded_samples_total(cfg, api, jobs, api_token)
+                got: object = {"jobs": jobs, "counts": counts, "samples_total": total}
             except (ValueError, RuntimeError, OSError, httpx.HTTPError) as e:
                 world.broadcast(("error", f"{type(e).__name__}: {e}"))  # the other ranks stop with it
                 raise
@@ -163,6 +216,7 @@ def run_train(
             if isinstance(got, tuple):
                 raise ValueError(f"rank 0 could not start the run: {got[1]}")
         jobs, counts = got["jobs"], got["counts"]  # type: ignore[index]
+        plan_schedule(cfg, got["samples_total"], world.size)  # type: ignore[index]
         cfg.extra = {**cfg.extra, "jobs": jobs}
         probe = drained_probe(api, jobs, api_token) if api and world.is_writer else None
         trainer = Eagle3OnlineTrainer(cfg, counts, drained=probe, world=world)

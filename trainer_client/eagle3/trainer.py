@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from trainer_client.eagle3 import loggers as L
 from trainer_client.eagle3 import model as M
 from trainer_client.eagle3.checkpointing import CKPT_LOG, CheckpointPolicy, append_line
 from trainer_client.eagle3.config import TrainConfig, TrainResult, resolve_autocast, resolve_device
@@ -106,7 +107,7 @@ class Eagle3OnlineTrainer:
         self.samples_trained = 0
         self.tokens_trained = 0
         self.aux_layer_ids: list[int] | None = None
-        self._tb = None
+        self._metrics: L.MetricLoggers | None = None  # TensorBoard, W&B (rank 0)
         self.resumed_from: Path | None = None
         self.data_stats: dict = {}  # of the last train(): batches copied through the side stream, ...
         self.heldout_ids: set[str] = set()  # with cfg.eval_ids: the ids held out so far
@@ -144,6 +145,7 @@ class Eagle3OnlineTrainer:
         if self.model is not None:
             return
         cfg, world = self.cfg, self.world
+        which = L.names(cfg.logger, tensorboard=cfg.tensorboard)  # first, and on every rank: the same error everywhere
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if self.device.type == "cuda":
@@ -208,13 +210,8 @@ class Eagle3OnlineTrainer:
             log.info("resumed from %s at step %d (%d samples); %d keys possibly unacknowledged", ckpt, self.step,
                      self.samples_trained, len(skip))  # fmt: skip
         self.policy = CheckpointPolicy(self.out, cfg.checkpoint_every, world, skip)
-        if cfg.tensorboard and world.is_writer:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.out / "tensorboard"))
-            except ImportError:
-                self._tb = None
+        if which and world.is_writer and self._metrics is None:
+            self._metrics = L.MetricLoggers(which, self.out, cfg)
 
     @property
     def skip_keys(self) -> set[str]:
@@ -304,10 +301,9 @@ class Eagle3OnlineTrainer:
         log.info("step %d held-out top1 %s (%d samples, %.2f s)", self.step,
                  "/".join(f"{e[f'eval_top1_{i}']:.3f}" for i in range(self.cfg.ttt_steps)), len(self.heldout),
                  e["eval_s"])  # fmt: skip
-        if self._tb is not None:
-            for k, v in e.items():
-                if k.startswith("eval_") and k != "eval_samples":
-                    self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", v, self.step)
+        if self._metrics is not None:
+            self._metrics.log({f"eval/{k.removeprefix('eval_')}": v for k, v in e.items()
+                               if k.startswith("eval_") and k != "eval_samples"}, self.step)  # fmt: skip
         return e
 
     # -- checkpoint ---------------------------------------------------------------------------
@@ -453,8 +449,9 @@ class Eagle3OnlineTrainer:
                 bar.close()
             if metrics_log is not None:
                 metrics_log.close()
-            if self._tb is not None:
-                self._tb.flush()
+            if self._metrics is not None:
+                self._metrics.close()  # W&B's run ends with the training
+                self._metrics = None
         return self._result(history, g_run, run, skipped, time.perf_counter() - t_start, wait_s, policy.last_path,
                             last_eval)  # fmt: skip
 
@@ -467,10 +464,8 @@ class Eagle3OnlineTrainer:
                 "/".join(f"{m[f'top1_{i}']:.2f}" for i in range(cfg.ttt_steps)), m["lr"],
                 m["samples_per_s"], 100 * m["wait_frac"],
             )  # fmt: skip
-            if self._tb is not None:
-                for k, v in m.items():
-                    if k != "step":
-                        self._tb.add_scalar(f"train/{k}", v, self.step)
+            if self._metrics is not None:
+                self._metrics.log({f"train/{k}": v for k, v in m.items() if k != "step"}, self.step)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_0']:.2f}", sps=f"{m['samples_per_s']:.1f}",
@@ -484,6 +479,11 @@ class Eagle3OnlineTrainer:
             n = sum(h[f"n_{i}"] for h in tail)
             top1.append(sum(h[f"top1_{i}"] * h[f"n_{i}"] for h in tail) / n if n else 0.0)
         loss = sum(h["loss"] for h in tail) / len(tail) if tail else float("nan")
+        final = serve = None
+        if ckpt is not None and self.world.is_writer:
+            final = M.publish_final(self.out, Path(ckpt))
+            serve = M.serve_command(self.cfg.verifier, final, k)
+            log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
         ranks = self.world.gather({"rank": self.world.rank, "device": str(self.device), "samples": run["samples"],
                                    "tokens": run["tokens"], "wait_s": round(wait, 2), "pid": os.getpid()})  # fmt: skip
         return TrainResult(
@@ -493,5 +493,5 @@ class Eagle3OnlineTrainer:
             device=str(self.device), autocast=str(self.autocast).removeprefix("torch.") if self.autocast else None,
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
-            held_out=len(self.heldout),
+            held_out=len(self.heldout), final_dir=str(final) if final else None, serve=serve,
         )  # fmt: skip

@@ -1,0 +1,130 @@
+"""The LR schedule spans the run's real length when no ``--steps`` bounds it.
+
+``hsstream train --submit`` (and compose) run until the jobs are complete, so the length of the
+cosine decay has to come from the jobs: their sample count, every epoch counted, over the
+samples one step takes. ``run_train`` is driven with the sidecar's REST calls, the stream and the
+trainer replaced, so what is checked is the configuration the trainer would have been built with.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from trainer_client.eagle3 import run as R
+from trainer_client.eagle3 import vocab as V
+from trainer_client.eagle3.config import TrainConfig
+from trainer_client.eagle3.step import lr_lambda
+
+
+class _Resp:
+    def __init__(self, body: dict, status: int = 200) -> None:
+        self.status_code, self._body, self.text = status, body, json.dumps(body)
+
+    def json(self) -> dict:
+        return self._body
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """run_train with a fake sidecar (jobs of known sizes), stream and trainer: the cfg it built."""
+    got: dict = {}
+    sizes = {"j-sub": None, "j1": 30, "j2": 10}
+    submitted: list[dict] = []
+
+    def fake_submit(api, samples, options=None, token=None):  # noqa: ANN001, ANN202
+        submitted.append({"n": len(samples), **(options or {})})
+        sizes["j-sub"] = len(samples) * (options or {}).get("epochs", 1)  # the sidecar's num_samples
+        return "j-sub"
+
+    def fake_get(url, **kw):  # noqa: ANN001, ANN003, ANN202
+        job = url.rstrip("/").rsplit("/", 1)[-1]
+        if job not in sizes:
+            return _Resp({"detail": "no such job"}, 404)
+        return _Resp({"job_id": job, "done": False, "counts": {"queued": sizes[job]}, "num_samples": sizes[job]})
+
+    class FakeTrainer:
+        def __init__(self, cfg, counts, **kw) -> None:  # noqa: ANN001, ANN003
+            got["cfg"] = cfg
+
+        def prepare(self) -> None:
+            pass
+
+        def stream_options(self) -> dict:
+            return {}
+
+        def train(self, stream):  # noqa: ANN001, ANN202
+            class Res:
+                def summary(self) -> dict:
+                    return {}
+
+            return Res()
+
+    class FakeStream:
+        def __init__(self, *a, **kw) -> None:  # noqa: ANN002, ANN003
+            pass
+
+        def __enter__(self):  # noqa: ANN204
+            return self
+
+        def __exit__(self, *exc) -> None:  # noqa: ANN002
+            pass
+
+    import trainer_client.stream as S
+
+    monkeypatch.setattr(R, "submit_job", fake_submit)
+    monkeypatch.setattr(httpx, "get", fake_get)
+    monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: {1: 1})
+    monkeypatch.setattr(R, "Eagle3OnlineTrainer", FakeTrainer)
+    monkeypatch.setattr(S, "HiddenStateStream", FakeStream)
+    got["submitted"] = submitted
+    return got
+
+
+def _run(tmp_path, cfg: TrainConfig, **kw) -> None:  # noqa: ANN003
+    R.run_train(cfg, api="http://sidecar", endpoint="tcp://x", spool_dir=str(tmp_path / "spool"), **kw)
+
+
+def _cfg(tmp_path, **kw) -> TrainConfig:  # noqa: ANN003
+    return TrainConfig(verifier="unused", out_dir=str(tmp_path / "run"), device="cpu", warmup_steps=2, **kw)
+
+
+def test_cosine_without_steps_decays_over_the_submitted_jobs_samples_times_epochs(captured, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(20)))
+    _run(tmp_path, _cfg(tmp_path, samples_per_step=2), submit_file=str(data), epochs=2)
+    cfg = captured["cfg"]
+    f = lr_lambda(cfg)
+    run_steps = 20 * 2 // 2  # 20 samples, 2 epochs, 2 samples a step
+    assert f(run_steps * 3 // 4) < 0.5, "LR at 3/4 of the run must be well below the peak (cosine)"
+    assert f(run_steps - 1) == pytest.approx(cfg.min_lr_ratio, abs=0.02)
+    mid = cfg.warmup_steps + (run_steps - cfg.warmup_steps) // 2  # halfway through the decay
+    assert f(mid) == pytest.approx(0.5 * (1 + cfg.min_lr_ratio), abs=0.01)
+
+
+def test_followed_jobs_sizes_come_from_the_sidecar_and_the_length_is_kept_on_resume(captured, tmp_path):
+    _run(tmp_path, _cfg(tmp_path, samples_per_step=4), jobs=["j1", "j2"])
+    assert captured["cfg"].schedule_steps == 10  # (30 + 10) / 4
+    # the restarted run follows the same jobs; its schedule must not change, even if the sidecar is gone
+    httpx_get = httpx.get
+    try:
+        httpx.get = lambda *a, **kw: (_ for _ in ()).throw(httpx.ConnectError("gone"))  # noqa: ARG005
+        _run(tmp_path, _cfg(tmp_path, samples_per_step=4), jobs=["j1", "j2"])
+    finally:
+        httpx.get = httpx_get
+    assert captured["cfg"].schedule_steps == 10
+
+
+def test_steps_or_schedule_steps_given_win(captured, tmp_path):
+    _run(tmp_path, _cfg(tmp_path, max_steps=7), jobs=["j1"])
+    assert captured["cfg"].schedule_steps is None and lr_lambda(captured["cfg"])(6) < 0.2  # over --steps
+    _run(tmp_path / "b", _cfg(tmp_path / "b", schedule_steps=5), jobs=["j1"])
+    assert captured["cfg"].schedule_steps == 5
+
+
+def test_unknown_job_sizes_leave_the_schedule_constant_and_say_so(captured, tmp_path, caplog):
+    _run(tmp_path, _cfg(tmp_path), jobs=["nope"])
+    assert captured["cfg"].schedule_steps is None
+    assert "constant" in caplog.text
