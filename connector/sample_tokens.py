@@ -170,6 +170,7 @@ def chat_messages(msgs: list[dict], content_format: str) -> list[dict]:
       that loops over parts (``"openai"``) a string becomes ``[{"type": "text", "text": …}]``,
       a list keeps its text parts as ``{"type": "text", "text": …}`` and ``null`` becomes ``[]``.
       A ``tool`` message's text parts are always joined into a string.
+    * assistant ``reasoning`` / ``reasoning_content`` (either): given to the template as both.
     * assistant ``tool_calls``: arguments given as a JSON string become the object (templates
       expect a mapping; not JSON or not an object: ``{}``, as vLLM does); an empty list is dropped.
     """
@@ -184,6 +185,10 @@ def chat_messages(msgs: list[dict], content_format: str) -> list[dict]:
             m["content"] = "\n".join(texts)
         else:
             m["content"] = [{"type": "text", "text": t} for t in texts]
+        if m.get("role") == "assistant":  # vLLM takes either name and hands the template both
+            why = m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content")
+            if why is not None:
+                m["reasoning"] = m["reasoning_content"] = why
         if m.get("role") == "assistant" and "tool_calls" in m:
             calls = m["tool_calls"]
             if calls is None or calls == []:
