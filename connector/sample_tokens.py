@@ -309,19 +309,17 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
         if m["role"] != "assistant":
             continue
         prompt = _chat_ids(tok, messages[:i], generation_prompt=True, extra=extra) if i else _opening(tok, extra)
-        if full[: len(prompt)] != prompt:
-            raise SampleRefused(
-                f"message {i} (assistant): the chat template renders the conversation before this turn "
-                "differently once later turns follow, so its tokens cannot be told apart; refused rather "
-                "than trained with a wrong mask"
-            )
+        start = len(prompt) if full[: len(prompt)] == prompt else _start_in_whole(tok, messages, i, prompt, full, extra)
         upto = _chat_ids(tok, messages[: i + 1], generation_prompt=False, extra=extra)
-        if upto[: len(prompt)] != prompt:
+        if upto[: len(prompt)] == prompt:
+            added = upto[len(prompt) :]
+        elif upto[:start] == full[:start]:
+            added = upto[start:]
+        else:
             raise SampleRefused(
                 f"message {i} (assistant): the chat template's generation prompt is not how it starts an "
                 "assistant turn (the render with the turn does not extend the render of the prompt)"
             )
-        added = upto[len(prompt) :]
         marks = [k for k, t in enumerate(added) if t in special]
         n = marks[-1] + 1 if marks else len(added)  # through the end-of-turn token, not the separator after
         if full[: len(upto)] != upto:
@@ -333,14 +331,31 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
                     "turns follow, and ends it with no special token to find it by"
                 )
             eot, count = added[marks[-1]], added[:n].count(added[marks[-1]])
-            hits = [k for k in range(len(prompt), len(full)) if full[k] == eot][:count]
+            hits = [k for k in range(start, len(full)) if full[k] == eot][:count]
             if len(hits) < count:
                 raise SampleRefused(f"message {i} (assistant): its end-of-turn token is missing from the whole render")
-            n = hits[-1] + 1 - len(prompt)
-        if any(mask[len(prompt) : len(prompt) + n]):
+            n = hits[-1] + 1 - start
+        if any(mask[start : start + n]):
             raise SampleRefused(f"message {i} (assistant): its tokens overlap the previous assistant turn's")
-        mask[len(prompt) : len(prompt) + n] = [1] * n
+        mask[start : start + n] = [1] * n
     return full, mask
+
+
+def _start_in_whole(tok: Any, messages: list[dict], i: int, prompt: list[int], full: list[int], extra: dict) -> int:
+    """Where assistant turn ``i`` starts in the whole render when the prompt before it (with the
+    generation prompt) is no prefix of it. Allowed only where the difference lies inside the
+    generation prompt: Qwen3 with ``enable_thinking=False`` prompts with an empty
+    ``<think></think>`` block that earlier turns in the history do not show. The turn then starts
+    where the prompt and the whole render part, after the header they share."""
+    before = _chat_ids(tok, messages[:i], generation_prompt=False, extra=extra) if i else []
+    common = next((k for k, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    if i and len(prompt) > len(before) and full[: len(before)] == before and common >= len(before):
+        return common
+    raise SampleRefused(
+        f"message {i} (assistant): the chat template renders the conversation before this turn "
+        "differently once later turns follow, so its tokens cannot be told apart; refused rather "
+        "than trained with a wrong mask"
+    )
 
 
 def _opening(tok: Any, extra: dict | None = None) -> list[int]:

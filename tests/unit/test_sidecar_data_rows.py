@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from connector.settings import Settings
 from server.app import create_app
-from tests.unit.chat_templates import CHATML, make_tokenizer
+from tests.unit.chat_templates import CHATML, QWEN3, make_tokenizer
 
 S, E = "<|im_start|>", "<|im_end|>"
 
@@ -318,3 +318,34 @@ def test_a_job_template_that_renders_too_long_is_refused_and_not_tried_again(cli
     assert "took longer than 0.2 s to render an earlier sample" in b["reason"]
     r = submit(client, [{"messages": msgs}], chat_template=THINK_TEMPLATE)  # another template still renders
     assert r.status_code == 200, r.text
+
+
+#: Qwen3's template as tests/unit/chat_templates.py writes it, with Qwen3's non-thinking switch:
+#: ``enable_thinking=False`` prompts with an empty <think></think> block, which earlier turns in
+#: the history do not show.
+QWEN3_SWITCH = QWEN3.render(False).replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}",
+)
+TWO_TURNS = [{"role": "user", "content": "Think first."}, {"role": "assistant", "content": "Done."},
+             {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
+
+
+def test_qwen3_with_thinking_off_masks_every_turn(client, tiny_model):
+    """The prompt of the first turn (with the empty think block) is no prefix of the whole
+    render; the turn starts where the two part, after the shared header."""
+    use_template_style(client, tiny_model, QWEN3)
+    assert "enable_thinking" in QWEN3_SWITCH
+    tok = tok_of(client)
+    head = f"{S}user\nThink first.{E}\n{S}assistant\n"
+    mid = f"\n{S}user\nAgain?{E}\n{S}assistant\n"
+    for kwargs, want in [
+        ({"enable_thinking": False}, spelled(tok, (head, 0), (f"Done.{E}", 1), (mid + "<think>\n\n</think>\n\n", 0),
+                                             (f"Yes.{E}", 1), ("\n", 0))),
+        (None, spelled(tok, (head, 0), (f"Done.{E}", 1), (mid, 0), (f"<think>\n\n</think>\n\nYes.{E}", 1), ("\n", 0))),
+    ]:  # fmt: skip
+        r = submit(client, [{"messages": TWO_TURNS}], chat_template=QWEN3_SWITCH, chat_template_kwargs=kwargs)
+        assert r.status_code == 200, r.text
+        assert stored(client, r.json()["job_id"]) == [want], kwargs

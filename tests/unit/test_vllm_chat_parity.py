@@ -12,7 +12,8 @@ import pytest
 
 from connector.sample_tokens import encode_sample
 from tests.unit.chat_templates import CHATML, QWEN3, make_tokenizer
-from tests.unit.test_sidecar_data_rows import PARTS, PARTS_TEMPLATE, THINK_TEMPLATE, TOOL_CHAT, TOOLS, TOOLS_TEMPLATE
+from tests.unit.test_sidecar_data_rows import (PARTS, PARTS_TEMPLATE, QWEN3_SWITCH, THINK_TEMPLATE, TOOL_CHAT, TOOLS,
+                                               TOOLS_TEMPLATE, TWO_TURNS)  # fmt: skip
 
 pytest.importorskip("vllm.renderers.hf")
 
@@ -61,6 +62,7 @@ CASES = [
     ("qwen3", [{"role": "user", "content": "Think."}, {"role": "assistant", "content": "A.", "reasoning": "hm"},
                {"role": "user", "content": "More?"}, {"role": "assistant", "content": "B.", "reasoning_content": "ok"}],
      None, None, None),  # reasoning under either name
+    ("qwen3", TWO_TURNS, None, QWEN3_SWITCH, {"enable_thinking": False}),
 ]  # fmt: skip
 
 
