@@ -43,11 +43,12 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
     if not rows:
         raise HTTPException(422, {"message": "no valid sample in the job", "samples": bad})
     sampling = opt.sampling.model_dump() if opt.mode == "regenerate" else None
+    warnings = ignored_keys_warnings(samples)
     created = svc.ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
-                                 meta={"options": opt.model_dump(), "rejected": bad})  # fmt: skip
+                                 meta={"options": opt.model_dump(), "rejected": bad, "warnings": warnings})  # fmt: skip
     svc.submitter.wake()
     return JobCreated(job_id=created.job_id, num_samples=created.num_samples, num_failed_at_submission=len(bad),
-                      warnings=ignored_keys_warnings(samples))  # fmt: skip
+                      warnings=warnings)  # fmt: skip
 
 
 def ignored_keys_warnings(samples: list[SampleIn]) -> list[str]:
