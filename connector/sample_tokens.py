@@ -193,6 +193,8 @@ def chat_messages(msgs: list[dict], content_format: str) -> list[dict]:
             calls = m["tool_calls"]
             if calls is None or calls == []:
                 m.pop("tool_calls")
+            elif not isinstance(calls, list):
+                raise SampleRefused(f"message {i}: tool_calls must be a list of calls")
             else:
                 m["tool_calls"] = [_tool_call(i, k, c) for k, c in enumerate(calls)]
         out.append(m)

@@ -273,6 +273,8 @@ def test_bad_tool_calls_and_tools_are_refused_with_the_reason(client):
     a, b = r.json()["detail"]["samples"]
     assert "message 1: tool_calls[0] must be" in a["reason"]
     assert b["index"] == 1 and "tools: not a JSON list" in b["reason"]
+    r = submit(client, [{"messages": [TOOL_CHAT[0], {**TOOL_CHAT[1], "tool_calls": {"id": "c1"}}]}])
+    assert r.status_code == 422 and "message 1: tool_calls must be a list of calls" in r.text
     r = submit(client, [{"prompt": "x", "tools": TOOLS}])
     assert r.status_code == 422 and "tools go with a conversation" in r.text
 
