@@ -201,6 +201,29 @@ def chat_messages(msgs: list[dict], content_format: str) -> list[dict]:
     return out
 
 
+def developer_as_system(msgs: list[dict], template: str) -> list[dict]:
+    """``developer`` messages for a template that does not know the role, as vLLM renders them
+    (vllm/renderers/hf.py ``_convert_developer_to_system``, ``_consolidate_system_messages``):
+    they become ``system`` messages, and when that leaves a system message anywhere but first,
+    or more than one, all system contents are merged, in order and joined with ``"\n\n"``, into
+    one at the start (a part list's texts joined with ``"\n"`` first)."""
+    if not any(m.get("role") == "developer" for m in msgs) or '"developer"' in template or "'developer'" in template:
+        return msgs
+    msgs = [({**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer" else m)
+            for m in msgs]  # fmt: skip
+    sys_at = [i for i, m in enumerate(msgs) if m["role"] == "system"]
+    if not sys_at or sys_at == [0]:
+        return msgs
+    texts = []
+    for i in sys_at:
+        c = msgs[i].get("content", "")
+        if isinstance(c, list):
+            c = "\n".join(p["text"] if isinstance(p, dict) else p for p in c if isinstance(p, str) or "text" in p)
+        if c:
+            texts.append(c)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in msgs if m["role"] != "system")]
+
+
 def _tool_call(i: int, k: int, call: Any) -> dict:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or call.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
@@ -268,7 +291,8 @@ def encode_sample(
     tools = sample_tools(sample)
     if tools is not None:
         extra["tools"] = tools
-    msgs = chat_messages(raw, content_format(_template(tok, chat_template)))
+    template = _template(tok, chat_template)
+    msgs = developer_as_system(chat_messages(raw, content_format(template)), template)
     if mode == "regenerate":
         while msgs and msgs[-1]["role"] == "assistant":
             msgs.pop()

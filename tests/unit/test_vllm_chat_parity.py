@@ -63,6 +63,13 @@ CASES = [
                {"role": "user", "content": "More?"}, {"role": "assistant", "content": "B.", "reasoning_content": "ok"}],
      None, None, None),  # reasoning under either name
     ("qwen3", TWO_TURNS, None, QWEN3_SWITCH, {"enable_thinking": False}),
+    ("chatml", [{"role": "developer", "content": "Be brief."}, *TWO_TURNS], None, None, None),  # developer → system
+    ("chatml", [{"role": "system", "content": "Sys."}, TWO_TURNS[0], {"role": "developer", "content": "Dev."},
+                *TWO_TURNS[1:]], None, None, None),  # merged into the first system message
+    ("tiny", [{"role": "developer", "content": [{"type": "text", "text": "D1"}, {"type": "text", "text": "D2"}]},
+              {"role": "system", "content": "S"}, *TWO_TURNS], None, PARTS_TEMPLATE, None),
+    ("tiny", [{"role": "developer", "content": "D"}, *TWO_TURNS], None,
+     "{%- for m in messages %}{{- m['role'] + ':' + m['content'] + '\\n' }}{%- endfor %}{# 'developer' known #}", None),
 ]  # fmt: skip
 
 
