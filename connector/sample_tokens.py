@@ -31,6 +31,15 @@ The assistant mask (which positions carry loss) works with every chat template:
   is no prefix (a template that moves the system prompt to the last user turn), the sample
   is refused: no mask could be trusted.
 
+Where the prompt differs from the whole render only inside the generation prompt (Qwen3 with
+``enable_thinking=False``), the turn starts where the two part.
+
+Rows come as datasets ship them (:func:`chat_messages`): OpenAI content-part lists, assistant
+``tool_calls`` with null content, ``tool`` messages, a sample's ``tools``, ShareGPT's tool
+speakers, ``developer`` messages, each turned into what vLLM's chat rendering hands the template,
+so the ids stay those of ``vllm serve``. An assistant turn that calls tools carries loss like any
+other; a tool's result does not.
+
 So the generation-prompt header (``<|im_start|>assistant\\n``) never carries loss and the
 end-of-turn token always does. A conversation with no assistant token at all is refused
 rather than trained on with an all-zero mask.
