@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+#: The longest chat template a job may bring (characters). Real ones are 1-20 KB.
+MAX_CHAT_TEMPLATE_CHARS = 65536
 
 #: A token id as the ledger stores it (int32) and vLLM takes it; a tokenizer's vocabulary narrows it.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -34,36 +37,57 @@ def _encodable(v: object, where: str = "sample") -> None:
 
 
 class ChatMessage(BaseModel):
+    """An OpenAI chat message: ``content`` a string, a list of content parts (text parts only
+    are extracted) or null (an assistant turn with ``tool_calls``); other keys
+    (``tool_calls``, ``tool_call_id``, ``name``, ``reasoning_content``, ...) reach the template."""
+
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str
+    content: str | list[Any] | None = None
 
 
 class ShareGPTTurn(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
     from_: str = Field(alias="from")
-    value: str
+    value: str | dict[str, Any] | list[Any]
 
 
 class SampleIn(BaseModel):
-    """Exactly one of ``prompt``, ``messages``, ``conversations``, ``token_ids``."""
+    """One of ``prompt``, ``messages``, ``conversations``, ``token_ids``; a ``prompt`` beside a
+    conversation (UltraChat rows) is accepted when it is the conversation's first user turn.
+    ``tools`` (OpenAI function specs, or their JSON text) go to the chat template. Other keys
+    (a ShareGPT row's ``model``, UltraChat's ``prompt_id``) are ignored, not stored, and
+    named in the job's ``warnings``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     id: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     conversations: list[ShareGPTTurn] | None = None
     token_ids: list[TokenId] | None = None
+    tools: list[dict[str, Any]] | str | None = None
+    _ignored: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SampleIn:
         given = [k for k in ("prompt", "messages", "conversations", "token_ids") if getattr(self, k) is not None]
-        if len(given) != 1:
+        chat = [k for k in given if k in ("messages", "conversations")]
+        if not (len(given) == 1 or (len(given) == 2 and len(chat) == 1 and "prompt" in given)):
             raise ValueError(
-                f"a sample needs exactly one of prompt, messages, conversations, token_ids (got {given or 'none'})"
+                f"a sample needs exactly one of prompt, messages, conversations, token_ids (got {given or 'none'}; "
+                "a prompt beside messages or conversations is allowed when it repeats the first user turn)"
             )
+        if self.tools is not None and not chat:
+            raise ValueError("tools go with a conversation (messages or conversations)")
+        self._ignored = sorted(self.__pydantic_extra__ or {})
+        self.__pydantic_extra__ = {}  # ignored: neither tokenised nor stored
         _encodable(self.model_dump(exclude={"token_ids"}, by_alias=True))
         return self
+
+    @property
+    def ignored_keys(self) -> list[str]:
+        """The sample's keys that are none of the above (ignored)."""
+        return self._ignored
 
 
 class SamplingOptions(BaseModel):
@@ -86,6 +110,47 @@ class JobOptions(BaseModel):
     seed: Int64 = 0
     mode: Literal["extract", "regenerate"] = "extract"
     sampling: SamplingOptions = Field(default_factory=lambda: SamplingOptions())
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="more variables for the chat template, as vLLM's chat_template_kwargs "
+        "(e.g. {\"enable_thinking\": false} for Qwen3)",
+    )  # fmt: skip
+    chat_template: str | None = Field(
+        default=None, max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="the job's own chat template (Jinja, rendered in transformers' sandbox, each sample's "
+        "renders bounded in time), instead of the verifier tokenizer's",
+    )  # fmt: skip
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_are_the_templates(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        from connector.sample_tokens import RESERVED_TEMPLATE_KWARGS
+
+        bad = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}: the sidecar sets them")
+        if v is not None:
+            _encodable(v, "chat_template_kwargs")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("chat_template is empty")
+        _encodable(v, "chat_template")
+        from jinja2 import TemplateSyntaxError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        from connector.sample_tokens import _generation_ext
+
+        try:
+            ImmutableSandboxedEnvironment(extensions=[loopcontrols, _generation_ext()]).parse(v)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"chat_template is not valid Jinja: {e.message} (line {e.lineno})") from None
+        return v
 
 
 class JobIn(BaseModel):
@@ -98,6 +163,10 @@ class JobCreated(BaseModel):
     job_id: str
     num_samples: int
     num_failed_at_submission: int = 0
+    warnings: list[str] = Field(
+        default_factory=list, description="what was accepted but ignored (a sample key none of the fields), "
+        "each once with the number of samples",
+    )  # fmt: skip
 
 
 class SampleError(BaseModel):

@@ -8,7 +8,9 @@ adds what only the sidecar decides: the vocabulary check of raw token ids and th
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 
 from connector.sample_tokens import SampleRefused, encode_sample, load_tokenizer
@@ -30,8 +32,16 @@ class Tokenized:
 
 
 class Tokenizer:
+    #: A job's own chat template renders each sample in a worker thread, for at most this long.
+    render_timeout_s = 10.0
+    #: Renders past their time keep running (Python cannot stop a thread): with this many still
+    #: running, jobs with their own template are refused until they end.
+    max_stuck_renders = 2
+
     def __init__(self, model_dir: str | None, max_model_len: int | None = None) -> None:
         self._tok = None
+        self._stuck: list[threading.Thread] = []
+        self._slow: set[str] = set()  # digests of job templates that ran past their time
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.limit_source = "the model config's max_position_embeddings"
@@ -81,4 +91,40 @@ class Tokenizer:
         elif self._tok is None:
             raise SampleRejected(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
         sample = s.model_dump(by_alias=True, exclude_none=True)
-        return encode_sample(self._tok, sample, loss_mask=opt.loss_mask, mode=opt.mode)
+        kw = {"loss_mask": opt.loss_mask, "mode": opt.mode, "chat_template_kwargs": opt.chat_template_kwargs}
+        if opt.chat_template is None or s.token_ids is not None or (s.messages is None and s.conversations is None):
+            return encode_sample(self._tok, sample, **kw)
+        return self._bounded(sample, opt.chat_template, kw)
+
+    def _bounded(self, sample: dict, template: str, kw: dict) -> tuple[list[int], list[int]]:
+        """encode_sample with the job's own template, in a worker thread, for at most render_timeout_s."""
+        digest = hashlib.sha256(template.encode()).hexdigest()
+        if digest in self._slow:
+            raise SampleRejected(f"the job's chat_template took longer than {self.render_timeout_s:g} s to render "
+                                 "an earlier sample: refused")  # fmt: skip
+        self._stuck = [t for t in self._stuck if t.is_alive()]
+        if len(self._stuck) >= self.max_stuck_renders:
+            raise SampleRejected(f"{len(self._stuck)} renders of earlier jobs' chat templates are still running past "
+                                 "their time: jobs with their own chat_template are refused until they end")  # fmt: skip
+        box: dict = {}
+
+        def render() -> None:
+            try:
+                box["out"] = encode_sample(self._tok, sample, chat_template=template, **kw)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["err"] = e
+
+        t = threading.Thread(target=render, name="hsstream-template", daemon=True)  # daemon: never holds up exit
+        t.start()
+        t.join(self.render_timeout_s)
+        if t.is_alive():
+            if len(self._slow) >= 256:
+                self._slow.clear()
+            self._slow.add(digest)
+            self._stuck.append(t)
+            log.warning("a job's chat template ran past %.1f s; its render thread is abandoned", self.render_timeout_s)
+            raise SampleRejected(f"the job's chat_template took longer than {self.render_timeout_s:g} s to render "
+                                 "this sample: refused (a template that loops without bound?)")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]

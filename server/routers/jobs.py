@@ -47,9 +47,21 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
     if not rows:
         raise HTTPException(422, {"message": "no valid sample in the job", "samples": bad})
     sampling = opt.sampling.model_dump() if opt.mode == "regenerate" else None
+    warnings = ignored_keys_warnings(samples)
     created = svc.ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
-                                 meta={"options": opt.model_dump(), "rejected": bad})  # fmt: skip
-    return JobCreated(job_id=created.job_id, num_samples=created.num_samples, num_failed_at_submission=len(bad))
+                                 meta={"options": opt.model_dump(), "rejected": bad, "warnings": warnings})  # fmt: skip
+    return JobCreated(job_id=created.job_id, num_samples=created.num_samples, num_failed_at_submission=len(bad),
+                      warnings=warnings)  # fmt: skip
+
+
+def ignored_keys_warnings(samples: list[SampleIn]) -> list[str]:
+    """One line per sample key that was ignored, with the number of samples that had it."""
+    seen: Counter[str] = Counter(k for smp in samples for k in smp.ignored_keys)
+    out = [f"ignored key {k[:80]!r} in {n} sample(s): not a sample field (id, prompt, messages, conversations, "
+           "token_ids, tools)" for k, n in sorted(seen.items())[:20]]  # fmt: skip
+    if len(seen) > 20:
+        out.append(f"and {len(seen) - 20} more ignored keys")
+    return out
 
 
 @router.post("", response_model=JobCreated, dependencies=[Depends(expects("application/json"))])

@@ -194,6 +194,29 @@ def test_token_ids_are_vllms_own_tokenisation(stack):
     assert got == {k: r.json()["tokens"] for k, r in want.items()}
 
 
+def test_dataset_rows_token_ids_are_vllms_own_tokenisation(stack):
+    """Rows as datasets ship them (issue 24.1: content-part lists, an assistant turn with
+    tool_calls and null content, a tool result as parts, tools, a ShareGPT row's extra key):
+    the ids the sidecar sends are those vLLM's /tokenize makes of the same chat request."""
+    from tests.unit.test_sidecar_data_rows import PARTS, TOOL_CHAT, TOOLS
+
+    tool_parts = [*TOOL_CHAT[:2], {**TOOL_CHAT[2], "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                  TOOL_CHAT[3]]  # fmt: skip
+    rows = {"parts": {"messages": PARTS}, "tools": {"messages": TOOL_CHAT, "tools": TOOLS},
+            "tool-parts": {"messages": tool_parts, "tools": TOOLS, "model": "gpt-4"}}  # fmt: skip
+    job = submit(stack, [{"id": k, **v} for k, v in rows.items()])
+    with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
+        got = {x.label: x.token_ids.tolist() for x in s}
+    vllm = stack.env["HSSTREAM_VLLM_URL"]
+    want = {}
+    for k, v in rows.items():
+        body = {"model": "verifier", "messages": v["messages"], "add_generation_prompt": False}
+        r = httpx.post(f"{vllm}/tokenize", json={**body, **({"tools": v["tools"]} if "tools" in v else {})}, timeout=30)
+        assert r.status_code == 200, r.text
+        want[k] = r.json()["tokens"]
+    assert got == want
+
+
 def test_paused_trainer_spool_stays_under_budget_then_drains(stack):
     n = 16
     job = submit(stack, token_samples(n, 40, seed=1))

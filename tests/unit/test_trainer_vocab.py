@@ -69,3 +69,23 @@ def test_local_tokenisation_matches_the_sidecars(tiny_model):
     theirs = [tok(SampleIn(**s), JobOptions(loss_mask="assistant")) for s in samples]
     assert ours == [(t.token_ids, t.loss_mask) for t in theirs]
     assert sum(ours[2][1]) > 0 and sum(ours[2][1]) < len(ours[2][1])
+
+
+def test_local_tokenisation_of_dataset_rows_with_the_jobs_template_matches_the_sidecars(tiny_model):
+    """Rows as datasets ship them (extra keys, content parts, tool calls) and a job's own
+    template and kwargs: the trainer's local counts see the sidecar's ids and masks."""
+    from server.schemas import JobOptions, SampleIn
+    from server.tokenization import Tokenizer
+    from tests.unit.test_sidecar_data_rows import PARTS, TOOL_CHAT, TOOLS, TOOLS_TEMPLATE
+
+    samples = [
+        {"model": "gpt-4", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"messages": PARTS},
+        {"messages": TOOL_CHAT, "tools": TOOLS},
+    ]
+    job = {"chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}}
+    ours = V.tokenize_samples(tiny_model, samples, "assistant", **job)
+    opt = JobOptions(loss_mask="assistant", **job)
+    theirs = [Tokenizer(tiny_model)(SampleIn(**s), opt) for s in samples]
+    assert ours == [(t.token_ids, t.loss_mask) for t in theirs] and len(ours) == 3
+    assert V.token_counts_from_samples(tiny_model, samples, "assistant", **job)

@@ -16,6 +16,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,12 +82,14 @@ def token_counts_from_sidecar(api: str, job_ids: list[str], token: str | None = 
 
 
 def tokenize_samples(
-    verifier_dir: str, samples: list[dict], loss_mask: str = "assistant", mode: str = "extract"
-) -> list[tuple[list[int], list[int]]]:
+    verifier_dir: str, samples: list[dict], loss_mask: str = "assistant", mode: str = "extract",
+    *, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+) -> list[tuple[list[int], list[int]]]:  # fmt: skip
     """(token ids, loss mask) per REST sample, computed by the code the sidecar runs
     (``connector/sample_tokens.py``). Samples the sidecar refuses (no assistant tokens, a
     template that cannot be masked, ...) are left out, as a job with ``on_invalid="skip"``
     leaves them out; with ``"reject"`` the sidecar refused the whole job already.
+    ``chat_template`` / ``chat_template_kwargs``: the job's options of those names.
     """
     from connector.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 
@@ -96,14 +99,18 @@ def tokenize_samples(
         if tok is None and s.get("token_ids") is None:
             tok = load_tokenizer(verifier_dir)
         try:
-            out.append(encode_sample(tok, s, loss_mask=loss_mask, mode=mode))
+            out.append(encode_sample(tok, s, loss_mask=loss_mask, mode=mode, chat_template=chat_template,
+                                     chat_template_kwargs=chat_template_kwargs))  # fmt: skip
         except SampleRefused as e:
             log.info("token counts leave out sample %d (%s): %s", i, s.get("id"), e)
     return out
 
 
-def token_counts_from_samples(verifier_dir: str, samples: list[dict], loss_mask: str = "assistant") -> dict[int, int]:
-    enc = tokenize_samples(verifier_dir, samples, loss_mask)
+def token_counts_from_samples(
+    verifier_dir: str, samples: list[dict], loss_mask: str = "assistant", **job: Any
+) -> dict[int, int]:
+    """Token counts of the loss-masked positions; ``job``: chat_template, chat_template_kwargs."""
+    enc = tokenize_samples(verifier_dir, samples, loss_mask, **job)
     return count_tokens([i for i, _ in enc], [m for _, m in enc])
 
 
