@@ -171,7 +171,9 @@ def resolve_jobs_and_counts(
         if api:
             counts = V.token_counts_from_sidecar(api, jobs, api_token)
         if counts is None and samples is not None:
-            counts = V.token_counts_from_samples(cfg.verifier, samples, (job_options or {}).get("loss_mask", "assistant"))
+            opts = job_options or {}
+            job = {k: opts[k] for k in ("chat_template", "chat_template_kwargs") if opts.get(k) is not None}
+            counts = V.token_counts_from_samples(cfg.verifier, samples, opts.get("loss_mask", "assistant"), **job)
     if counts is not None:
         V.save_token_counts(counts, counts_path)
     return jobs, counts
