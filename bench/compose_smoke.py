@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     port, vllm_port = free_port(), free_port()
     compose = ["docker-compose", "--env-file", str(env_file), "-f", str(DEPLOY / "compose.yaml"), "--profile", "cpu"]
     cenv = {**os.environ, "COMPOSE_DOCKER_CLI_BUILD": "0", "DOCKER_BUILDKIT": "0"}
-    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "ok": False, "samples_submitted": args.samples}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit or None, "ok": False,
+                    "samples_submitted": args.samples}
     step = "start"
     try:
         result["engine"] = {
