@@ -69,7 +69,7 @@ def verifier() -> str:
 
 @pytest.fixture(scope="module")
 def draft(verifier, tmp_path_factory) -> Path:
-    return train_draft_from_hf(verifier, tmp_path_factory.mktemp("eval-draft"), samples=200, steps=300)
+    return train_draft_from_hf(verifier, tmp_path_factory.mktemp("eval-draft"), samples=150, steps=200)
 
 
 def hsstream(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -80,14 +80,18 @@ def hsstream(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def test_eval_acceptance_is_vllms_own_within_0_02(verifier, draft, tmp_path):
     from hsstream.evaluate import agreement
 
-    p = hsstream("eval", "--model", verifier, "--draft", str(draft), "--no-baseline", "--json",
-                 "--max-tokens", "48", "--workdir", str(tmp_path))  # fmt: skip
+    from hsstream.pretrain_verifier import held_out_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out_prompts(16)))
+    p = hsstream("eval", "--model", verifier, "--draft", str(draft), "--prompts", str(prompts), "--no-baseline",
+                 "--json", "--max-tokens", "32", "--workdir", str(tmp_path))  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     v = res["temperatures"]["0.0"]
     ours, vm = v["ours"], v["vllm_metrics"]
     assert ours["requests_without_record"] == 0
-    assert vm["drafts"] > 100 and ours["drafts"] > 100
+    assert vm["drafts"] > 50 and ours["drafts"] > 50
     assert ours["acceptance_rate"] > 0.2, ours  # a draft that learned: the comparison is not 0 against 0
     assert len(ours["acceptance_per_position"]) == 3
     assert agreement(res) <= 0.02, (ours, vm)
