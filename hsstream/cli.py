@@ -340,7 +340,7 @@ def eval_(
     draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/)"),
     model: str = typer.Option(None, "--model", help="verifier checkpoint (default HSSTREAM_MODEL)"),
     prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
-                                          "(default: the demo's 32 held-out prompts)"),
+                                          "(default: the 32 prompts bench/acceptance.py measures on)"),
     num_speculative_tokens: int = typer.Option(3, min=1, help="draft tokens a step"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
