@@ -12,7 +12,8 @@
 3. vLLM serves the verifier with the trained draft and with an untrained one (same
    architecture and vocabulary maps), ``num_speculative_tokens=3``, on held-out prompts, at
    temperature 0 and 1; acceptance rate = accepted / drafted tokens from vLLM's own
-   spec-decode counters. Every vLLM process here has the CPU sampling fix applied
+   spec-decode counters (the serving code is hsstream/evaluate.py's, which
+   ``hsstream eval`` runs). Every vLLM process here has the CPU sampling fix applied
    (hsstream/vllm_cpu_fix.py, a vLLM plugin; docs/vllm-cpu-fix.md); ``--show-bug`` also runs
    the trained draft at temperature 1 without it.
 
@@ -39,8 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hsstream.evaluate import SPEC_TOKENS, run_serving  # noqa: E402  (bench/online_vs_offline.py imports run_serving from here)
+
 TARGETS = {"t0_min": 0.7, "t1_min": 0.3, "margin_min": 0.15}
-SPEC_TOKENS = 3
 LAYERS = [2, 6, 9, 12]
 RUN_DIR_NAME = "draft-run"  # under --workdir: replaced by each run (train_draft)
 
@@ -64,58 +66,8 @@ def verdict(checks: dict[str, bool]) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Serving (runs in a child process: one engine per process, memory returned when it exits)
+# Serving: hsstream/evaluate.py (one engine per child process; `hsstream eval` serves through it too)
 # --------------------------------------------------------------------------------------------
-
-
-def _counter(metrics, name: str) -> float:  # noqa: ANN001
-    return sum(float(m.value) for m in metrics if m.name == name and hasattr(m, "value"))
-
-
-def _per_pos(metrics, name: str) -> list[float]:  # noqa: ANN001
-    for m in metrics:
-        if m.name == name and hasattr(m, "values"):
-            return [float(v) for v in m.values]
-    return []
-
-
-def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float]) -> dict:
-    """Acceptance of ``draft`` under ``verifier`` in vLLM, per temperature (child-process body)."""
-    from vllm import LLM, SamplingParams
-
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": SPEC_TOKENS} if draft else None
-    llm = LLM(
-        model=verifier, speculative_config=spec, disable_log_stats=False, max_model_len=1024, enforce_eager=True,
-        gpu_memory_utilization=0.2, seed=0, max_num_seqs=16,
-    )  # fmt: skip
-    out = {}
-    for temp in temps:
-        before = llm.get_metrics()
-        params = [
-            SamplingParams(temperature=temp, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
-            for i in range(len(prompts))
-        ]
-        t0 = time.perf_counter()
-        res = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        after = llm.get_metrics()
-        drafted = _counter(after, "vllm:spec_decode_num_draft_tokens") - _counter(before, "vllm:spec_decode_num_draft_tokens")
-        accepted = _counter(after, "vllm:spec_decode_num_accepted_tokens") - _counter(
-            before, "vllm:spec_decode_num_accepted_tokens"
-        )
-        pos_b = _per_pos(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        pos_a = _per_pos(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        gen = sum(len(r.outputs[0].token_ids) for r in res)
-        out[str(temp)] = {
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "accepted_per_position": [a - b for a, b in zip(pos_a, pos_b + [0.0] * len(pos_a))] if pos_a else None,
-            "generated_tokens": gen,
-            "wall_s": round(wall, 2),
-            "sample_text": res[0].outputs[0].text[:160],
-        }
-    return out
 
 
 def submit(api: str, samples: list[dict], options: dict) -> str:
@@ -124,29 +76,6 @@ def submit(api: str, samples: list[dict], options: dict) -> str:
     r = httpx.post(f"{api}/v1/jobs", json={"samples": samples, "options": options}, timeout=120)
     r.raise_for_status()
     return r.json()["job_id"]
-
-
-def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
-                workdir: Path, name: str, fix: bool = True) -> dict:  # fmt: skip
-    from hsstream import launch
-
-    spec = {"verifier": verifier, "draft": draft, "prompts": prompts, "max_tokens": max_tokens, "temps": temps}
-    (workdir / f"{name}.in.json").write_text(json.dumps(spec))
-    env = launch.child_env({"HSSTREAM_VLLM_CPU_FIX": "1" if fix else "0"})
-    logf = workdir / f"{name}.log"
-    t0 = time.perf_counter()
-    with open(logf, "wb") as fh:
-        p = subprocess.run(
-            [sys.executable, __file__, "--serve-child", str(workdir / f"{name}.in.json"), str(workdir / f"{name}.out.json")],
-            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(ROOT), timeout=1800,
-        )  # fmt: skip
-    text = logf.read_text(errors="replace")
-    if p.returncode != 0:
-        raise RuntimeError(f"vLLM serving run {name} failed ({p.returncode}):\n" + "\n".join(text.splitlines()[-40:]))
-    res = json.loads((workdir / f"{name}.out.json").read_text())
-    res["engine_wall_s"] = round(time.perf_counter() - t0, 1)
-    res["cpu_fix_patched_processes"] = text.count("patched vllm rejection_sampler.expand_batch_to_tokens")
-    return res
 
 
 def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_vocab_size: int, steps: int,  # noqa: ANN001
@@ -205,14 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="logs, drafts and serving results (default: a new temp dir); may be reused: its "
                          f"{RUN_DIR_NAME}/ is replaced by each run")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "acceptance_cpu.json"))
-    ap.add_argument("--serve-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-
-    if a.serve_child:
-        spec = json.loads(Path(a.serve_child[0]).read_text())
-        res = serve_and_measure(spec["verifier"], spec["draft"], spec["prompts"], spec["max_tokens"], spec["temps"])
-        Path(a.serve_child[1]).write_text(json.dumps(res))
-        return 0
 
     import torch
 

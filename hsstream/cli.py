@@ -335,6 +335,61 @@ def train(
             typer.echo(f"serve the trained draft ({result.final_dir}) with:\n  {result.serve}", err=True)
 
 
+@app.command("eval")
+def eval_(
+    draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/)"),
+    model: str = typer.Option(None, "--model", help="verifier checkpoint (default HSSTREAM_MODEL)"),
+    prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
+                                          "(default: the 32 prompts bench/acceptance.py measures on)"),
+    num_speculative_tokens: int = typer.Option(3, min=1, help="draft tokens a step"),
+    max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
+    temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),
+    max_model_len: int = typer.Option(1024, help="vLLM's context length"),
+    workdir: str = typer.Option(None, help="keep the engines' logs here (default: a temp dir)"),
+    as_json: bool = typer.Option(False, "--json", help="print the result as JSON instead of a table"),
+) -> None:
+    """Serve the verifier with a draft in vLLM and measure acceptance.
+
+    Per position, the mean acceptance length (tokens per verifier step) and tokens/s with and
+    without the draft; ours from the requests' records beside vLLM's own counters."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from connector.settings import Settings
+    from hsstream import evaluate as E
+
+    mdl = model or Settings().model
+    if not mdl:
+        typer.echo("error: no model: pass --model or set HSSTREAM_MODEL", err=True)
+        raise typer.Exit(2)
+    try:
+        E.check_draft_dir(draft)
+        if prompts:
+            plist = E.read_prompts(prompts)
+        else:
+            from hsstream.pretrain_verifier import held_out_prompts
+
+            plist = held_out_prompts(32)
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    wd = Path(workdir or tempfile.mkdtemp(prefix="hsstream-eval-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    try:
+        res = E.evaluate(mdl, draft, plist, max_tokens=max_tokens, temps=list(temperature or [0.0]),
+                         spec_tokens=num_speculative_tokens, baseline=baseline, workdir=wd, max_model_len=max_model_len)  # fmt: skip
+    except RuntimeError as e:
+        typer.echo(f"error: {e}\n(logs in {wd})", err=True)
+        raise typer.Exit(1) from e
+    res["workdir"] = str(wd)
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+    else:
+        E.print_table(res)
+
+
 @app.command()
 def keys(directory: str = typer.Argument(..., help="where to write the key pair"), name: str = typer.Option("trainer", help="file name stem")) -> None:
     """Make a CURVE key pair for remote delivery.

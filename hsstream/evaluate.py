@@ -1,0 +1,301 @@
+"""Serve the verifier with an Eagle-3 draft in vLLM and measure acceptance (``hsstream eval``).
+
+One vLLM engine per child process (its memory goes back when the child exits); the child runs
+``python -m hsstream.evaluate --serve-child IN OUT``. bench/acceptance.py serves through here too.
+
+Two independent sources of the same figures, per temperature:
+
+* **ours**, from each request's own record: vLLM (``per_request_spec_decode_metrics="detailed"``)
+  returns with every finished sequence the ordered accepted / proposed draft counts of each of
+  its verify steps (``CompletionOutput.spec_decode_metrics``); we sum them over the requests;
+* **vLLM's counters**, the ``vllm:spec_decode_*`` Prometheus counters (what ``/metrics`` serves;
+  offline they are read with ``LLM.get_metrics()``), after minus before.
+
+With vLLM's definitions (vllm/v1/spec_decode/metrics.py): a *draft* is one verify step that
+proposed tokens; acceptance rate = accepted / drafted tokens; per-position acceptance rate ``i``
+= drafts whose first ``i+1`` tokens were all accepted / drafts; mean acceptance length = tokens
+emitted per verify step = 1 + accepted / drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SPEC_TOKENS = 3
+
+
+class DraftError(ValueError):
+    """The draft directory is not a draft vLLM can serve as Eagle-3."""
+
+
+def check_draft_dir(draft: str | Path) -> Path:
+    """``draft`` resolved, or :class:`DraftError` saying what is missing (before an engine starts)."""
+    d = Path(draft)
+    if not d.is_dir():
+        raise DraftError(f"--draft {draft}: no such directory")
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        hint = " (a run dir? its draft is in final/ or checkpoints/*/)" if (d / "final").is_dir() or (d / "checkpoints").is_dir() else ""
+        raise DraftError(f"--draft {draft}: no config.json, not a speculators-format draft{hint}")
+    try:
+        c = json.loads(cfg.read_text())
+    except ValueError as e:
+        raise DraftError(f"--draft {draft}: config.json is not JSON ({e})") from e
+    if c.get("speculators_model_type") != "eagle3" and "eagle3" not in json.dumps(c.get("architectures", "")).lower():
+        raise DraftError(f"--draft {draft}: config.json is not an Eagle-3 draft's (speculators_model_type "
+                         f"{c.get('speculators_model_type')!r})")  # fmt: skip
+    if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+        raise DraftError(f"--draft {draft}: no weights (*.safetensors)")
+    return d.resolve()
+
+
+# --------------------------------------------------------------------------------------------
+# In the child: one engine
+# --------------------------------------------------------------------------------------------
+
+
+def _counter(metrics, name: str) -> float:  # noqa: ANN001
+    return sum(float(m.value) for m in metrics if m.name == name and hasattr(m, "value"))
+
+
+def _per_pos(metrics, name: str) -> list[float]:  # noqa: ANN001
+    for m in metrics:
+        if m.name == name and hasattr(m, "values"):
+            return [float(v) for v in m.values]
+    return []
+
+
+def per_request_figures(spec_metrics: list, k: int) -> dict:  # noqa: ANN001
+    """Our figures from the requests' per-step records (``RequestSpecDecodeMetrics`` or their
+    ``to_dict()``): drafts, drafted, accepted, accepted per position."""
+    drafts = drafted = accepted = 0
+    per_pos = [0] * k
+    for m in spec_metrics:
+        if m is None:
+            continue
+        steps_a = m["per_step_accepted"] if isinstance(m, dict) else m.per_step_accepted
+        steps_d = m["per_step_drafted"] if isinstance(m, dict) else m.per_step_drafted
+        for a, d in zip(steps_a, steps_d):
+            if d <= 0:  # vLLM counts a draft only where tokens were proposed
+                continue
+            drafts += 1
+            drafted += d
+            accepted += a
+            for i in range(a):
+                per_pos[i] += 1
+    return {"drafts": drafts, "drafted": drafted, "accepted": accepted, "accepted_per_position": per_pos}
+
+
+def summarise(drafts: float, drafted: float, accepted: float, per_pos: list[float] | None) -> dict:
+    """vLLM's derived figures from raw counts."""
+    return {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [p / drafts for p in per_pos] if drafts and per_pos else None,
+    }
+
+
+def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
+                      spec_tokens: int = SPEC_TOKENS, per_request: bool = False, max_model_len: int = 1024) -> dict:  # fmt: skip
+    """Acceptance of ``draft`` under ``verifier`` in vLLM, per temperature (child-process body).
+
+    ``per_request`` adds each temperature's ``ours`` (from the requests' own records) and
+    ``vllm_metrics`` (from the counters) figures, and ``tokens_per_s``."""
+    from vllm import LLM, SamplingParams
+
+    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": spec_tokens} if draft else None
+    extra = {"per_request_spec_decode_metrics": "detailed"} if per_request and draft else {}
+    llm = LLM(
+        model=verifier, speculative_config=spec, disable_log_stats=False, max_model_len=max_model_len, enforce_eager=True,
+        gpu_memory_utilization=0.2, seed=0, max_num_seqs=16, **extra,
+    )  # fmt: skip
+    out = {}
+    for temp in temps:
+        before = llm.get_metrics()
+        params = [
+            SamplingParams(temperature=temp, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, seed=1000 + i)
+            for i in range(len(prompts))
+        ]
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        after = llm.get_metrics()
+
+        def delta(name: str) -> float:
+            return _counter(after, name) - _counter(before, name)
+
+        drafted = delta("vllm:spec_decode_num_draft_tokens")
+        accepted = delta("vllm:spec_decode_num_accepted_tokens")
+        pos_b = _per_pos(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        pos_a = _per_pos(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        per_pos = [a - b for a, b in zip(pos_a, pos_b + [0.0] * len(pos_a))] if pos_a else None
+        gen = sum(len(r.outputs[0].token_ids) for r in res)
+        o = {
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "accepted_per_position": per_pos,
+            "generated_tokens": gen,
+            "wall_s": round(wall, 2),
+            "sample_text": res[0].outputs[0].text[:160],
+        }
+        if per_request:
+            o["tokens_per_s"] = gen / wall if wall else None
+            if draft:
+                drafts = delta("vllm:spec_decode_num_drafts")
+                o["vllm_metrics"] = {"drafts": drafts, "drafted": drafted, "accepted": accepted,
+                                     "accepted_per_position": per_pos, **summarise(drafts, drafted, accepted, per_pos)}  # fmt: skip
+                ours = per_request_figures([r.outputs[0].spec_decode_metrics for r in res], spec_tokens)
+                missing = sum(r.outputs[0].spec_decode_metrics is None for r in res)
+                o["ours"] = {**ours, **summarise(ours["drafts"], ours["drafted"], ours["accepted"], ours["accepted_per_position"]),
+                             "requests_without_record": missing}  # fmt: skip
+        out[str(temp)] = o
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# In the parent
+# --------------------------------------------------------------------------------------------
+
+
+def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
+                workdir: Path, name: str, fix: bool = True, *, spec_tokens: int = SPEC_TOKENS,
+                per_request: bool = False, max_model_len: int = 1024, timeout_s: float = 1800) -> dict:  # fmt: skip
+    """:func:`serve_and_measure` in a child process (log: WORKDIR/NAME.log); raises RuntimeError
+    with the log's tail if the child fails."""
+    from hsstream import launch
+
+    workdir = Path(workdir)
+    spec = {"verifier": verifier, "draft": draft, "prompts": prompts, "max_tokens": max_tokens, "temps": temps,
+            "spec_tokens": spec_tokens, "per_request": per_request, "max_model_len": max_model_len}  # fmt: skip
+    (workdir / f"{name}.in.json").write_text(json.dumps(spec))
+    env = launch.child_env({"HSSTREAM_VLLM_CPU_FIX": "1" if fix else "0"})
+    logf = workdir / f"{name}.log"
+    t0 = time.perf_counter()
+    with open(logf, "wb") as fh:
+        p = subprocess.run(
+            [sys.executable, "-m", "hsstream.evaluate", "--serve-child", str(workdir / f"{name}.in.json"),
+             str(workdir / f"{name}.out.json")],
+            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=launch.repo_root(), timeout=timeout_s,
+        )  # fmt: skip
+    text = logf.read_text(errors="replace")
+    if p.returncode != 0:
+        raise RuntimeError(f"vLLM serving run {name} failed ({p.returncode}):\n" + "\n".join(text.splitlines()[-40:]))
+    res = json.loads((workdir / f"{name}.out.json").read_text())
+    res["engine_wall_s"] = round(time.perf_counter() - t0, 1)
+    res["cpu_fix_patched_processes"] = text.count("patched vllm rejection_sampler.expand_batch_to_tokens")
+    return res
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a file: JSONL of ``{"prompt": ...}`` (the REST samples' prompt field) or plain
+    text, one prompt a line."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{n}: no string 'prompt' field")
+            out.append(row["prompt"])
+        else:
+            out.append(line)
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def evaluate(verifier: str, draft: str, prompts: list[str], *, max_tokens: int = 64, temps: list[float] | None = None,
+             spec_tokens: int = SPEC_TOKENS, baseline: bool = True, workdir: Path, max_model_len: int = 1024) -> dict:  # fmt: skip
+    """``hsstream eval``'s result: per temperature our figures, vLLM's counters' and tokens/s with
+    and without the draft."""
+    temps = temps or [0.0]
+    d = str(check_draft_dir(draft))
+    res = {"verifier": verifier, "draft": d, "num_speculative_tokens": spec_tokens, "prompts": len(prompts),
+           "max_tokens": max_tokens, "temperatures": {}}  # fmt: skip
+    with_draft = run_serving(verifier, d, prompts, max_tokens, temps, workdir, "with-draft", spec_tokens=spec_tokens,
+                             per_request=True, max_model_len=max_model_len)  # fmt: skip
+    without = (run_serving(verifier, None, prompts, max_tokens, temps, workdir, "without-draft", per_request=True,
+                           max_model_len=max_model_len) if baseline else None)  # fmt: skip
+    for t in temps:
+        w = with_draft[str(t)]
+        ours, vm = w["ours"], w["vllm_metrics"]
+        res["temperatures"][str(t)] = {
+            "ours": ours,
+            "vllm_metrics": vm,
+            "tokens_per_s": {"with_draft": w["tokens_per_s"], "without_draft": without[str(t)]["tokens_per_s"] if without else None},
+            "generated_tokens": w["generated_tokens"],
+        }
+    res["engine_wall_s"] = {"with_draft": with_draft["engine_wall_s"], **({"without_draft": without["engine_wall_s"]} if without else {})}
+    return res
+
+
+def agreement(res: dict) -> float:
+    """The largest gap, over temperatures and figures (rate, per position), between ours and
+    vLLM's counters'."""
+    gap = 0.0
+    for v in res["temperatures"].values():
+        o, m = v["ours"], v["vllm_metrics"]
+        pairs = [(o["acceptance_rate"], m["acceptance_rate"])]
+        pairs += list(zip(o["acceptance_per_position"] or [], m["acceptance_per_position"] or []))
+        if (o["acceptance_per_position"] is None) != (m["acceptance_per_position"] is None):
+            return float("inf")
+        for a, b in pairs:
+            if (a is None) != (b is None):
+                return float("inf")
+            if a is not None:
+                gap = max(gap, abs(a - b))
+    return gap
+
+
+def print_table(res: dict, console=None) -> None:  # noqa: ANN001
+    """``hsstream eval``'s table: per temperature, ours beside vLLM's counters, and tokens/s."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+
+    def f(x: float | None, nd: int = 3) -> str:
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    k = res["num_speculative_tokens"]
+    for t, v in res["temperatures"].items():
+        o, m, tps = v["ours"], v["vllm_metrics"], v["tokens_per_s"]
+        tab = Table(title=f"draft {res['draft']}  T={t}  {res['prompts']} prompts x {res['max_tokens']} tokens, k={k}")
+        tab.add_column("figure")
+        tab.add_column("ours (per request)", justify="right")
+        tab.add_column("vLLM /metrics", justify="right")
+        for i in range(k):
+            a = (o["acceptance_per_position"] or [None] * k)[i]
+            b = (m["acceptance_per_position"] or [None] * k)[i]
+            tab.add_row(f"acceptance at position {i + 1}", f(a), f(b))
+        tab.add_row("acceptance rate (accepted / drafted)", f(o["acceptance_rate"]), f(m["acceptance_rate"]))
+        tab.add_row("mean acceptance length (tokens / step)", f(o["mean_acceptance_length"]), f(m["mean_acceptance_length"]))
+        tab.add_row("drafts (verify steps with a draft)", f"{o['drafts']:.0f}", f"{m['drafts']:.0f}")
+        tab.add_row("tokens/s with the draft", f(tps["with_draft"], 1), "")
+        tab.add_row("tokens/s without the draft", f(tps["without_draft"], 1), "")
+        console.print(tab)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[0] == "--serve-child":
+        spec = json.loads(Path(argv[1]).read_text())
+        res = serve_and_measure(spec["verifier"], spec["draft"], spec["prompts"], spec["max_tokens"], spec["temps"],
+                                spec.get("spec_tokens", SPEC_TOKENS), spec.get("per_request", False),
+                                spec.get("max_model_len", 1024))  # fmt: skip
+        Path(argv[2]).write_text(json.dumps(res))
+        return 0
+    print("usage: python -m hsstream.evaluate --serve-child IN OUT (hsstream eval is the command)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
