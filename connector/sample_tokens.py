@@ -347,14 +347,18 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
         start = len(prompt) if full[: len(prompt)] == prompt else _start_in_whole(tok, messages, i, prompt, full, extra)
         upto = _chat_ids(tok, messages[: i + 1], generation_prompt=False, extra=extra)
         if upto[: len(prompt)] == prompt:
-            added = upto[len(prompt) :]
+            base = len(prompt)
         elif upto[:start] == full[:start]:
-            added = upto[start:]
+            base = start
         else:
             raise SampleRefused(
                 f"message {i} (assistant): the chat template's generation prompt is not how it starts an "
                 "assistant turn (the render with the turn does not extend the render of the prompt)"
             )
+        if full[: len(upto)] != upto or len(upto) == len(full):
+            # What the template writes after the final turn only (Phi-3's <|endoftext|>) is no part of the turn.
+            upto = upto[: base + _turn_without_footer(tok, messages[: i + 1], upto, base, special, extra)]
+        added = upto[base:]
         marks = [k for k, t in enumerate(added) if t in special]
         n = marks[-1] + 1 if marks else len(added)  # through the end-of-turn token, not the separator after
         if full[: len(upto)] != upto:
@@ -376,6 +380,31 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
     return full, mask
 
 
+def _turn_without_footer(tok: Any, messages: list[dict], upto: list[int], base: int, special: set[int],
+                         extra: dict) -> int:  # fmt: skip
+    """How many of the tokens from ``base`` on in ``upto`` (the render of ``messages``, ending with an
+    assistant turn) are the turn's, without a conversation-level footer: what the template writes
+    after the final turn only when no generation prompt follows (Phi-3 / Phi-3.5 write
+    ``<|endoftext|>`` there). The footer is found as what the render has where the render with the
+    generation prompt (the same messages, so the same turns) parts from it; it is dropped only when
+    the turn's part before it still has a special token (its own end-of-turn token). Otherwise what
+    differs is the turn's end itself (a template that ends the final turn with a stop token of its
+    own, gpt-oss's ``<|return|>``), and it stays."""
+    try:
+        cont = _chat_ids(tok, messages, generation_prompt=True, extra=extra)
+    except SampleRefused:
+        return len(upto) - base
+    cut = _common(upto, cont)
+    if base <= cut < len(upto) and any(t in special for t in upto[base:cut]):
+        return cut - base
+    return len(upto) - base
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _start_in_whole(tok: Any, messages: list[dict], i: int, prompt: list[int], full: list[int], extra: dict) -> int:
     """Where assistant turn ``i`` starts in the whole render when the prompt before it (with the
     generation prompt) is no prefix of it. Allowed only where the difference lies inside the
@@ -383,7 +412,8 @@ def _start_in_whole(tok: Any, messages: list[dict], i: int, prompt: list[int], f
     ``<think></think>`` block that earlier turns in the history do not show. The turn then starts
     where the prompt and the whole render part, after the header they share."""
     before = _chat_ids(tok, messages[:i], generation_prompt=False, extra=extra) if i else []
-    common = next((k for k, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    before = before[: _common(before, prompt)]  # without a footer written only where no generation prompt follows
+    common = _common(prompt, full)
     if i and len(prompt) > len(before) and full[: len(before)] == before and common >= len(before):
         return common
     raise SampleRefused(
