@@ -166,9 +166,6 @@ MISTRAL_SYSTEM_LAST = Style(
     lambda c: " " + c + "</s>",
 )
 
-STYLES = (CHATML, LLAMA3, MISTRAL, GEMMA, LLAMA2, QWEN3)
-
-
 def make_tokenizer(tiny_model: str, style: Style, *, marked: bool = False):
     """The tiny verifier's BPE with the style's special tokens and (un)marked template."""
     from tokenizers import AddedToken, Tokenizer, processors
@@ -188,3 +185,126 @@ def make_tokenizer(tiny_model: str, style: Style, *, marked: bool = False):
         tokenizer_object=raw, bos_token=style.bos, eos_token=style.eos, unk_token=None,
         clean_up_tokenization_spaces=False, chat_template=style.render(marked),
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------- public families, in their published shape
+# Written from the templates in each model's tokenizer_config.json (chat_template), Jinja kept as
+# published except where a comment says otherwise; GEN/END mark where a marked variant would put
+# its {% generation %} block (the content and the end-of-turn token the model generates).
+
+PHI35 = Style(
+    "phi-3.5",
+    # microsoft/Phi-3.5-mini-instruct (and Phi-3-mini-4k-instruct since its July 2024 update):
+    # <|role|>\n…<|end|>\n per turn, and eos_token (<|endoftext|>) written once after the
+    # conversation's final turn when no generation prompt follows: a conversation-level footer.
+    "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\\n'}}" + GEN + "{{message['content'] + '<|end|>'}}" + END +
+    "{{'\\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}",
+    ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), None, "<|endoftext|>",
+    lambda c: c + "<|end|>",
+)
+
+OLMO2 = Style(
+    "olmo-2",
+    # allenai/OLMo-2-1124-7B-Instruct (the Tulu-3 template): the role markers are plain text, the
+    # BOS and the end of an assistant turn are both <|endoftext|>, and an assistant turn is
+    # followed by '\n' only when it is not the conversation's last message, so a turn renders
+    # differently once later turns exist.
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ '<|system|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'user' %}"
+    "{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}"
+    "{% if not loop.last %}{{ '<|assistant|>\\n' }}" + GEN + "{{ message['content'] + eos_token }}" + END + "{{ '\\n' }}"
+    "{% else %}{{ '<|assistant|>\\n' }}" + GEN + "{{ message['content'] + eos_token }}" + END + "{% endif %}{% endif %}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}{% endfor %}",
+    ("<|endoftext|>",), "<|endoftext|>", "<|endoftext|>",
+    lambda c: c + "<|endoftext|>",
+)
+
+#: Granite's default system prompt when a conversation has none; the published template puts
+#: today's date into it with strftime_now, fixed here so the renders are reproducible.
+GRANITE_SYSTEM = "Knowledge Cutoff Date: April 2024.\nToday's Date: December 01, 2026.\nYou are Granite, developed by IBM."
+GRANITE_TOOLS_SYSTEM = (
+    " You are a helpful AI assistant with access to the following tools. When a tool is required to answer the "
+    "user's query, respond with <|tool_call|> followed by a JSON list of tools used. If a tool does not exist in the "
+    "provided list of tools, notify the user that you do not have the ability to fulfill the request."
+)
+
+GRANITE3 = Style(
+    "granite-3",
+    # ibm-granite/granite-3.1-8b-instruct: <|start_of_role|>role<|end_of_role|>…<|end_of_text|>\n,
+    # a default system prompt, the tools as JSON in their own turn, tool calls after <|tool_call|>,
+    # tool results as a tool_response turn. (The documents and controls branches are left out.)
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system_message = \"" + GRANITE_SYSTEM.replace("\n", "\\n")
+    + "\" %}{%- if tools %}{%- set system_message = system_message + \"" + GRANITE_TOOLS_SYSTEM + "\" %}{%- endif %}"
+    "{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '<|start_of_role|>system<|end_of_role|>' + system_message + '<|end_of_text|>\\n' }}"
+    "{%- if tools %}{{- '<|start_of_role|>tools<|end_of_role|>' }}{{- tools | tojson(indent=4) }}"
+    "{{- '<|end_of_text|>\\n' }}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|start_of_role|>assistant<|end_of_role|>' }}" + GEN +
+    "{{- '<|tool_call|>' + message.tool_calls | map(attribute='function') | list | tojson(indent=4) + '<|end_of_text|>' }}"
+    + END + "{{- '\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|start_of_role|>tool_response<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}" + GEN +
+    "{{- message['content'] + '<|end_of_text|>' }}" + END + "{{- '\\n' }}"
+    "{%- else %}{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
+    "{%- endif %}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+    "{%- endfor %}",
+    ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"), None, "<|end_of_text|>",
+    lambda c: c + "<|end_of_text|>",
+)
+
+DEEPSEEK_V3 = Style(
+    "deepseek-v3",
+    # deepseek-ai/DeepSeek-V3: every system message joined at the start after the BOS, then
+    # <｜User｜>… and <｜Assistant｜>…<｜end▁of▁sentence｜> with nothing between turns; tool calls in
+    # <｜tool▁calls▁begin｜>…, tool results in <｜tool▁outputs▁begin｜>… whose closing token the
+    # next assistant turn (or the generation prompt, instead of <｜Assistant｜>) writes. The
+    # arguments go through tojson, as vLLM's examples/tool_chat_template_deepseekv3.jinja has it
+    # (the published template concatenates a string; vLLM hands templates a mapping).
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_sp %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}"
+    "{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and 'tool_calls' in message %}{%- set ns.is_tool = false -%}"
+    "{{'<｜Assistant｜>'}}" + GEN + "{{message['content']}}"
+    "{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}"
+    "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] | tojson + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{%- set ns.is_first = true -%}{%- else %}"
+    "{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] | tojson + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{%- endif %}{%- endfor %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}" + END +
+    "{%- endif %}"
+    "{%- if message['role'] == 'assistant' and 'tool_calls' not in message %}"
+    "{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}" + GEN + "{{message['content'] + '<｜end▁of▁sentence｜>'}}" + END +
+    "{%- set ns.is_tool = false -%}"
+    "{%- else %}{% set content = message['content'] %}{{'<｜Assistant｜>'}}" + GEN + "{{content + '<｜end▁of▁sentence｜>'}}"
+    + END + "{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
+    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    "{%- set ns.is_output_first = false %}"
+    "{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}"
+    "{%- endfor -%}"
+    "{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}",
+    ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
+     "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+     "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
+    lambda c: c + "<｜end▁of▁sentence｜>",
+)
+
+FAMILIES = (PHI35, OLMO2, GRANITE3, DEEPSEEK_V3)
+
+STYLES = (CHATML, LLAMA3, MISTRAL, GEMMA, LLAMA2, QWEN3, *FAMILIES)

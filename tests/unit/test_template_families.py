@@ -1,0 +1,100 @@
+"""Assistant masks for public chat-template families in their published shape
+(tests/unit/chat_templates.py: Phi-3.5, OLMo-2, Granite-3, DeepSeek-V3), each conversation's
+whole render written out here by hand as (text, carries loss) pieces, not computed by the code
+under test: several turns, a system prompt, an empty assistant turn, and tool calls where the
+template renders them. Phi-3.5 writes an end-of-text footer after the final turn only; OLMo-2
+writes a newline after every assistant turn but the last; DeepSeek-V3's tool results are closed
+by the next assistant turn; Granite writes its tools and a default system prompt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.sample_tokens import _marked_mask, encode_sample
+from tests.unit.chat_templates import DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, OLMO2, PHI35, make_tokenizer
+from tests.unit.test_sidecar_data_rows import TOOLS, spelled
+
+MULTI = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+         {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green."}]  # fmt: skip
+SYSTEM = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Two plus two?"},
+          {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three?"},
+          {"role": "assistant", "content": "Six."}]  # fmt: skip
+EMPTY = [{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""},
+         {"role": "user", "content": "Now say yes."}, {"role": "assistant", "content": "Yes."}]  # fmt: skip
+TOOL = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
+    {"role": "assistant", "content": "It is 21 degrees."},
+]  # fmt: skip
+CONVS = {"multi-turn": MULTI, "system": SYSTEM, "empty-turn": EMPTY, "tool-call": TOOL}
+
+EOT = "<|endoftext|>"
+PHI = {
+    "multi-turn": [("<|user|>\nName a colour.<|end|>\n<|assistant|>\n", 0), ("Blue.<|end|>", 1),
+                   ("\n<|user|>\nAnother?<|end|>\n<|assistant|>\n", 0), ("Green.<|end|>", 1), ("\n" + EOT, 0)],
+    "system": [("<|system|>\nBe terse.<|end|>\n<|user|>\nTwo plus two?<|end|>\n<|assistant|>\n", 0), ("Four.<|end|>", 1),
+               ("\n<|user|>\nAnd three?<|end|>\n<|assistant|>\n", 0), ("Six.<|end|>", 1), ("\n" + EOT, 0)],
+    "empty-turn": [("<|user|>\nSay nothing.<|end|>\n<|assistant|>\n", 0), ("<|end|>", 1),
+                   ("\n<|user|>\nNow say yes.<|end|>\n<|assistant|>\n", 0), ("Yes.<|end|>", 1), ("\n" + EOT, 0)],
+}  # fmt: skip  (Phi-3.5's template has no tools and no tool role)
+
+OLMO = {
+    "multi-turn": [(EOT + "<|user|>\nName a colour.\n<|assistant|>\n", 0), ("Blue." + EOT, 1),
+                   ("\n<|user|>\nAnother?\n<|assistant|>\n", 0), ("Green." + EOT, 1)],
+    "system": [(EOT + "<|system|>\nBe terse.\n<|user|>\nTwo plus two?\n<|assistant|>\n", 0), ("Four." + EOT, 1),
+               ("\n<|user|>\nAnd three?\n<|assistant|>\n", 0), ("Six." + EOT, 1)],
+    "empty-turn": [(EOT + "<|user|>\nSay nothing.\n<|assistant|>\n", 0), (EOT, 1),
+                   ("\n<|user|>\nNow say yes.\n<|assistant|>\n", 0), ("Yes." + EOT, 1)],
+}  # fmt: skip  (no tools)
+
+R, O, G = "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>"
+CALL = [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+GRANITE = {
+    "multi-turn": [(f"{R}system{O}{GRANITE_SYSTEM}{G}\n{R}user{O}Name a colour.{G}\n{R}assistant{O}", 0), (f"Blue.{G}", 1),
+                   (f"\n{R}user{O}Another?{G}\n{R}assistant{O}", 0), (f"Green.{G}", 1), ("\n", 0)],
+    "system": [(f"{R}system{O}Be terse.{G}\n{R}user{O}Two plus two?{G}\n{R}assistant{O}", 0), (f"Four.{G}", 1),
+               (f"\n{R}user{O}And three?{G}\n{R}assistant{O}", 0), (f"Six.{G}", 1), ("\n", 0)],
+    "empty-turn": [(f"{R}system{O}{GRANITE_SYSTEM}{G}\n{R}user{O}Say nothing.{G}\n{R}assistant{O}", 0), (G, 1),
+                   (f"\n{R}user{O}Now say yes.{G}\n{R}assistant{O}", 0), (f"Yes.{G}", 1), ("\n", 0)],
+    "tool-call": [(f"{R}system{O}{GRANITE_SYSTEM}{GRANITE_TOOLS_SYSTEM}{G}\n{R}tools{O}{json.dumps(TOOLS, indent=4)}{G}\n"
+                   f"{R}user{O}Weather in Paris?{G}\n{R}assistant{O}", 0),
+                  (f"<|tool_call|>{json.dumps(CALL, indent=4)}{G}", 1),
+                  (f"\n{R}tool_response{O}" + '{"temp": 21}' + f"{G}\n{R}assistant{O}", 0), (f"It is 21 degrees.{G}", 1),
+                  ("\n", 0)],
+}  # fmt: skip
+
+B, U, A, S = "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
+DEEPSEEK = {
+    "multi-turn": [(f"{B}{U}Name a colour.{A}", 0), (f"Blue.{S}", 1), (f"{U}Another?{A}", 0), (f"Green.{S}", 1)],
+    "system": [(f"{B}Be terse.{U}Two plus two?{A}", 0), (f"Four.{S}", 1), (f"{U}And three?{A}", 0), (f"Six.{S}", 1)],
+    "empty-turn": [(f"{B}{U}Say nothing.{A}", 0), (S, 1), (f"{U}Now say yes.{A}", 0), (f"Yes.{S}", 1)],
+    "tool-call": [(f"{B}{U}Weather in Paris?{A}", 0),
+                  ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```'
+                   f"<｜tool▁call▁end｜><｜tool▁calls▁end｜>{S}", 1),
+                  ('<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{"temp": 21}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>', 0),
+                  (f"It is 21 degrees.{S}", 1)],
+}  # fmt: skip
+
+EXPECTED = {PHI35.name: PHI, OLMO2.name: OLMO, GRANITE3.name: GRANITE, DEEPSEEK_V3.name: DEEPSEEK}
+STYLE = {s.name: s for s in (PHI35, OLMO2, GRANITE3, DEEPSEEK_V3)}
+CASES = [(family, conv) for family, convs in EXPECTED.items() for conv in convs]
+
+
+@pytest.fixture(scope="module")
+def toks(tiny_model):
+    return {(name, marked): make_tokenizer(tiny_model, st, marked=marked) for name, st in STYLE.items() for marked in (False, True)}
+
+
+@pytest.mark.parametrize(("family", "conv"), CASES, ids=[f"{f}-{c}" for f, c in CASES])
+def test_ids_and_mask_are_the_render_spelled_out_by_hand(toks, family, conv):
+    tok = toks[(family, False)]
+    sample = {"messages": CONVS[conv], **({"tools": TOOLS} if conv == "tool-call" else {})}
+    want = spelled(tok, *EXPECTED[family][conv])
+    assert encode_sample(tok, sample) == want
+    # the same template with {% generation %} markers around each assistant turn agrees
+    marked = toks[(family, True)]
+    assert encode_sample(marked, sample) == want
