@@ -357,20 +357,23 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
             )
         if full[: len(upto)] != upto or len(upto) == len(full):
             # What the template writes after the final turn only (Phi-3's <|endoftext|>) is no part of the turn.
-            upto = upto[: base + _turn_without_footer(tok, messages[: i + 1], upto, base, special, extra)]
+            upto = upto[: base + _turn_without_footer(tok, messages[: i + 1], upto, base, prompt, special, extra)]
         added = upto[base:]
         marks = [k for k, t in enumerate(added) if t in special]
         n = marks[-1] + 1 if marks else len(added)  # through the end-of-turn token, not the separator after
-        if full[: len(upto)] != upto:
-            # The turn renders differently with later turns (e.g. Qwen3 drops earlier reasoning):
-            # it ends at the same count of its end-of-turn token in the whole render.
-            if not marks:
+        same = _common(upto, full)
+        if full[: len(upto)] != upto and same < base + n:
+            # The turn renders differently with later turns (Qwen3 drops earlier reasoning; a template
+            # ends its final turn with a stop token of its own): from where the two renders part, the
+            # turn in the whole render ends after as many special tokens as the turn has from there.
+            frm = max(same, base)
+            count = sum(t in special for t in upto[frm : base + n])
+            if not count:
                 raise SampleRefused(
                     f"message {i} (assistant): the chat template renders this turn differently once later "
                     "turns follow, and ends it with no special token to find it by"
                 )
-            eot, count = added[marks[-1]], added[:n].count(added[marks[-1]])
-            hits = [k for k in range(start, len(full)) if full[k] == eot][:count]
+            hits = [k for k in range(start + frm - base, len(full)) if full[k] in special][:count]
             if len(hits) < count:
                 raise SampleRefused(f"message {i} (assistant): its end-of-turn token is missing from the whole render")
             n = hits[-1] + 1 - start
@@ -380,24 +383,31 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
     return full, mask
 
 
-def _turn_without_footer(tok: Any, messages: list[dict], upto: list[int], base: int, special: set[int],
-                         extra: dict) -> int:  # fmt: skip
+def _turn_without_footer(tok: Any, messages: list[dict], upto: list[int], base: int, prompt: list[int],
+                         special: set[int], extra: dict) -> int:  # fmt: skip
     """How many of the tokens from ``base`` on in ``upto`` (the render of ``messages``, ending with an
     assistant turn) are the turn's, without a conversation-level footer: what the template writes
     after the final turn only when no generation prompt follows (Phi-3 / Phi-3.5 write
-    ``<|endoftext|>`` there). The footer is found as what the render has where the render with the
-    generation prompt (the same messages, so the same turns) parts from it; it is dropped only when
-    the turn's part before it still has a special token (its own end-of-turn token). Otherwise what
-    differs is the turn's end itself (a template that ends the final turn with a stop token of its
-    own, gpt-oss's ``<|return|>``), and it stays."""
+    ``<|endoftext|>`` there). The footer is what the render has where the render with the
+    generation prompt (the same messages, so the same turns) parts from it. It is dropped only
+    when that render goes on with just the generation prompt (``prompt``, the turn's own, ends
+    with it) and the turn's part before it ends with a special token and at most whitespace (its
+    own end-of-turn token and separator). Otherwise what differs is the turn's end itself (a
+    template that ends the final turn with a stop token of its own, as gpt-oss's ``<|return|>``)
+    and it stays."""
+    keep = len(upto) - base
     try:
         cont = _chat_ids(tok, messages, generation_prompt=True, extra=extra)
     except SampleRefused:
-        return len(upto) - base
+        return keep
     cut = _common(upto, cont)
-    if base <= cut < len(upto) and any(t in special for t in upto[base:cut]):
+    tail = len(cont) - cut  # what the generation prompt writes instead of the footer
+    if not base <= cut < len(upto) or tail > len(prompt) or prompt[len(prompt) - tail :] != cont[cut:]:
+        return keep
+    marks = [k for k in range(base, cut) if upto[k] in special]
+    if marks and not tok.decode(upto[marks[-1] + 1 : cut], skip_special_tokens=False).strip():
         return cut - base
-    return len(upto) - base
+    return keep
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -8,12 +8,14 @@ by the next assistant turn; Granite writes its tools and a default system prompt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from connector.sample_tokens import _marked_mask, encode_sample
-from tests.unit.chat_templates import DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, OLMO2, PHI35, make_tokenizer
+from tests.unit.chat_templates import (DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, OLMO2, PHI35, QWEN3,
+                                      make_tokenizer)
 from tests.unit.test_sidecar_data_rows import TOOLS, spelled
 
 MULTI = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
@@ -98,3 +100,44 @@ def test_ids_and_mask_are_the_render_spelled_out_by_hand(toks, family, conv):
     # the same template with {% generation %} markers around each assistant turn agrees
     marked = toks[(family, True)]
     assert encode_sample(marked, sample) == want
+
+
+#: Qwen3's reasoning handling (earlier turns lose their <think> block) with Phi-3's footer: a turn
+#: that renders differently once later turns exist, in a conversation that ends with <|endoftext|>.
+THINK_FOOTER = dataclasses.replace(
+    QWEN3, name="qwen3-with-footer", special=(*QWEN3.special, EOT), eos=EOT,
+    template=QWEN3.template.replace("{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                                    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                                    "{%- else %}{{- eos_token }}{%- endif %}"),
+)  # fmt: skip
+
+#: After gpt-oss's harmony template: the conversation's final assistant turn ends with <|return|>
+#: (the stop token of a finished reply), a turn with later turns after it with <|end|>. What
+#: differs from the render with the generation prompt is the turn's own end, not a footer.
+FINAL_STOP = (
+    "{%- for m in messages %}{{- '<|start|>' + m['role'] + '<|message|>' + m['content'] }}"
+    "{%- if m['role'] == 'assistant' and loop.last and not add_generation_prompt %}{{- '<|return|>' }}"
+    "{%- else %}{{- '<|end|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+FINAL_STOP_STYLE = dataclasses.replace(PHI35, name="final-stop-token", template=FINAL_STOP,
+                                       special=("<|start|>", "<|message|>", "<|end|>", "<|return|>"), eos="<|return|>")  # fmt: skip
+
+
+def test_footer_after_a_turn_that_renders_differently_later(tiny_model):
+    tok = make_tokenizer(tiny_model, THINK_FOOTER)
+    msgs = [{"role": "user", "content": "Think first."},
+            {"role": "assistant", "content": "Done.", "reasoning_content": "hmm, easy"},
+            {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Yes.", "reasoning_content": "still easy"}]  # fmt: skip
+    s, e = "<|im_start|>", "<|im_end|>"
+    want = spelled(tok, (f"{s}user\nThink first.{e}\n{s}assistant\n", 0), (f"Done.{e}", 1),
+                   (f"\n{s}user\nAgain?{e}\n{s}assistant\n", 0), (f"<think>\nstill easy\n</think>\n\nYes.{e}", 1),
+                   ("\n" + EOT, 0))  # fmt: skip
+    assert encode_sample(tok, {"messages": msgs}) == want
+
+
+def test_a_final_turn_that_ends_with_its_own_stop_token_keeps_it(tiny_model):
+    tok = make_tokenizer(tiny_model, FINAL_STOP_STYLE)
+    want = spelled(tok, ("<|start|>user<|message|>Name a colour.<|end|><|start|>assistant", 0), ("<|message|>Blue.<|end|>", 1),
+                   ("<|start|>user<|message|>Another?<|end|><|start|>assistant", 0), ("<|message|>Green.<|return|>", 1))  # fmt: skip
+    assert encode_sample(tok, {"messages": MULTI}) == want
