@@ -305,6 +305,76 @@ DEEPSEEK_V3 = Style(
     lambda c: c + "<｜end▁of▁sentence｜>",
 )
 
-FAMILIES = (PHI35, OLMO2, GRANITE3, DEEPSEEK_V3)
+
+PHI4_MINI = Style(
+    "phi-4-mini",
+    # microsoft/Phi-4-mini-instruct: <|role|>…<|end|> with nothing between turns, a system
+    # message's 'tools' (a JSON string) in <|tool|>…<|/tool|>, and eos_token (<|endoftext|>) after
+    # the final turn when no generation prompt follows. (The assistant branch is split out of the
+    # published one-for-all-roles expression so a marked variant can mark it; same text.)
+    "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>' }}" + GEN + "{{ message['content'] + '<|end|>' }}" + END +
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}",
+    ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>", "<|tool_call|>",
+     "<|/tool_call|>"), None, "<|endoftext|>",
+    lambda c: c + "<|end|>",
+)
+
+LLAMA31 = Style(
+    "llama-3.1-tools",
+    # meta-llama/Llama-3.1-8B-Instruct: a system turn with the knowledge-cutoff header always, the
+    # tools (tools_in_user_message, the default) folded into the first user turn, a tool call as
+    # {"name": …, "parameters": …}<|eot_id|>, tool results as an ipython turn (through tojson: a
+    # string result comes out quoted, as published). (The builtin_tools branches are left out.)
+    "{{- bos_token }}"
+    "{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}"
+    "{%- if not tools_in_user_message is defined %}{%- set tools_in_user_message = true %}{%- endif %}"
+    "{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+    "{%- if not tools is defined %}{%- set tools = none %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = \"\" %}{%- endif %}"
+    "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}"
+    "{%- if tools is not none %}{{- \"Environment: ipython\\n\" }}{%- endif %}"
+    "{{- \"Cutting Knowledge Date: December 2023\\n\" }}{{- \"Today Date: \" + date_string + \"\\n\\n\" }}"
+    "{{- system_message }}{{- \"<|eot_id|>\" }}"
+    "{%- if tools_in_user_message and not tools is none %}"
+    "{%- if messages | length != 0 %}{%- set first_user_message = messages[0]['content']|trim %}{%- set messages = messages[1:] %}"
+    "{%- else %}{{- raise_exception(\"Cannot put tools in the first user message when there's no first user message!\") }}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}"
+    "{{- \"Given the following functions, please respond with a JSON for a function call \" }}"
+    "{{- \"with its proper arguments that best answers the given prompt.\\n\\n\" }}"
+    "{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.' }}"
+    "{{- \"Do not use variables.\\n\\n\" }}"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- \"\\n\\n\" }}{%- endfor %}"
+    "{{- first_user_message + \"<|eot_id|>\"}}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "{%- if message['role'] == 'assistant' %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}" + GEN +
+    "{{- message['content'] | trim + '<|eot_id|>' }}" + END +
+    "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- elif 'tool_calls' in message %}"
+    "{%- if not message.tool_calls|length == 1 %}{{- raise_exception(\"This model only supports single tool-calls at once!\") }}{%- endif %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}" + GEN +
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}{{- tool_call.arguments | tojson }}{{- \"}\" }}"
+    "{{- \"<|eot_id|>\" }}" + END +
+    "{%- elif message.role == \"tool\" or message.role == \"ipython\" %}"
+    "{{- \"<|start_header_id|>ipython<|end_header_id|>\\n\\n\" }}"
+    "{%- if message.content is mapping or message.content is iterable %}{{- message.content | tojson }}"
+    "{%- else %}{{- message.content }}{%- endif %}{{- \"<|eot_id|>\" }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}",
+    ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"), "<|begin_of_text|>",
+    "<|eot_id|>",
+    lambda c: c.strip() + "<|eot_id|>",
+)
+
+FAMILIES = (PHI35, PHI4_MINI, OLMO2, GRANITE3, DEEPSEEK_V3, LLAMA31)
 
 STYLES = (CHATML, LLAMA3, MISTRAL, GEMMA, LLAMA2, QWEN3, *FAMILIES)

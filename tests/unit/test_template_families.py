@@ -14,8 +14,8 @@ import json
 import pytest
 
 from connector.sample_tokens import _marked_mask, encode_sample
-from tests.unit.chat_templates import (DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, OLMO2, PHI35, QWEN3,
-                                      make_tokenizer)
+from tests.unit.chat_templates import (DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, LLAMA31, OLMO2, PHI4_MINI,
+                                      PHI35, QWEN3, make_tokenizer)
 from tests.unit.test_sidecar_data_rows import TOOLS, spelled
 
 MULTI = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
@@ -32,7 +32,12 @@ TOOL = [
     {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
     {"role": "assistant", "content": "It is 21 degrees."},
 ]  # fmt: skip
-CONVS = {"multi-turn": MULTI, "system": SYSTEM, "empty-turn": EMPTY, "tool-call": TOOL}
+#: Phi-4-mini's function calling: the tools in the system message's 'tools' (JSON text), the call
+#: written by the model in the assistant content between <|tool_call|> and <|/tool_call|>.
+PHI4_CALL = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>'
+PHI4_TOOL = [{"role": "system", "content": "You call tools.", "tools": json.dumps(TOOLS)}, TOOL[0],
+             {"role": "assistant", "content": PHI4_CALL}, TOOL[2], TOOL[3]]  # fmt: skip
+CONVS = {"multi-turn": MULTI, "system": SYSTEM, "empty-turn": EMPTY, "tool-call": TOOL, "tool-call-in-content": PHI4_TOOL}
 
 EOT = "<|endoftext|>"
 PHI = {
@@ -81,8 +86,43 @@ DEEPSEEK = {
                   (f"It is 21 degrees.{S}", 1)],
 }  # fmt: skip
 
-EXPECTED = {PHI35.name: PHI, OLMO2.name: OLMO, GRANITE3.name: GRANITE, DEEPSEEK_V3.name: DEEPSEEK}
-STYLE = {s.name: s for s in (PHI35, OLMO2, GRANITE3, DEEPSEEK_V3)}
+PHI4 = {
+    "multi-turn": [("<|user|>Name a colour.<|end|><|assistant|>", 0), ("Blue.<|end|>", 1),
+                   ("<|user|>Another?<|end|><|assistant|>", 0), ("Green.<|end|>", 1), (EOT, 0)],
+    "system": [("<|system|>Be terse.<|end|><|user|>Two plus two?<|end|><|assistant|>", 0), ("Four.<|end|>", 1),
+               ("<|user|>And three?<|end|><|assistant|>", 0), ("Six.<|end|>", 1), (EOT, 0)],
+    "empty-turn": [("<|user|>Say nothing.<|end|><|assistant|>", 0), ("<|end|>", 1),
+                   ("<|user|>Now say yes.<|end|><|assistant|>", 0), ("Yes.<|end|>", 1), (EOT, 0)],
+    "tool-call-in-content": [
+        (f"<|system|>You call tools.<|tool|>{json.dumps(TOOLS)}<|/tool|><|end|><|user|>Weather in Paris?<|end|><|assistant|>", 0),
+        (PHI4_CALL + "<|end|>", 1), ('<|tool|>{"temp": 21}<|end|><|assistant|>', 0), ("It is 21 degrees.<|end|>", 1), (EOT, 0)],
+}  # fmt: skip
+
+
+def h(role):
+    return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+L, T = "<|begin_of_text|>", "<|eot_id|>"
+DATED = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+LLAMA = {
+    "multi-turn": [(f"{L}{h('system')}{DATED}{T}{h('user')}Name a colour.{T}{h('assistant')}", 0), (f"Blue.{T}", 1),
+                   (f"{h('user')}Another?{T}{h('assistant')}", 0), (f"Green.{T}", 1)],
+    "system": [(f"{L}{h('system')}{DATED}Be terse.{T}{h('user')}Two plus two?{T}{h('assistant')}", 0), (f"Four.{T}", 1),
+               (f"{h('user')}And three?{T}{h('assistant')}", 0), (f"Six.{T}", 1)],
+    "empty-turn": [(f"{L}{h('system')}{DATED}{T}{h('user')}Say nothing.{T}{h('assistant')}", 0), (T, 1),
+                   (f"{h('user')}Now say yes.{T}{h('assistant')}", 0), (f"Yes.{T}", 1)],
+    "tool-call": [(f"{L}{h('system')}Environment: ipython\n{DATED}{T}{h('user')}Given the following functions, please respond "
+                   "with a JSON for a function call with its proper arguments that best answers the given prompt.\n\n"
+                   'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+                   f"Do not use variables.\n\n{json.dumps(TOOLS[0], indent=4)}\n\nWeather in Paris?{T}{h('assistant')}", 0),
+                  ('{"name": "get_weather", "parameters": {"city": "Paris"}}' + T, 1),
+                  (h("ipython") + json.dumps('{"temp": 21}') + T + h("assistant"), 0),  # a string result, quoted
+                  (f"It is 21 degrees.{T}", 1)],
+}  # fmt: skip
+
+EXPECTED = {PHI35.name: PHI, PHI4_MINI.name: PHI4, LLAMA31.name: LLAMA, OLMO2.name: OLMO, GRANITE3.name: GRANITE, DEEPSEEK_V3.name: DEEPSEEK}
+STYLE = {s.name: s for s in (PHI35, PHI4_MINI, OLMO2, GRANITE3, DEEPSEEK_V3, LLAMA31)}
 CASES = [(family, conv) for family, convs in EXPECTED.items() for conv in convs]
 
 
