@@ -20,16 +20,18 @@ The assistant mask (which positions carry loss) works with every chat template:
   ``return_assistant_tokens_mask``), as the template's author meant;
 * any other template: the conversation is rendered turn by turn. For assistant turn *i*, the
   render of the turns before it plus the generation prompt (exactly what the model would be
-  prompted with) must be a token prefix of the whole conversation's render; the turn's
-  tokens start there. They end after its end-of-turn token: the render up to and including
-  the turn must also be a prefix, and its new tokens are kept through their last special
-  token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``), dropping the
-  separator the template writes after it (ChatML's ``\\n``), which the model never
-  generates. Templates that render a turn differently once later turns exist (Qwen3 drops
-  the reasoning of earlier turns) make the second render no prefix; then the turn ends at
-  the same end-of-turn token found in the whole render. When even the prompt before a turn
-  is no prefix (a template that moves the system prompt to the last user turn), the sample
-  is refused: no mask could be trusted.
+  prompted with) must be a token prefix of the whole conversation's render; the turn's tokens
+  start there. They are what the render up to and including the turn adds, without a footer the
+  template writes after the final turn only when no generation prompt follows (Phi-3's
+  ``<|endoftext|>``: what that render has where the render with the generation prompt parts from
+  it, :func:`_turn_without_footer`), kept through their last special token (``<|im_end|>``,
+  ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``), dropping the separator the template writes after
+  it (ChatML's ``\\n``), which the model never generates. Templates that render a turn
+  differently once later turns exist (Qwen3 drops the reasoning of earlier turns; a final turn
+  that ends with a stop token of its own) make that render no prefix; then the turn ends, in the
+  whole render, after as many special tokens as it has from where the two renders part. When
+  even the prompt before a turn is no prefix (a template that moves the system prompt to the
+  last user turn), the sample is refused: no mask could be trusted.
 
 Where the prompt differs from the whole render only inside the generation prompt (Qwen3 with
 ``enable_thinking=False``), the turn starts where the two part.
