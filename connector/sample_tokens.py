@@ -342,16 +342,25 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
     full = _chat_ids(tok, messages, generation_prompt=False, extra=extra)
     mask = [0] * len(full)
     special = _special_ids(tok)
+    prev_end = 0  # where the previous assistant turn's tokens end in the whole render
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         prompt = _chat_ids(tok, messages[:i], generation_prompt=True, extra=extra) if i else _opening(tok, extra)
-        start = len(prompt) if full[: len(prompt)] == prompt else _start_in_whole(tok, messages, i, prompt, full, extra)
+        start: int | None = len(prompt)
+        moved: SampleRefused | None = None
+        if full[: len(prompt)] != prompt:
+            try:
+                start = _start_in_whole(tok, messages, i, prompt, full, extra)
+            except SampleRefused as e:  # the turn is then looked for by its own tokens, below
+                start, moved = None, e
         upto = _chat_ids(tok, messages[: i + 1], generation_prompt=False, extra=extra)
         if upto[: len(prompt)] == prompt:
             base = len(prompt)
-        elif upto[:start] == full[:start]:
+        elif start is not None and upto[:start] == full[:start]:
             base = start
+        elif moved is not None:
+            raise moved
         else:
             raise SampleRefused(
                 f"message {i} (assistant): the chat template's generation prompt is not how it starts an "
@@ -364,7 +373,9 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
         marks = [k for k, t in enumerate(added) if t in special]
         n = marks[-1] + 1 if marks else len(added)  # through the end-of-turn token, not the separator after
         same = _common(upto, full)
-        if full[: len(upto)] != upto and same < base + n:
+        if start is None:
+            start = _find_once(full, added[:n], prev_end, special, i, moved)
+        elif full[: len(upto)] != upto and same < base + n:
             # The turn renders differently with later turns (Qwen3 drops earlier reasoning; a template
             # ends its final turn with a stop token of its own): from where the two renders part, the
             # turn in the whole render ends after as many special tokens as the turn has from there.
@@ -382,7 +393,27 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
         if any(mask[start : start + n]):
             raise SampleRefused(f"message {i} (assistant): its tokens overlap the previous assistant turn's")
         mask[start : start + n] = [1] * n
+        prev_end = start + n
     return full, mask
+
+
+def _find_once(full: list[int], turn: list[int], after: int, special: set[int], i: int, moved: SampleRefused) -> int:
+    """Where assistant turn ``i`` starts in the whole render when the template renders the
+    conversation before it differently once later turns follow (Mistral v0.3 / Nemo move the
+    system prompt to the last user turn, or drop it unless a user turn is last; tools go before
+    the last user turn): its own tokens (content through its end-of-turn token, a special token)
+    must occur exactly once after the previous assistant turn. Otherwise the sample is refused."""
+    if not any(t in special for t in turn):
+        raise moved
+    hits = [k for k in range(after, len(full) - len(turn) + 1) if full[k : k + len(turn)] == turn]
+    if len(hits) != 1:
+        raise SampleRefused(
+            f"message {i} (assistant): the chat template renders the conversation before this turn differently "
+            f"once later turns follow, and the turn's own tokens occur {len(hits)} times after the previous "
+            "assistant turn in the whole render (not once), so they cannot be told apart; refused rather than "
+            "trained with a wrong mask"
+        )
+    return hits[0]
 
 
 def _turn_without_footer(tok: Any, messages: list[dict], upto: list[int], base: int, prompt: list[int],

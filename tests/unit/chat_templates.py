@@ -375,6 +375,58 @@ LLAMA31 = Style(
     lambda c: c.strip() + "<|eot_id|>",
 )
 
+
+MISTRAL_NEMO = Style(
+    "mistral-nemo-v3-tekken",
+    # mistralai/Mistral-Nemo-Instruct-2407 (v3, tekken): [INST]…[/INST]answer</s> with nothing in
+    # between; the system prompt only in the last user turn and only when that turn is the
+    # conversation's last message (so a conversation that ends with an answer has none), the
+    # tools before the last user turn, calls as [TOOL_CALLS][…, "id": …]</s>, results in
+    # [TOOL_RESULTS]…[/TOOL_RESULTS]; no generation prompt. The prompt of an earlier turn is then
+    # no prefix of the whole render.
+    '{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}'
+    '{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}'
+    '{%- if not tools is defined %}{%- set tools = none %}{%- endif %}'
+    '{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}'
+    '{%- set ns = namespace() %}{%- set ns.index = 0 %}{%- for message in loop_messages %}'
+    '{%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}'
+    '{%- if (message["role"] == "user") != (ns.index % 2 == 0) %}'
+    '{{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}'
+    '{%- endif %}{%- set ns.index = ns.index + 1 %}{%- endif %}{%- endfor %}'
+    '{{- bos_token }}'
+    '{%- for message in loop_messages %}'
+    '{%- if message["role"] == "user" %}'
+    '{%- if tools is not none and (message == user_messages[-1]) %}{{- "[AVAILABLE_TOOLS][" }}'
+    '{%- for tool in tools %}{%- set tool = tool.function %}{{- \'{"type": "function", "function": {\' }}'
+    '{%- for key, val in tool.items() if key != "return" %}'
+    '{%- if val is string %}{{- \'"\' + key + \'": "\' + val + \'"\' }}{%- else %}{{- \'"\' + key + \'": \' + val|tojson }}{%- endif %}'
+    '{%- if not loop.last %}{{- ", " }}{%- endif %}{%- endfor %}{{- "}}" }}'
+    '{%- if not loop.last %}{{- ", " }}{%- else %}{{- "]" }}{%- endif %}{%- endfor %}{{- "[/AVAILABLE_TOOLS]" }}{%- endif %}'
+    '{%- if loop.last and system_message is defined %}{{- "[INST]" + system_message + "\\n\\n" + message["content"] + "[/INST]" }}'
+    '{%- else %}{{- "[INST]" + message["content"] + "[/INST]" }}{%- endif %}'
+    '{%- elif (message.tool_calls is defined and message.tool_calls is not none) %}' + GEN + '{{- "[TOOL_CALLS][" }}'
+    '{%- for tool_call in message.tool_calls %}{%- set out = tool_call.function|tojson %}{{- out[:-1] }}'
+    '{%- if not tool_call.id is defined or tool_call.id|length != 9 %}'
+    '{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}'
+    '{{- \', "id": "\' + tool_call.id + \'"}\' }}{%- if not loop.last %}{{- ", " }}{%- else %}{{- "]" + eos_token }}{%- endif %}'
+    '{%- endfor %}' + END +
+    '{%- elif message["role"] == "assistant" %}' + GEN + '{{- message["content"] + eos_token}}' + END +
+    '{%- elif message["role"] == "tool_results" or message["role"] == "tool" %}'
+    '{%- if message.content is defined and message.content.content is defined %}{%- set content = message.content.content %}'
+    '{%- else %}{%- set content = message.content %}{%- endif %}'
+    '{{- \'[TOOL_RESULTS]{"content": \' + content|string + ", " }}'
+    '{%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}'
+    '{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}'
+    '{{- \'"call_id": "\' + message.tool_call_id + \'"}[/TOOL_RESULTS]\' }}'
+    '{%- else %}{{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}'
+    '{%- endif %}{%- endfor %}',
+    ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+     "[/TOOL_RESULTS]"), "<s>", "</s>",
+    lambda c: c + "</s>",
+)
+
+#: The public families whose renders of the generic test conversations all have a mask (Mistral-Nemo drops the
+#: system prompt of a conversation that ends with an answer, which is refused: tests/unit/test_template_families.py).
 FAMILIES = (PHI35, PHI4_MINI, OLMO2, GRANITE3, DEEPSEEK_V3, LLAMA31)
 
 STYLES = (CHATML, LLAMA3, MISTRAL, GEMMA, LLAMA2, QWEN3, *FAMILIES)

@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from connector.sample_tokens import _marked_mask, encode_sample
-from tests.unit.chat_templates import (DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, LLAMA31, OLMO2, PHI4_MINI,
-                                      PHI35, QWEN3, make_tokenizer)
+from connector.sample_tokens import SampleRefused, encode_sample
+from tests.unit.chat_templates import (DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, LLAMA31, MISTRAL_NEMO, OLMO2,
+                                      PHI4_MINI, PHI35, QWEN3, make_tokenizer)
 from tests.unit.test_sidecar_data_rows import TOOLS, spelled
 
 MULTI = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
@@ -37,7 +37,14 @@ TOOL = [
 PHI4_CALL = '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]<|/tool_call|>'
 PHI4_TOOL = [{"role": "system", "content": "You call tools.", "tools": json.dumps(TOOLS)}, TOOL[0],
              {"role": "assistant", "content": PHI4_CALL}, TOOL[2], TOOL[3]]  # fmt: skip
-CONVS = {"multi-turn": MULTI, "system": SYSTEM, "empty-turn": EMPTY, "tool-call": TOOL, "tool-call-in-content": PHI4_TOOL}
+#: Mistral-Nemo wants tool-call ids of 9 characters.
+NEMO_TOOL = json.loads(json.dumps(TOOL).replace('"c1"', '"abcdefghi"'))
+#: Tools go before the last user turn, so the first answer's prompt has none and the whole render has them later.
+TOOLS_MOVED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."}]  # fmt: skip
+CONVS = {"multi-turn": MULTI, "system": SYSTEM, "empty-turn": EMPTY, "tool-call": TOOL, "tool-call-in-content": PHI4_TOOL,
+         "tool-call-9-char-ids": NEMO_TOOL, "tools-before-the-last-user-turn": TOOLS_MOVED}  # fmt: skip
+WITH_TOOLS = {"tool-call", "tool-call-9-char-ids", "tools-before-the-last-user-turn"}
 
 EOT = "<|endoftext|>"
 PHI = {
@@ -121,8 +128,24 @@ LLAMA = {
                   (f"It is 21 degrees.{T}", 1)],
 }  # fmt: skip
 
-EXPECTED = {PHI35.name: PHI, PHI4_MINI.name: PHI4, LLAMA31.name: LLAMA, OLMO2.name: OLMO, GRANITE3.name: GRANITE, DEEPSEEK_V3.name: DEEPSEEK}
-STYLE = {s.name: s for s in (PHI35, PHI4_MINI, OLMO2, GRANITE3, DEEPSEEK_V3, LLAMA31)}
+NEMO_TOOLS = ('[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", '
+              f'"parameters": {json.dumps(TOOLS[0]["function"]["parameters"])}}}}}][/AVAILABLE_TOOLS]')
+NEMO = {
+    "multi-turn": [("<s>[INST]Name a colour.[/INST]", 0), ("Blue.</s>", 1), ("[INST]Another?[/INST]", 0), ("Green.</s>", 1)],
+    # the system prompt goes only into a last user turn that is the conversation's last message, so the
+    # render of a conversation that ends with an answer drops it: refused, not trained without it
+    "system": "message 2 \\(assistant\\): the chat template renders the conversation before this turn differently",
+    "empty-turn": [("<s>[INST]Say nothing.[/INST]", 0), ("</s>", 1), ("[INST]Now say yes.[/INST]", 0), ("Yes.</s>", 1)],
+    "tool-call-9-char-ids": [
+        (f"<s>{NEMO_TOOLS}[INST]Weather in Paris?[/INST]", 0),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]</s>', 1),
+        ('[TOOL_RESULTS]{"content": {"temp": 21}, "call_id": "abcdefghi"}[/TOOL_RESULTS]', 0), ("It is 21 degrees.</s>", 1)],
+    "tools-before-the-last-user-turn": [("<s>[INST]Hi[/INST]", 0), ("Hello.</s>", 1),
+                                        (f"{NEMO_TOOLS}[INST]Weather in Paris?[/INST]", 0), ("Sunny.</s>", 1)],
+}  # fmt: skip
+
+EXPECTED = {PHI35.name: PHI, MISTRAL_NEMO.name: NEMO, PHI4_MINI.name: PHI4, LLAMA31.name: LLAMA, OLMO2.name: OLMO, GRANITE3.name: GRANITE, DEEPSEEK_V3.name: DEEPSEEK}
+STYLE = {s.name: s for s in (PHI35, PHI4_MINI, OLMO2, GRANITE3, DEEPSEEK_V3, LLAMA31, MISTRAL_NEMO)}
 CASES = [(family, conv) for family, convs in EXPECTED.items() for conv in convs]
 
 
@@ -134,7 +157,11 @@ def toks(tiny_model):
 @pytest.mark.parametrize(("family", "conv"), CASES, ids=[f"{f}-{c}" for f, c in CASES])
 def test_ids_and_mask_are_the_render_spelled_out_by_hand(toks, family, conv):
     tok = toks[(family, False)]
-    sample = {"messages": CONVS[conv], **({"tools": TOOLS} if conv == "tool-call" else {})}
+    sample = {"messages": CONVS[conv], **({"tools": TOOLS} if conv in WITH_TOOLS else {})}
+    if isinstance(EXPECTED[family][conv], str):  # refused, with this reason
+        with pytest.raises(SampleRefused, match=EXPECTED[family][conv]):
+            encode_sample(tok, sample)
+        return
     want = spelled(tok, *EXPECTED[family][conv])
     assert encode_sample(tok, sample) == want
     # the same template with {% generation %} markers around each assistant turn agrees
