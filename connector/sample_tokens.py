@@ -31,7 +31,9 @@ The assistant mask (which positions carry loss) works with every chat template:
   that ends with a stop token of its own) make that render no prefix; then the turn ends, in the
   whole render, after as many special tokens as it has from where the two renders part. When
   even the prompt before a turn is no prefix (a template that moves the system prompt to the
-  last user turn), the sample is refused: no mask could be trusted.
+  last user turn), the turn's own tokens (content through its end-of-turn token) are looked for
+  in the whole render after the previous assistant turn; found exactly once, that is the turn,
+  else the sample is refused: no mask could be trusted.
 
 Where the prompt differs from the whole render only inside the generation prompt (Qwen3 with
 ``enable_thinking=False``), the turn starts where the two part.
