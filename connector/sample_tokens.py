@@ -407,7 +407,7 @@ def _find_once(full: list[int], turn: list[int], after: int, special: set[int], 
     must occur exactly once after the previous assistant turn. Otherwise the sample is refused."""
     if not any(t in special for t in turn):
         raise moved
-    hits = [k for k in range(after, len(full) - len(turn) + 1) if full[k : k + len(turn)] == turn]
+    hits = [k for k in range(after, len(full) - len(turn) + 1) if full[k] == turn[0] and full[k : k + len(turn)] == turn]
     if len(hits) != 1:
         raise SampleRefused(
             f"message {i} (assistant): the chat template renders the conversation before this turn differently "
