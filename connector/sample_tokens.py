@@ -20,16 +20,20 @@ The assistant mask (which positions carry loss) works with every chat template:
   ``return_assistant_tokens_mask``), as the template's author meant;
 * any other template: the conversation is rendered turn by turn. For assistant turn *i*, the
   render of the turns before it plus the generation prompt (exactly what the model would be
-  prompted with) must be a token prefix of the whole conversation's render; the turn's
-  tokens start there. They end after its end-of-turn token: the render up to and including
-  the turn must also be a prefix, and its new tokens are kept through their last special
-  token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``), dropping the
-  separator the template writes after it (ChatML's ``\\n``), which the model never
-  generates. Templates that render a turn differently once later turns exist (Qwen3 drops
-  the reasoning of earlier turns) make the second render no prefix; then the turn ends at
-  the same end-of-turn token found in the whole render. When even the prompt before a turn
-  is no prefix (a template that moves the system prompt to the last user turn), the sample
-  is refused: no mask could be trusted.
+  prompted with) must be a token prefix of the whole conversation's render; the turn's tokens
+  start there. They are what the render up to and including the turn adds, without a footer the
+  template writes after the final turn only when no generation prompt follows (Phi-3's
+  ``<|endoftext|>``: what that render has where the render with the generation prompt parts from
+  it, :func:`_turn_without_footer`), kept through their last special token (``<|im_end|>``,
+  ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``), dropping the separator the template writes after
+  it (ChatML's ``\\n``), which the model never generates. Templates that render a turn
+  differently once later turns exist (Qwen3 drops the reasoning of earlier turns; a final turn
+  that ends with a stop token of its own) make that render no prefix; then the turn ends, in the
+  whole render, after as many special tokens as it has from where the two renders part. When
+  even the prompt before a turn is no prefix (a template that moves the system prompt to the
+  last user turn), the turn's own tokens (content through its end-of-turn token) are looked for
+  in the whole render after the previous assistant turn; found exactly once, that is the turn,
+  else the sample is refused: no mask could be trusted.
 
 Where the prompt differs from the whole render only inside the generation prompt (Qwen3 with
 ``enable_thinking=False``), the turn starts where the two part.
@@ -340,40 +344,110 @@ def turn_by_turn_mask(tok: Any, messages: list[dict], *, extra: dict | None = No
     full = _chat_ids(tok, messages, generation_prompt=False, extra=extra)
     mask = [0] * len(full)
     special = _special_ids(tok)
+    prev_end = 0  # where the previous assistant turn's tokens end in the whole render
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         prompt = _chat_ids(tok, messages[:i], generation_prompt=True, extra=extra) if i else _opening(tok, extra)
-        start = len(prompt) if full[: len(prompt)] == prompt else _start_in_whole(tok, messages, i, prompt, full, extra)
+        start: int | None = len(prompt)
+        moved: SampleRefused | None = None
+        if full[: len(prompt)] != prompt:
+            try:
+                start = _start_in_whole(tok, messages, i, prompt, full, extra)
+            except SampleRefused as e:  # the turn is then looked for by its own tokens, below
+                start, moved = None, e
         upto = _chat_ids(tok, messages[: i + 1], generation_prompt=False, extra=extra)
         if upto[: len(prompt)] == prompt:
-            added = upto[len(prompt) :]
-        elif upto[:start] == full[:start]:
-            added = upto[start:]
+            base = len(prompt)
+        elif start is not None and upto[:start] == full[:start]:
+            base = start
+        elif moved is not None:
+            raise moved
         else:
             raise SampleRefused(
                 f"message {i} (assistant): the chat template's generation prompt is not how it starts an "
                 "assistant turn (the render with the turn does not extend the render of the prompt)"
             )
+        if full[: len(upto)] != upto or len(upto) == len(full):
+            # What the template writes after the final turn only (Phi-3's <|endoftext|>) is no part of the turn.
+            upto = upto[: base + _turn_without_footer(tok, messages[: i + 1], upto, base, prompt, special, extra)]
+        added = upto[base:]
         marks = [k for k, t in enumerate(added) if t in special]
         n = marks[-1] + 1 if marks else len(added)  # through the end-of-turn token, not the separator after
-        if full[: len(upto)] != upto:
-            # The turn renders differently with later turns (e.g. Qwen3 drops earlier reasoning):
-            # it ends at the same count of its end-of-turn token in the whole render.
-            if not marks:
+        same = _common(upto, full)
+        if start is None:
+            start = _find_once(full, added[:n], prev_end, special, i, moved)
+        elif full[: len(upto)] != upto and same < base + n:
+            # The turn renders differently with later turns (Qwen3 drops earlier reasoning; a template
+            # ends its final turn with a stop token of its own): from where the two renders part, the
+            # turn in the whole render ends after as many special tokens as the turn has from there.
+            frm = max(same, base)
+            count = sum(t in special for t in upto[frm : base + n])
+            if not count:
                 raise SampleRefused(
                     f"message {i} (assistant): the chat template renders this turn differently once later "
                     "turns follow, and ends it with no special token to find it by"
                 )
-            eot, count = added[marks[-1]], added[:n].count(added[marks[-1]])
-            hits = [k for k in range(start, len(full)) if full[k] == eot][:count]
+            hits = [k for k in range(start + frm - base, len(full)) if full[k] in special][:count]
             if len(hits) < count:
                 raise SampleRefused(f"message {i} (assistant): its end-of-turn token is missing from the whole render")
             n = hits[-1] + 1 - start
         if any(mask[start : start + n]):
             raise SampleRefused(f"message {i} (assistant): its tokens overlap the previous assistant turn's")
         mask[start : start + n] = [1] * n
+        prev_end = start + n
     return full, mask
+
+
+def _find_once(full: list[int], turn: list[int], after: int, special: set[int], i: int, moved: SampleRefused) -> int:
+    """Where assistant turn ``i`` starts in the whole render when the template renders the
+    conversation before it differently once later turns follow (Mistral v0.3 / Nemo move the
+    system prompt to the last user turn, or drop it unless a user turn is last; tools go before
+    the last user turn): its own tokens (content through its end-of-turn token, a special token)
+    must occur exactly once after the previous assistant turn. Otherwise the sample is refused."""
+    if not any(t in special for t in turn):
+        raise moved
+    hits = [k for k in range(after, len(full) - len(turn) + 1) if full[k] == turn[0] and full[k : k + len(turn)] == turn]
+    if len(hits) != 1:
+        raise SampleRefused(
+            f"message {i} (assistant): the chat template renders the conversation before this turn differently "
+            f"once later turns follow, and the turn's own tokens occur {len(hits)} times after the previous "
+            "assistant turn in the whole render (not once), so they cannot be told apart; refused rather than "
+            "trained with a wrong mask"
+        )
+    return hits[0]
+
+
+def _turn_without_footer(tok: Any, messages: list[dict], upto: list[int], base: int, prompt: list[int],
+                         special: set[int], extra: dict) -> int:  # fmt: skip
+    """How many of the tokens from ``base`` on in ``upto`` (the render of ``messages``, ending with an
+    assistant turn) are the turn's, without a conversation-level footer: what the template writes
+    after the final turn only when no generation prompt follows (Phi-3 / Phi-3.5 write
+    ``<|endoftext|>`` there). The footer is what the render has where the render with the
+    generation prompt (the same messages, so the same turns) parts from it. It is dropped only
+    when that render goes on with just the generation prompt (``prompt``, the turn's own, ends
+    with it) and the turn's part before it ends with a special token and at most whitespace (its
+    own end-of-turn token and separator). Otherwise what differs is the turn's end itself (a
+    template that ends the final turn with a stop token of its own, as gpt-oss's ``<|return|>``)
+    and it stays."""
+    keep = len(upto) - base
+    try:
+        cont = _chat_ids(tok, messages, generation_prompt=True, extra=extra)
+    except SampleRefused:
+        return keep
+    cut = _common(upto, cont)
+    tail = len(cont) - cut  # what the generation prompt writes instead of the footer
+    if not base <= cut < len(upto) or tail > len(prompt) or prompt[len(prompt) - tail :] != cont[cut:]:
+        return keep
+    marks = [k for k in range(base, cut) if upto[k] in special]
+    if marks and not tok.decode(upto[marks[-1] + 1 : cut], skip_special_tokens=False).strip():
+        return cut - base
+    return keep
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _start_in_whole(tok: Any, messages: list[dict], i: int, prompt: list[int], full: list[int], extra: dict) -> int:
@@ -383,7 +457,8 @@ def _start_in_whole(tok: Any, messages: list[dict], i: int, prompt: list[int], f
     ``<think></think>`` block that earlier turns in the history do not show. The turn then starts
     where the prompt and the whole render part, after the header they share."""
     before = _chat_ids(tok, messages[:i], generation_prompt=False, extra=extra) if i else []
-    common = next((k for k, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+    before = before[: _common(before, prompt)]  # without a footer written only where no generation prompt follows
+    common = _common(prompt, full)
     if i and len(prompt) > len(before) and full[: len(before)] == before and common >= len(before):
         return common
     raise SampleRefused(

@@ -120,15 +120,31 @@ def test_qwen3_style_turn_that_renders_differently_later_still_gets_its_mask(tok
     assert masked_spans(tok, ids, mask) == ["Done.<|im_end|>", "<think>\nstill easy\n</think>\n\nYes.<|im_end|>"]
 
 
-def test_template_that_moves_the_system_prompt_is_refused_with_the_turn(tiny_model):
+def test_template_that_moves_the_system_prompt_masks_each_turn_by_its_own_tokens(tiny_model):
+    """The prompt of an earlier turn (system prompt in its user turn) is no prefix of the whole
+    render (system prompt in the last user turn): the turn is found by its own tokens, which
+    occur once after the previous turn; the render spelled out by hand."""
+    from tests.unit.test_sidecar_data_rows import spelled
+
     tok = make_tokenizer(tiny_model, MISTRAL_SYSTEM_LAST)
     msgs = [{"role": "system", "content": "Be kind."}, *CONVERSATIONS["two-assistant-turns"]]
-    with pytest.raises(SampleRefused, match=r"message 2 \(assistant\): the chat template renders the conversation "
-                                            r"before this turn differently"):  # fmt: skip
-        encode_sample(tok, {"messages": msgs})
-    # one exchange is unambiguous
+    want = spelled(tok, ("<s>[INST] Name a colour.[/INST]", 0), (" Blue, like the sea.</s>", 1),
+                   ("[INST] Be kind.\n\nAnd another one?[/INST]", 0), (" Green.\nA second line, too.</s>", 1))  # fmt: skip
+    assert encode_sample(tok, {"messages": msgs}) == want
+    # one exchange: the prompt is a prefix
     ids, mask = encode_sample(tok, {"messages": msgs[:3]})
     assert masked_spans(tok, ids, mask) == [" Blue, like the sea.</s>"]
+
+
+def test_a_moved_turn_whose_tokens_occur_twice_is_refused(tiny_model):
+    tok = make_tokenizer(tiny_model, MISTRAL_SYSTEM_LAST)
+    msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Again?"},
+            {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Again?"},
+            {"role": "assistant", "content": "Yes."}]  # fmt: skip
+    with pytest.raises(SampleRefused, match=r"message 2 \(assistant\): the chat template renders the conversation "
+                                            r"before this turn differently once later turns follow, and the turn's "
+                                            r"own tokens occur 2 times"):  # fmt: skip
+        encode_sample(tok, {"messages": msgs})
 
 
 @pytest.mark.parametrize("style", STYLES, ids=[s.name for s in STYLES])
