@@ -152,3 +152,35 @@ def test_a_checkpoints_many_acks_go_in_messages_of_bounded_size(tmp_path, monkey
     assert [len(m.keys) for m in sc.of(P.Ack)] == [3, 3, 1]
     assert sorted((k.index, t) for m in sc.of(P.Ack) for k, t in m.pairs()) == [(i, f"{i:032x}") for i in range(7)]
     assert len(got) == 7
+
+
+def test_an_honest_stream_settles_everything_through_the_real_sidecar_with_deferred_acks(tmp_path):
+    """The real delivery service and ledger, the real stream (``ack="manual"``, acks after the
+    loop as after a checkpoint): every sample consumed, no settlement ignored."""
+    from tests.unit.test_stream_pool import write_sample
+    from trainer_client import HiddenStateStream
+
+    spool = tmp_path / "spool"
+    P.claim_spool(spool)
+    ds = [write_sample(spool, i) for i in range(6)]
+    ledger = Ledger()
+    job = ledger.add_job([NewSample(d.expected_token_ids, None, None, 30) for d in ds]).job_id
+    for d in ds:
+        s = ledger.next_to_submit(10**12)
+        src = ds[s.key.index].notice
+        ledger.on_notice(src.model_copy(update={"key": s.key, "attempt": s.attempt}), (spool / src.file).stat().st_size)
+    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger)
+    svc.start()
+    try:
+        with HiddenStateStream(svc.endpoint, jobs=[job], spool_dir=spool, credit=4, timeout_s=20, ack="manual") as st:
+            got = []
+            for x in st:
+                got.append(x.key)
+                if len(got) == 6:
+                    st.ack_through(got[-1])
+        assert _until(lambda: ledger.jobs[job].counts()["consumed"] == 6), ledger.jobs[job].counts()
+    finally:
+        svc.stop()
+    assert sorted(k.index for k in got) == list(range(6))
+    assert svc.stats["unheld_acks"] == svc.stats["unheld_receiveds"] == svc.stats["unheld_fails"] == 0
+    assert ledger.reserved_bytes == 0 and not list(spool.glob("hs-*"))
