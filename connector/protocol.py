@@ -24,13 +24,17 @@ import re
 import stat
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from connector import payload as _payload
 
-PROTOCOL_VERSION = 1
+#: Version 2: the lease token (``Deliver.token``, echoed in ACK / RECEIVED / FAIL) and FAIL's
+#: optional ``not_received``. Peers of another version are refused (``VersionMismatch``).
+PROTOCOL_VERSION = 2
+#: Characters a lease token may have on the wire (the sidecar makes 32 hex digits).
+TOKEN_MAX = 64
 
 #: Keys inside the safetensors file.
 HIDDEN_STATES_KEY = "hidden_states"
@@ -75,6 +79,17 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.safetensors$")
 
 class ProtocolError(ValueError):
     """A message or file that does not follow this protocol; never silently accepted."""
+
+
+class VersionMismatch(ProtocolError):
+    """A message of another protocol version: the peer runs another hsstream release."""
+
+    def __init__(self, version: object) -> None:
+        self.version = version
+        super().__init__(
+            f"unsupported protocol version {version!r} (this build speaks {PROTOCOL_VERSION}): the sidecar, "
+            "the vLLM connector and the trainers must run hsstream releases of the same protocol version"
+        )
 
 
 class UnsafePathError(ProtocolError):
@@ -174,7 +189,7 @@ def _decode_versioned(cls: type[_Model], data: bytes | str) -> Any:
         raise ProtocolError("message is not a JSON object")
     v = obj.get("v")
     if type(v) is not int or v != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {v!r} (this build speaks {PROTOCOL_VERSION})")
+        raise VersionMismatch(v)
     try:
         return cls.model_validate(obj)
     except ValidationError as e:
@@ -248,11 +263,20 @@ def stamp_sidecar_queue(n: Notice, now: float) -> Notice:
     return n.model_copy(update={"timings": {**n.timings, TIMING_SIDECAR_QUEUE: round(queued, 6)}})
 
 
+#: A lease token as it travels: a trainer's, echoed back, is only compared, never trusted.
+Token = Annotated[str, Field(max_length=TOKEN_MAX)]
+
+
 class Deliver(_Model):
-    """One sample offered to a trainer, with what the sidecar expects so the client can check."""
+    """One sample offered to a trainer, with what the sidecar expects so the client can check.
+
+    ``token``: this lease's secret. Keys are sequential and job ids are no secret, so anyone
+    who can reach the socket could name a sample; only the trainer it was delivered to knows
+    the token, and an ACK, RECEIVED or FAIL counts only with it."""
 
     v: int = PROTOCOL_VERSION
     notice: Notice
+    token: Token = ""  # "" only for a file read without a sidecar (``read_hidden_states``)
     expected_token_ids: list[int] | None = None
     loss_mask: list[int] | None = None
     label: str | None = None  # the user's own id, if any
@@ -261,13 +285,31 @@ class Deliver(_Model):
 
 
 class Ack(_Model):
+    """Samples consumed. ``tokens[i]`` is the lease token of ``keys[i]`` (from its DELIVER); a
+    key without its token is ignored by the sidecar."""
+
     v: int = PROTOCOL_VERSION
     keys: list[SampleKey]
+    tokens: list[Token] = Field(default_factory=list)
+
+    def pairs(self) -> list[tuple[SampleKey, str]]:
+        return _pairs(self.keys, self.tokens)
 
 
 class Received(_Model):
+    """The bytes are in hand, the file may go; ``tokens`` as in :class:`Ack`."""
+
     v: int = PROTOCOL_VERSION
     keys: list[SampleKey]
+    tokens: list[Token] = Field(default_factory=list)
+
+    def pairs(self) -> list[tuple[SampleKey, str]]:
+        return _pairs(self.keys, self.tokens)
+
+
+def _pairs(keys: list[SampleKey], tokens: list[str]) -> list[tuple[SampleKey, str]]:
+    """Each key with its token; a key the list has no token for gets "" (never a valid one)."""
+    return [(k, tokens[i] if i < len(tokens) else "") for i, k in enumerate(keys)]
 
 
 class Fail(_Model):
@@ -281,6 +323,7 @@ class Fail(_Model):
     key: SampleKey
     reason: str
     not_received: bool = False
+    token: Token = ""  # the lease token of its DELIVER
 
     @model_serializer(mode="wrap")
     def _omit_default_flag(self, handler: Any) -> dict[str, Any]:

@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     # never waits for one trainer.
     max_trainer_credit: int = Field(default=256, ge=1, le=65536)
     trainer_send_hwm: int = Field(default=256, ge=1, le=65536)
+    # What one message from a peer may cost: a larger one (a trainer's to the delivery socket, a
+    # notice) drops its connection in ZeroMQ, unparsed; the jobs one trainer's HELLO may name
+    # (each delivery pass walks them under the ledger's lock): more is refused with a reason.
+    max_peer_message_bytes: int = Field(default=1 << 20, ge=64 << 10, le=1 << 30)
+    max_hello_jobs: int = Field(default=1024, ge=1, le=100_000)
     max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
     max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
     # One job's size: its samples, and its rows in the ledger (samples x epochs), each written and

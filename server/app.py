@@ -83,11 +83,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     svc = Services(
         settings=s, ledger=ledger, metrics=SidecarMetrics(ledger), sizer=sizer,
         tokenizer=Tokenizer(s.model or None, max_model_len=max_len), keeper=SpoolKeeper(spool, ledger),
-        notices=NoticeReceiver(s.notice_ep(), spool, ledger),
+        notices=NoticeReceiver(s.notice_ep(), spool, ledger, max_message_bytes=s.max_peer_message_bytes),
         delivery=DeliveryService(
             s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s,
             remote_endpoint=s.remote_endpoint, curve=_curve(s), mooncake=_mooncake(s),
             max_credit=s.max_trainer_credit, send_hwm=s.trainer_send_hwm,
+            max_message_bytes=s.max_peer_message_bytes, max_hello_jobs=s.max_hello_jobs,
         ),
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,
@@ -96,6 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ),
     )  # fmt: skip
     svc.submitter.on_latency = svc.metrics.request_latency.observe
+    svc.delivery.on_unheld = svc.metrics.count_unheld  # settlements without their lease token
     svc.submitter.on_engine_limit = svc.tokenizer.set_engine_limit  # vLLM's max_model_len, once it answers
     svc.notices.observe = sizer.learn  # the sample size, from the first notice when no config was readable
 

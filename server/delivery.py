@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,8 @@ from server.schemas import TrainerInfo
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
+
+Lease = tuple[P.SampleKey, str]  # a key and the lease token a trainer names it with
 
 #: Most trainer messages applied in one ledger transaction (the lock is held meanwhile).
 BATCH = 256
@@ -71,6 +74,10 @@ class Peer:
     holding: set[P.SampleKey] = field(default_factory=set)
     #: A DELIVER to it was refused (its queue full, it does not read): no new leases until then.
     stalled_until: float = 0.0
+    #: Refused (another protocol version, a HELLO over the limits): told once, served nothing.
+    refused: bool = False
+    #: It settled a sample without its lease token: said once in the log, then only counted.
+    warned_unheld: bool = False
     #: The stream's own figures from its heartbeats: (alive_s, waited_s) now and one beat before.
     beat: tuple[float, float] | None = None
     prev_beat: tuple[float, float] | None = None
@@ -113,7 +120,12 @@ class DeliveryService(SocketThread):
         mooncake: Sender | None = None,
         max_credit: int = 256,
         send_hwm: int = 256,
+        max_message_bytes: int = 1 << 20,
+        max_hello_jobs: int = 1024,
     ) -> None:
+        """``max_message_bytes``: the largest message part a trainer may send (ZeroMQ drops the
+        connection of one that sends more, before anything is parsed); ``max_hello_jobs``: the
+        most jobs a HELLO may name (each delivery pass walks them under the ledger's lock)."""
         super().__init__()
         if max_credit < 1 or send_hwm < 1:
             raise ValueError(f"max_credit and send_hwm must be at least 1 (got {max_credit}, {send_hwm})")
@@ -128,11 +140,18 @@ class DeliveryService(SocketThread):
         self.heartbeat_s = heartbeat_s
         self.max_credit = max_credit
         self.send_hwm = send_hwm
+        self.max_message_bytes = max_message_bytes
+        self.max_hello_jobs = max_hello_jobs
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         # delivered_remote: the bytes left through us (zmq or mooncake), also counted per transport.
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
                       "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0,
-                      "orphans_deleted": 0, "send_refused": 0}  # fmt: skip
+                      "orphans_deleted": 0, "send_refused": 0,
+                      # keys of ACK / RECEIVED / FAIL messages ignored: without the token of the
+                      # sample's latest lease (never delivered to the sender, or a stale copy's)
+                      "unheld_acks": 0, "unheld_receiveds": 0, "unheld_fails": 0}  # fmt: skip
+        #: Told (kind, keys) of each message's ignored keys, e.g. the Prometheus counter.
+        self.on_unheld: Callable[[str, int], object] | None = None
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
@@ -163,6 +182,7 @@ class DeliveryService(SocketThread):
         local.setsockopt(zmq.LINGER, 0)
         local.setsockopt(zmq.ROUTER_MANDATORY, 1)
         local.setsockopt(zmq.SNDHWM, self.send_hwm)
+        local.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         local.bind(self.endpoint)
         self._socks[b"L"] = local
         auth = None
@@ -176,6 +196,7 @@ class DeliveryService(SocketThread):
             remote.setsockopt(zmq.LINGER, 0)
             remote.setsockopt(zmq.ROUTER_MANDATORY, 1)
             remote.setsockopt(zmq.SNDHWM, self.send_hwm)
+            remote.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             remote.curve_server = True
             remote.curve_publickey = self.curve.public
             remote.curve_secretkey = self.curve.secret
@@ -274,13 +295,18 @@ class DeliveryService(SocketThread):
     def _on_message(self, owner: bytes, frames: list[bytes]) -> None:
         try:
             msg = P.decode_msg(frames)
+        except P.VersionMismatch as e:
+            self._refuse(owner, self._peer(owner), f"this sidecar speaks protocol version {P.PROTOCOL_VERSION}: {e}")
+            return
         except P.ProtocolError as e:
             log.error("bad message from trainer %s: %s", owner.hex(), e)
             return
-        peer = self.peers.get(owner)
-        if peer is None:
-            peer = self.peers[owner] = Peer(remote=owner[:1] == b"R")
-        peer.last_seen = time.monotonic()
+        peer = self._peer(owner)
+        hello = msg if isinstance(msg, P.Hello) else msg.hello if isinstance(msg, P.Heartbeat) else None
+        if hello is not None and hello.jobs is not None and len(hello.jobs) > self.max_hello_jobs:
+            self._refuse(owner, peer, f"its HELLO names {len(hello.jobs)} jobs; this sidecar follows at most "
+                                      f"{self.max_hello_jobs} for one trainer (HSSTREAM_MAX_HELLO_JOBS)")  # fmt: skip
+            return
         if isinstance(msg, P.Heartbeat) and msg.hello is not None and not peer.greeted:
             # A trainer we do not know (we restarted, it did not): resume from its heartbeat.
             peer.jobs, peer.follow, peer.greeted = msg.hello.jobs, msg.hello.follow, True
@@ -297,26 +323,29 @@ class DeliveryService(SocketThread):
         elif isinstance(msg, P.Received):
             sender = self.senders.get(peer.transport)
             peer.stalled_until = 0.0  # it reads again
-            for k in msg.keys:
+            for k, token in self._held(owner, peer, "receiveds", msg.pairs()):
                 peer.holding.discard(k)
                 s = self.ledger.get(k)
                 file = s.notice.file if s and s.notice else None
-                if self.ledger.received(owner, k, self._file_exists) and sender is not None and sender.sidecar_deletes:
+                freed = self.ledger.received(owner, k, token, self._file_exists)
+                if freed and sender is not None and sender.sidecar_deletes:
                     self._delete_after_commit(sender, k, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             orphans: list[tuple[P.SampleKey, str]] = []
+            pairs = self._held(owner, peer, "acks", msg.pairs())
+            keys = [k for k, _ in pairs]
             try:
-                acked, dup = self.ledger.ack_many(owner, msg.keys, orphans)
+                acked, dup = self.ledger.ack_many(owner, keys, [t for _, t in pairs], orphans)
             except Exception:  # noqa: BLE001 - none of the list applied: do not leave it leased
                 # Its leases go back (as for a lost trainer); a redelivered sample it already
                 # acked is acked again by the stream on sight, so the ack is not lost.
-                log.exception("ACK of %d key(s) from trainer %s failed: returning its leases", len(msg.keys), owner.hex())
+                log.exception("ACK of %d key(s) from trainer %s failed: returning its leases", len(keys), owner.hex())
                 self.stats["ack_errors"] += 1
                 self._release_owner(owner)
                 return
             self.stats["acked"] += acked
             peer.acked += acked
-            peer.holding.difference_update(msg.keys)
+            peer.holding.difference_update(keys)
             peer.stalled_until = 0.0
             self.stats["duplicate_acks"] += dup
             # Files of consumed samples no one will read (a copy produced again after a restart,
@@ -326,12 +355,51 @@ class DeliveryService(SocketThread):
                 self.stats["orphans_deleted"] += 1
                 self._delete_after_commit(sender, k, file)
         elif isinstance(msg, P.Fail):
+            if not self._held(owner, peer, "fails", [(msg.key, msg.token)]):
+                return  # another trainer's offer is not freed either
             self.stats["trainer_failed"] += 1
             peer.holding.discard(msg.key)
             if (sender := self.senders.get(peer.transport)) is not None:
                 sender.release(msg.key)
-            gone = self.ledger.trainer_failed(owner, msg.key, msg.reason, not_received=msg.not_received)
+            gone = self.ledger.trainer_failed(owner, msg.key, msg.token, msg.reason, not_received=msg.not_received)
             P.remove_from_spool(self.spool, gone)
+
+    def _held(self, owner: bytes, peer: Peer, kind: str, pairs: list[Lease]) -> list[Lease]:
+        """The (key, token) pairs of a message that prove a lease (``Ledger.holds``); the rest
+        are ignored here, counted (``unheld_<kind>``) and, once per trainer, logged: keys are
+        guessable, so a peer may name samples it was never delivered (or a copy's lease that
+        another lease replaced since)."""
+        held = [(k, t) for k, t in pairs if self.ledger.holds(k, t)]
+        if (bad := len(pairs) - len(held)) == 0:
+            return held
+        self.stats[f"unheld_{kind}"] += bad
+        if self.on_unheld is not None:
+            self.on_unheld(kind, bad)
+        if not peer.warned_unheld:
+            peer.warned_unheld = True
+            log.warning("trainer %s settled %d sample(s) without their lease token (%s): ignored; later ones "
+                        "are only counted (unheld_%s)", owner.hex(), bad, kind.upper()[:-1], kind)  # fmt: skip
+        return held
+
+    def _peer(self, owner: bytes) -> Peer:
+        peer = self.peers.get(owner)
+        if peer is None:
+            peer = self.peers[owner] = Peer(remote=owner[:1] == b"R")
+        peer.last_seen = time.monotonic()
+        return peer
+
+    def _refuse(self, owner: bytes, peer: Peer, why: str) -> None:
+        """Serve a trainer nothing, and say why once: an END with the reason, which the stream
+        raises (one of another protocol version fails to parse it and raises the version error)."""
+        if peer.refused:
+            return
+        peer.refused = peer.ended = True
+        peer.greeted = False  # never served: _dispatch skips it until its timeout
+        log.warning("trainer %s refused: %s", owner.hex(), why)
+        try:
+            self._send(owner, P.encode_msg(P.End(jobs=None, reason=f"refused: {why}")))
+        except zmq.ZMQError:
+            pass  # refused all the same
 
     def _delete_after_commit(self, sender: Sender, key: P.SampleKey, file: str | None) -> None:
         """Free a sample's offer and delete its file, once the ledger group that decided it is
@@ -440,7 +508,8 @@ class DeliveryService(SocketThread):
         for i, s in enumerate(leased):
             assert s.notice is not None
             d = P.Deliver(notice=P.stamp_sidecar_queue(s.notice, time.time()), expected_token_ids=s.token_ids,
-                          loss_mask=s.loss_mask, label=s.label, lease_s=self.peer_timeout_s)  # fmt: skip
+                          loss_mask=s.loss_mask, label=s.label, lease_s=self.peer_timeout_s,
+                          token=s.lease_token or "")  # fmt: skip
             try:
                 # Only a sender that moves the bytes opens the file (the spool's trainer does itself).
                 path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import os
+import hmac
 import random
+import secrets
 import sqlite3
 import threading
 import time
@@ -74,6 +76,10 @@ class Sample:
     notice: P.Notice | None = None
     on_disk_bytes: int = 0  # file present in the spool (READY/LEASED until received)
     lease_owner: bytes | None = None
+    #: The secret of the sample's latest lease (its DELIVER carried it): what proves a trainer
+    #: held it. Kept, on disk too, until the next lease, so the trainer can still settle it
+    #: after its lease lapsed or the sidecar restarted.
+    lease_token: str | None = None
     submitted_at: float = 0.0
     errors: list[str] = field(default_factory=list)
     generated: bool = False  # regenerate mode: vLLM's reply is known (token ids final)
@@ -137,7 +143,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS samples (
   job_id TEXT, epoch INTEGER, idx INTEGER, ord INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT,
   expected_bytes INTEGER, state TEXT, attempt INTEGER, notice TEXT, on_disk_bytes INTEGER, errors TEXT,
-  prompt_len INTEGER, qpos INTEGER, PRIMARY KEY (job_id, epoch, idx));
+  prompt_len INTEGER, qpos INTEGER, lease_token TEXT, PRIMARY KEY (job_id, epoch, idx));
 """
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS samples_queue ON samples(qpos) WHERE state = 'queued';
@@ -145,7 +151,34 @@ CREATE INDEX IF NOT EXISTS samples_in_flight ON samples(job_id, ord) WHERE state
 CREATE INDEX IF NOT EXISTS samples_errors ON samples(job_id, ord) WHERE errors IS NOT NULL;
 """
 _COLS = ("job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, on_disk_bytes, "
-         "errors, prompt_len, qpos")  # fmt: skip
+         "errors, prompt_len, qpos, lease_token")  # fmt: skip
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _to_v1(db: sqlite3.Connection) -> None:
+    """Files of before the schema had a version: the queue (``qpos``) and the job summaries
+    moved into SQLite at some point of those releases, so each is added where it is missing."""
+    if "qpos" not in _columns(db, "samples"):
+        db.execute("ALTER TABLE samples ADD COLUMN qpos INTEGER")
+        db.execute("UPDATE samples SET qpos = ord")
+        db.execute("UPDATE samples SET errors = NULL WHERE errors = '[]'")
+    if "summary" not in _columns(db, "jobs"):
+        db.execute("ALTER TABLE jobs ADD COLUMN summary TEXT")
+
+
+def _to_v2(db: sqlite3.Connection) -> None:
+    """The lease token. Samples leased before have none: no trainer can settle those leases
+    (a trainer of the older protocol is refused anyway); they are recovered and leased again."""
+    db.execute("ALTER TABLE samples ADD COLUMN lease_token TEXT")
+
+
+#: ``_MIGRATIONS[v]`` brings a file of schema version ``v`` (``PRAGMA user_version``) to ``v + 1``.
+#: Append only: a released step never changes, since files it already upgraded exist.
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1, _to_v2)
+SCHEMA_VERSION = len(_MIGRATIONS)
 
 
 def _pack(ids: list[int] | None) -> bytes | None:
@@ -161,9 +194,9 @@ def _unpack(b: bytes | None) -> list[int] | None:
 
 
 def _sample(row: tuple) -> Sample:
-    jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen, qpos = row
+    jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen, qpos, token = row
     s = Sample(P.SampleKey(job=jid, epoch=ep, index=idx), _unpack(ids) or [], _unpack(mask), label, eb, State(st), att,
-               P.Notice.model_validate_json(notice) if notice else None, odb or 0,
+               P.Notice.model_validate_json(notice) if notice else None, odb or 0, lease_token=token,
                errors=json.loads(errs) if errs else [], prompt_len=plen if plen is not None else -1,
                qpos=qpos or 0, saved=State(st))  # fmt: skip
     s.generated = s.prompt_len >= 0 and len(s.token_ids) > s.prompt_len
@@ -197,22 +230,31 @@ class Ledger:
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._in_tx = False  # a transaction is open (under the lock): _tx nests as a savepoint
         self._migrate()
         self._db.executescript(_INDEXES)
         self.listeners: list[Listener] = []
         self._deferred: list[tuple] | None = None  # listener events held back by ack_many
-        self._in_tx = False  # a transaction is open (under the lock): _tx nests as a savepoint
 
     def _migrate(self) -> None:
-        """Ledgers written before the queue and the job summaries moved into SQLite."""
-        cols = {r[1] for r in self._db.execute("PRAGMA table_info(samples)")}
-        if "qpos" not in cols:
-            self._db.execute("ALTER TABLE samples ADD COLUMN qpos INTEGER")
-            self._db.execute("UPDATE samples SET qpos = ord")
-            self._db.execute("UPDATE samples SET errors = NULL WHERE errors = '[]'")
-        if "summary" not in {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}:
-            self._db.execute("ALTER TABLE jobs ADD COLUMN summary TEXT")
+        """A new file gets today's schema; an older one is brought to it a step at a time
+        (``_MIGRATIONS``), each step with its new version in one transaction. A file of a newer
+        release is refused: this code does not know what its columns mean."""
+        have = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if have > SCHEMA_VERSION:
+            raise RuntimeError(f"ledger {self.path} has schema version {have}, newer than this release's "
+                               f"{SCHEMA_VERSION}: run the hsstream release that wrote it")  # fmt: skip
+        new = not self._db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='samples'").fetchone()
+        if new:
+            with self._tx():
+                for stmt in filter(str.strip, _SCHEMA.split(";")):
+                    self._db.execute(stmt)
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            return
+        for version in range(have, SCHEMA_VERSION):
+            with self._tx():
+                _MIGRATIONS[version](self._db)
+                self._db.execute(f"PRAGMA user_version = {version + 1}")
 
     def is_open(self) -> bool:
         try:
@@ -225,10 +267,10 @@ class Ledger:
     def _save(self, s: Sample) -> None:
         """Write a sample through, move it between RAM and SQLite-only, and keep the counts."""
         self._db.execute(
-            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=? "
+            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=?, lease_token=? "
             "WHERE job_id=? AND epoch=? AND idx=?",
             (s.state.value, s.attempt, s.notice_json(), s.on_disk_bytes,
-             json.dumps(s.errors) if s.errors else None, s.qpos, s.key.job, s.key.epoch, s.key.index),
+             json.dumps(s.errors) if s.errors else None, s.qpos, s.lease_token, s.key.job, s.key.epoch, s.key.index),
         )  # fmt: skip
         if s.state in IN_FLIGHT:
             self._live[s.key] = s
@@ -439,7 +481,9 @@ class Ledger:
                     with self._tx():
                         q0 = self._qhi + 1
                         self._db.executemany(
-                            "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            "INSERT INTO samples (job_id, epoch, idx, ord, token_ids, loss_mask, label, "
+                            "expected_bytes, state, attempt, notice, on_disk_bytes, errors, prompt_len, qpos) "
+                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                             ((job_id, ep, i, order + k, *packed[i], samples[i].label, samples[i].expected_bytes,
                               State.queued.value, 0, None, 0, None, len(samples[i].token_ids), q0 + k)
                              for k, i in enumerate(part)),
@@ -788,7 +832,7 @@ class Ledger:
                     if s.state != State.ready:
                         continue
                     s.state = State.leased
-                    s.lease_owner = owner
+                    s.lease_owner, s.lease_token = owner, secrets.token_hex(16)
                     self._save(s)
                     return s
                 self._ready.pop(job, None)
@@ -799,6 +843,7 @@ class Ledger:
         sends them once this returns, so every lease a trainer hears of is on disk. If the write
         fails, none is leased: they are READY again, at the front, and the error propagates."""
         out: list[Sample] = []
+        tokens: list[str | None] = []  # each one's previous token, put back if the leases are undone
         if n <= 0:
             return out
         with self._lock:
@@ -812,15 +857,17 @@ class Ledger:
                             if s.state != State.ready:
                                 continue
                             out.append(s)
+                            tokens.append(s.lease_token)
                             s.state = State.leased
-                            s.lease_owner = owner
+                            s.lease_owner, s.lease_token = owner, secrets.token_hex(16)
                             self._save(s)
                         if not dq:
                             self._ready.pop(job, None)
                         if len(out) >= n:
                             break
             except BaseException:
-                for s in reversed(out):
+                for s, token in zip(reversed(out), reversed(tokens), strict=True):
+                    s.lease_token = token
                     if s.saved == State.leased:  # its write went through before the failure: undo the counts
                         s.saved = State.ready
                         self._n_ready += 1
@@ -834,8 +881,17 @@ class Ledger:
             self._tell_deferred()
             return out
 
-    def received(self, owner: bytes, key: P.SampleKey, file_exists: Callable[[str], bool] | None = None) -> int:
+    def holds(self, key: P.SampleKey, token: str | None) -> bool:
+        """Whether ``token`` is the secret of ``key``'s latest lease: the proof that whoever
+        sends it was delivered the sample. Nothing else lets a trainer settle one."""
+        with self._lock:
+            s = self.get(key)
+            return bool(s is not None and s.lease_token and token and hmac.compare_digest(s.lease_token, token))
+
+    def received(self, owner: bytes, key: P.SampleKey, token: str | None,
+                 file_exists: Callable[[str], bool] | None = None) -> int:  # fmt: skip
         """The trainer holds the bytes and the file is gone: its spool bytes are free again.
+        Only with the lease's ``token`` (:meth:`holds`); without it nothing changes.
 
         From a trainer that no longer holds the lease (it lapsed, or we restarted), the file
         it was sent is gone all the same: if that is the sample's file, the sample is produced
@@ -848,7 +904,7 @@ class Ledger:
         taken as gone."""
         with self._lock:
             s = self._live.get(key)
-            if s is None or s.on_disk_bytes == 0:
+            if s is None or s.on_disk_bytes == 0 or not self.holds(key, token):
                 return 0
             if s.lease_owner != owner:
                 if s.lease_owner is None and s.state == State.ready:
@@ -861,10 +917,12 @@ class Ledger:
             self._save(s)
             return freed
 
-    def ack(self, owner: bytes, key: P.SampleKey, orphans: list[tuple[P.SampleKey, str]] | None = None) -> bool:
-        """First ack wins; a repeated ack, or one for a sample another trainer holds, changes
-        nothing. An ack for a sample no one holds (the trainer used it before a sidecar
-        restart) is accepted: it was consumed, once.
+    def ack(self, owner: bytes, key: P.SampleKey, token: str | None,
+            orphans: list[tuple[P.SampleKey, str]] | None = None) -> bool:  # fmt: skip
+        """First ack wins; a repeated ack, one for a sample another trainer holds, or one
+        without the token of the sample's latest lease (:meth:`holds`) changes nothing. An ack
+        for a sample no one holds now, with that token (the trainer used it before its lease
+        lapsed or the sidecar restarted), is accepted: it was consumed, once.
 
         A file the sample still has in the spool (READY again, produced a second time after a
         restart while the trainer used the first copy; or leased and never RECEIVED) has no
@@ -872,7 +930,7 @@ class Ledger:
         the ack is on disk. Kept, it would outlive its sample until the reaper's grace."""
         with self._lock:
             s = self.get(key)
-            if s is None or s.state in TERMINAL:
+            if s is None or s.state in TERMINAL or not self.holds(key, token):
                 return False
             if s.lease_owner is not None and s.lease_owner != owner:
                 return False
@@ -890,10 +948,12 @@ class Ledger:
             return True
 
     def ack_many(
-        self, owner: bytes, keys: list[P.SampleKey], orphans: list[tuple[P.SampleKey, str]] | None = None
+        self, owner: bytes, keys: list[P.SampleKey], tokens: list[str],
+        orphans: list[tuple[P.SampleKey, str]] | None = None,
     ) -> tuple[int, int]:
         """Apply one ACK message as a whole: all its keys, in one transaction, or none (an error
         part-way rolls back the database and the in-memory state alike, then propagates).
+        ``tokens[i]`` is ``keys[i]``'s lease token (see :meth:`ack`).
         Returns (acked, ignored as repeats or not this trainer's); the files the acks left
         without a reader are added to ``orphans`` (see :meth:`ack`), only if it applied."""
         with self._lock:
@@ -907,7 +967,7 @@ class Ledger:
             try:
                 left: list[tuple[P.SampleKey, str]] = []
                 with self._tx():
-                    acked = sum(self.ack(owner, k, left) for k in keys)
+                    acked = sum(self.ack(owner, k, t, left) for k, t in zip(keys, tokens, strict=True))
             except BaseException:
                 for smp, state, was_saved, on_disk, lease in saved[0]:
                     smp.state, smp.saved, smp.on_disk_bytes, smp.lease_owner = state, was_saved, on_disk, lease
@@ -930,17 +990,19 @@ class Ledger:
             for fn in self.listeners:
                 fn(*ev)
 
-    def trainer_failed(self, owner: bytes, key: P.SampleKey, reason: str, *, not_received: bool = False) -> str | None:
-        """The trainer found the sample invalid: regenerate it. Returns a file to delete.
+    def trainer_failed(self, owner: bytes, key: P.SampleKey, token: str | None, reason: str, *,
+                       not_received: bool = False) -> str | None:  # fmt: skip
+        """The trainer found the sample invalid: regenerate it. Returns a file to delete. Only
+        from the trainer holding its lease, with the lease's ``token``.
 
         ``not_received``: the trainer never had the bytes (the file was gone or unreadable in
         the spool): produced again as a lost file is, with a new attempt number (a late notice
         of this one is refused) and no error counted, since the sample itself was never seen."""
         with self._lock:
             s = self._live.get(key)
-            if s is None or s.state != State.leased or s.lease_owner != owner:
+            if s is None or s.state != State.leased or s.lease_owner != owner or not self.holds(key, token):
                 return None
-            self.received(owner, key)
+            self.received(owner, key, token)
             s.lease_owner = None
             f = s.notice.file if s.notice else None
             s.notice = None

@@ -25,6 +25,10 @@ class SidecarMetrics:
         self.states = Gauge("hsstream_samples_in_state", "Samples per state now", ["state"], registry=r)
         self.reserved = Gauge("hsstream_spool_reserved_bytes", "Spool bytes reserved (files + in flight)", registry=r)
         self.tmpfs_used = Gauge("hsstream_spool_fs_used_bytes", "Used bytes of the spool's filesystem", registry=r)
+        # Settling a sample takes its lease token: a key without it was never delivered to the sender
+        # (or is a copy's whose lease was replaced since). Anything but ~0 is worth a look.
+        self.unheld = Counter("hsstream_unheld_settlements_total", "Keys of trainer ACK / RECEIVED / FAIL messages "
+                              "ignored for want of their lease token", ["kind"], registry=r)  # fmt: skip
         self.consumed = RateMeter()
         ledger.listeners.append(self._on_transition)
 
@@ -33,6 +37,10 @@ class SidecarMetrics:
         if state == State.consumed:
             self.tokens.inc(tokens)
             self.consumed.add(n, tokens)
+
+    def count_unheld(self, kind: str, n: int) -> None:
+        """``DeliveryService.on_unheld``: ``kind`` acks, receiveds or fails."""
+        self.unheld.labels(kind).inc(n)
 
     def render(self, spool: Path) -> tuple[bytes, str]:
         counts = {st.value: 0 for st in State}

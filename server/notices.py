@@ -44,8 +44,11 @@ def prepare_ipc(endpoint: str) -> None:
 class NoticeReceiver(SocketThread):
     name = "hsstream-notices"
 
-    def __init__(self, endpoint: str, spool: Path, ledger: Ledger) -> None:
+    def __init__(self, endpoint: str, spool: Path, ledger: Ledger, max_message_bytes: int = 1 << 20) -> None:
+        """``max_message_bytes``: the largest notice accepted; ZeroMQ drops the connection of a
+        peer that sends more before anything is parsed (a notice is a few kB of JSON)."""
         super().__init__()
+        self.max_message_bytes = max_message_bytes
         self.endpoint = endpoint
         self.spool = spool
         self.ledger = ledger
@@ -57,6 +60,7 @@ class NoticeReceiver(SocketThread):
         prepare_ipc(self.endpoint)
         sock = zmq.Context.instance().socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.bind(self.endpoint)
         return sock
 

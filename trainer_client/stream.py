@@ -650,6 +650,11 @@ def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[in
     return load_and_check(p.parent, d, require_key=False).dequantized(dequantize)
 
 
+#: Most keys in one ACK message (the deferred acks of a checkpoint can be many thousands): about
+#: 100 bytes each, far below the sidecar's HSSTREAM_MAX_PEER_MESSAGE_BYTES.
+ACK_KEYS = 1024
+
+
 class HiddenStateStream:
     """Iterate samples from a sidecar. Use as a context manager so leases are returned.
 
@@ -745,6 +750,9 @@ class HiddenStateStream:
         self.acked_memory = max(1, acked_memory)
         self._used: list[P.SampleKey] = []  # yielded, not yet acked, in order
         self._used_set: set[P.SampleKey] = set()
+        # The lease token of each admitted, not yet acked key's latest DELIVER: the sidecar
+        # counts an ACK only with it, and a redelivery (a lapsed lease, a sidecar restart) replaces it.
+        self._tokens: dict[P.SampleKey, str] = {}
         self._last_send = 0.0
         self._last_beat = 0.0
         self._started: float | None = None  # first __iter__
@@ -893,7 +901,9 @@ class HiddenStateStream:
         keys = [k for k in keys if k not in self._acked]
         if keys and self._sock is not None:
             self._collect_deletes(wait_for=set(keys))  # a sample's RECEIVED before its ACK
-            self._send(P.Ack(keys=keys))
+            for lo in range(0, len(keys), ACK_KEYS):  # each message well within the sidecar's size limit
+                part = keys[lo : lo + ACK_KEYS]
+                self._send(P.Ack(keys=part, tokens=[self._tokens.pop(k, "") for k in part]))
             for k in keys:
                 self._acked[k] = None
             while len(self._acked) > self.acked_memory:
@@ -999,8 +1009,9 @@ class HiddenStateStream:
             self._acked.move_to_end(key)  # the sidecar has not seen our ack yet: keep it fresh
             self.stats["duplicates"] += 1
             self._drop_copy(d)
-            self._send(P.Ack(keys=[key]))
+            self._send(P.Ack(keys=[key], tokens=[d.token]))
             return False
+        self._tokens[key] = d.token  # the latest lease: the one our ack must name
         if key in self._used_set:
             # Redelivered while we hold it unacked (our lease lapsed, e.g. a long checkpoint):
             # the loop already has this sample; its later ack settles this copy too.
@@ -1076,7 +1087,8 @@ class HiddenStateStream:
             self._unread_run = 0
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
-            self._send(P.Fail(key=key, reason=str(e)[:500]))  # type: ignore[arg-type]
+            self._tokens.pop(key, None)  # type: ignore[arg-type]
+            self._send(P.Fail(key=key, reason=str(e)[:500], token=d.token))  # type: ignore[arg-type]
             return None
         self._unread_run = 0
         tm = sample.timings
@@ -1109,7 +1121,9 @@ class HiddenStateStream:
         why = e.strerror or str(e)
         log.warning("sample %s not received: cannot read %s in %s (%s); the sidecar produces it again",
                     key, d.notice.file, self.spool, why)  # fmt: skip
-        self._send(P.Fail(key=key, reason=f"not received: {why}"[:500], not_received=True))  # type: ignore[arg-type]
+        self._tokens.pop(key, None)  # type: ignore[arg-type]
+        self._send(P.Fail(key=key, reason=f"not received: {why}"[:500], not_received=True,  # type: ignore[arg-type]
+                          token=d.token))
         if self._unread_run >= max(16, 2 * self.credit):
             raise StreamError(
                 f"{self._unread_run} delivered files in a row could not be read in spool_dir {self.spool} "
@@ -1129,7 +1143,7 @@ class HiddenStateStream:
             except OSError as e:
                 log.warning("could not delete %s's retired copy from the spool: %s", d.notice.file, e)
             if d.notice.key is not None and self._sock is not None:
-                self._send(P.Received(keys=[d.notice.key]))
+                self._send(P.Received(keys=[d.notice.key], tokens=[d.token]))
 
     def _take(self, d: P.Deliver, payload: bytes | None = None) -> Sample | None:
         """One delivery admitted, read, checked and settled on this thread (no pool)."""
@@ -1156,7 +1170,7 @@ class HiddenStateStream:
             else:
                 P.remove_from_spool(self.spool, d.notice.file)
         if d.notice.key is not None:
-            self._send(P.Received(keys=[d.notice.key]))
+            self._send(P.Received(keys=[d.notice.key], tokens=[d.token]))
 
     def keepalive(self) -> None:
         """Tell the sidecar we are alive during long pauses between samples (a checkpoint, an

@@ -329,7 +329,8 @@ def test_trainer_messages_reaching_a_restarted_sidecar_late_leave_no_file(stack)
     new = ctx.socket(zmq.DEALER)
     new.connect(stack.delivery_endpoint)
     try:
-        for body in (P.Heartbeat(hello=hello, window=0), P.Received(keys=[key]), P.Ack(keys=[key])):
+        held = {"keys": [key], "tokens": [msg.token]}  # the lease's token, kept in the restarted ledger
+        for body in (P.Heartbeat(hello=hello, window=0), P.Received(**held), P.Ack(**held)):
             new.send_multipart(P.encode_msg(body))
         st = wait_done(stack, job)
         assert st["counts"]["consumed"] == 1, st

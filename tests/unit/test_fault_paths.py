@@ -68,24 +68,25 @@ def test_an_ack_list_is_applied_whole_or_not_at_all(tmp_path):
     path = tmp_path / "ledger.sqlite"
     ledger, keys = _ledger(3, path=path)
     owner = b"Ltrainer"
+    tokens = []
     for _ in keys:
         s = ledger.next_to_submit(10**9)
         ledger.on_notice(_ok(s), 30)
-        assert ledger.lease_next(owner, None) is not None
+        tokens.append(ledger.lease_next(owner, None).lease_token)
     reserved = ledger.reserved_bytes
     real_db = ledger._db
     ledger._db = _FailingDb(real_db, fail_at=2)  # the second key's write fails
     with pytest.raises(sqlite3.OperationalError):
-        ledger.ack_many(owner, keys)
+        ledger.ack_many(owner, keys, tokens)
     ledger._db = real_db
     assert [ledger.get(k).state for k in keys] == [State.leased] * 3  # none applied, in memory...
     assert ledger.reserved_bytes == reserved and ledger.jobs[keys[0].job].n_terminal == 0
     assert ledger.jobs[keys[0].job].tokens_consumed == 0
     states = {r[0] for r in real_db.execute("SELECT state FROM samples")}
     assert states == {"leased"}  # ...and on disk
-    assert ledger.ack_many(owner, keys) == (3, 0)  # and it applies whole later
+    assert ledger.ack_many(owner, keys, tokens) == (3, 0)  # and it applies whole later
     assert [ledger.get(k).state for k in keys] == [State.consumed] * 3
-    assert ledger.ack_many(owner, [keys[0]]) == (0, 1)
+    assert ledger.ack_many(owner, [keys[0]], tokens[:1]) == (0, 1)
 
 
 def test_a_failed_ack_list_returns_the_trainers_leases(tmp_path):
@@ -97,15 +98,16 @@ def test_a_failed_ack_list_returns_the_trainers_leases(tmp_path):
     spool = tmp_path / "spool"
     P.claim_spool(spool)
     owner = b"Ltrainer"
+    tokens = []
     for _ in keys:
         s = ledger.next_to_submit(10**9)
         (spool / f"hs-{s.key.index}.safetensors").write_bytes(b"x" * 30)
         ledger.on_notice(_ok(s, f"hs-{s.key.index}.safetensors"), 30)
-        ledger.lease_next(owner, None)
+        tokens.append(ledger.lease_next(owner, None).lease_token)
     svc = DeliveryService(f"ipc://{tmp_path}/d.sock", spool, ledger)
     real_db = ledger._db
     ledger._db = _FailingDb(real_db, fail_at=2)
-    svc._on_message(owner, P.encode_msg(P.Ack(keys=keys)))
+    svc._on_message(owner, P.encode_msg(P.Ack(keys=keys, tokens=tokens)))
     ledger._db = real_db
     assert svc.stats["ack_errors"] == 1 and svc.stats["acked"] == 0
     samples = [ledger.get(k) for k in keys]

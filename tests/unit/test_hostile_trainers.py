@@ -92,8 +92,9 @@ def _run(tmp_path, *, seconds: float, **svc_kw) -> tuple[list[float], int, Ledge
             heard.append(time.monotonic())
             if isinstance(msg, P.Deliver):
                 P.remove_from_spool(spool, msg.notice.file)
-                honest.send_multipart(P.encode_msg(P.Received(keys=[msg.notice.key])))
-                honest.send_multipart(P.encode_msg(P.Ack(keys=[msg.notice.key])))
+                held = {"keys": [msg.notice.key], "tokens": [msg.token]}
+                honest.send_multipart(P.encode_msg(P.Received(**held)))
+                honest.send_multipart(P.encode_msg(P.Ack(**held)))
                 honest.send_multipart(P.encode_msg(P.Credit(n=1)))
                 consumed += 1
         heard.append(time.monotonic())

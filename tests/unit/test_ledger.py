@@ -26,8 +26,8 @@ def test_budget_admission_counts_expected_then_real_bytes():
     assert led.reserved_bytes == 200
     assert led.on_notice(ok_notice(a, "a.safetensors"), 120) == "keep"
     assert led.reserved_bytes == 220  # a's real file bytes replace its estimate
-    led.lease_next(b"t", None)
-    assert led.received(b"t", a.key) == 120 and led.reserved_bytes == 100
+    a = led.lease_next(b"t", None)
+    assert led.received(b"t", a.key, a.lease_token) == 120 and led.reserved_bytes == 100
     assert led.next_to_submit(budget=250) is not None
 
 
@@ -64,8 +64,8 @@ def test_recovery_after_crash(tmp_path):
     led.on_notice(ok_notice(s[4], "four.safetensors"), 100)
     led.lease_next(b"t", None)  # s1 leased, file still there
     led.lease_next(b"t", None)  # s2 leased, the trainer deleted the file
-    led.lease_next(b"t", None)  # s3 leased and acked
-    assert led.ack(b"t", s[3].key)
+    s3 = led.lease_next(b"t", None)  # s3 leased and acked
+    assert led.ack(b"t", s[3].key, s3.lease_token)
     jid = j.job_id
     # crash: no close; a new process opens the same file
     led2 = Ledger(db)
@@ -83,7 +83,7 @@ def test_recovery_after_crash(tmp_path):
     # a late notice for the pre-crash attempt of sample 0 is discarded
     assert led2.on_notice(ok_notice(s[0], "late.safetensors"), 100) == "delete"
     # the consumed sample's ack is not counted again
-    assert not led2.ack(b"other", st[3].key)
+    assert not led2.ack(b"other", st[3].key, s3.lease_token)
     assert j2.tokens_consumed == 10
 
 
@@ -92,12 +92,13 @@ def test_ack_after_restart_from_a_trainer_that_used_it_counts_once(tmp_path):
     j = led.add_job(new(1))
     s = led.next_to_submit(10**9)
     led.on_notice(ok_notice(s, "f.safetensors"), 100)
-    led.lease_next(b"old-identity", None)
+    token = led.lease_next(b"old-identity", None).lease_token
     led2 = Ledger(tmp_path / "l.sqlite")
     led2.recover(lambda f: True)
     key = led2.job_samples(j.job_id)[0].key
-    assert led2.ack(b"new-identity", key)  # nobody holds it: the trainer did use it
-    assert not led2.ack(b"new-identity", key)
+    assert not led2.ack(b"new-identity", key, "0" * 32)  # the lease's token, kept on disk, is the proof
+    assert led2.ack(b"new-identity", key, token)  # nobody holds it: the trainer did use it
+    assert not led2.ack(b"new-identity", key, token)
     assert led2.jobs[j.job_id].counts()["consumed"] == 1
 
 
@@ -191,9 +192,10 @@ def test_received_from_a_trainer_without_the_lease_regenerates():
     led.add_job(new(1))
     s = led.next_to_submit(10**9)
     led.on_notice(ok_notice(s, "f.safetensors"), 100)
-    led.lease_next(b"a", None)
+    token = led.lease_next(b"a", None).lease_token
     led.release_owner(b"a", lambda f: True)  # a's lease lapsed: READY again
-    assert led.received(b"a", s.key) == 0  # a's late RECEIVED: a took the file with it
+    assert led.received(b"a", s.key, "f" * 32) == 0 and s.state == State.ready  # not its lease: nothing
+    assert led.received(b"a", s.key, token) == 0  # a's late RECEIVED: a took the file with it
     assert s.state == State.queued and led.reserved_bytes == 0  # produced again, never offered fileless
 
 
@@ -217,8 +219,8 @@ def test_sample_payloads_live_in_sqlite_not_in_ram(tmp_path):
     assert led.in_flight() == 10 and len(led.stale_submissions(-1)) == 10
     for s in subs:
         led.on_notice(ok_notice(s, f"{s.key.index}.safetensors"), 100)
-        led.lease_next(b"t", None)
-        assert led.ack(b"t", s.key)
+        x = led.lease_next(b"t", None)
+        assert led.ack(b"t", s.key, x.lease_token)
     assert led.in_flight() == 0  # consumed samples leave RAM
     assert j.counts()["consumed"] == 10 and j.counts()["queued"] == 19_990
     assert led.job_samples(j.job_id)[0].token_ids == list(range(256))  # still in SQLite
@@ -243,15 +245,15 @@ def test_finished_jobs_are_compacted_after_the_retention(tmp_path):
     for _ in range(2):
         s = led.next_to_submit(10**9)
         led.on_notice(ok_notice(s, f"{s.key.index}.safetensors"), 100)
-        led.lease_next(b"t", None)
-        led.ack(b"t", s.key)
+        x = led.lease_next(b"t", None)
+        led.ack(b"t", s.key, x.lease_token)
     assert done.done and not live.done
     assert led.compact(3600) == []  # within the retention: kept
     assert led.compact(3600, now=time.time() + 7200) == [done.job_id]
     assert led.job_samples(done.job_id) == [] and done.job_id not in led.jobs
     v = led.job_view(done.job_id)
     assert v.compacted and v.done and v.counts()["consumed"] == 2 and v.tokens_consumed == 20
-    assert not led.ack(b"t", P.SampleKey(job=done.job_id, index=0))  # a late ack changes nothing
+    assert not led.ack(b"t", P.SampleKey(job=done.job_id, index=0), x.lease_token)  # a late ack changes nothing
     assert led.jobs_done([done.job_id]) and not led.jobs_done([live.job_id])
     assert led.job_view(live.job_id) is live  # unfinished jobs are never compacted
     led2 = Ledger(db)  # after a restart the summary is what remains
@@ -313,8 +315,8 @@ def test_a_group_is_one_commit_seen_by_no_one_before_it_and_keeps_what_was_appli
     seen = []
     with led.group():
         for x in s:
-            led.lease_next(b"t", None)
-            led.ack(b"t", x.key)
+            y = led.lease_next(b"t", None)
+            led.ack(b"t", x.key, y.lease_token)
         assert {r[0] for r in other.execute("SELECT state FROM samples")} == {"ready"}  # nothing on disk yet
         t = threading.Thread(target=lambda: seen.append(led.job_view(s[0].key.job).counts()["consumed"]))
         t.start()

@@ -63,9 +63,10 @@ def _obj(**over):
 @pytest.mark.parametrize(
     "data",
     [
-        pytest.param(json.dumps(_obj(v=2)).encode(), id="v2"),
+        pytest.param(json.dumps(_obj(v=3)).encode(), id="v3"),
+        pytest.param(json.dumps(_obj(v=1)).encode(), id="v1"),
         pytest.param(json.dumps(_obj(v=0)).encode(), id="v0"),
-        pytest.param(json.dumps(_obj(v="1")).encode(), id="v-string"),
+        pytest.param(json.dumps(_obj(v="2")).encode(), id="v-string"),
         pytest.param(json.dumps({k: v for k, v in _obj().items() if k != "v"}).encode(), id="missing-v"),
         pytest.param(b"{not json", id="not-json"),
         pytest.param(b"", id="empty"),
@@ -76,7 +77,7 @@ def _obj(**over):
         pytest.param(b"null", id="null"),
         pytest.param(json.dumps(_obj(status="maybe")).encode(), id="bad-status"),
         pytest.param(json.dumps(_obj(surprise=1)).encode(), id="extra-field"),
-        pytest.param(json.dumps({"v": 1}).encode(), id="missing-required"),
+        pytest.param(json.dumps({"v": P.PROTOCOL_VERSION}).encode(), id="missing-required"),
         pytest.param(json.dumps(_obj(key={"job": "../x", "index": 0})).encode(), id="bad-key"),
     ],
 )
@@ -86,8 +87,8 @@ def test_notice_decode_rejects(data):
 
 
 def test_unsupported_version_message_names_versions():
-    with pytest.raises(P.ProtocolError, match=r"version 2 .*speaks 1"):
-        P.Notice.decode(json.dumps(_obj(v=2)))
+    with pytest.raises(P.VersionMismatch, match=r"version 3 .*speaks 2"):
+        P.Notice.decode(json.dumps(_obj(v=3)))
 
 
 def test_notice_is_immutable():
@@ -156,12 +157,12 @@ def test_decode_msg_rejects_body_of_another_type():
 
 
 def test_decode_msg_checks_version_and_values():
-    with pytest.raises(P.ProtocolError):
-        P.decode_msg([b"CREDIT", b'{"v": 2, "n": 1}'])
+    with pytest.raises(P.VersionMismatch):
+        P.decode_msg([b"CREDIT", b'{"v": 1, "n": 1}'])
     with pytest.raises(P.ProtocolError):
         P.decode_msg([b"CREDIT", b'{"n": 1}'])
     with pytest.raises(P.ProtocolError):
-        P.decode_msg([b"CREDIT", b'{"v": 1, "n": -1}'])
+        P.decode_msg([b"CREDIT", b'{"v": 2, "n": -1}'])
     with pytest.raises(P.ProtocolError):
         P.decode_msg([b"ACK", b"not json"])
 

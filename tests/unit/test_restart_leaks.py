@@ -49,6 +49,7 @@ def _leased_then_restarted(tmp_path, spool):  # noqa: ANN001, ANN202
     job = ledger.add_job([NewSample([1, 2, 3], None, "a", 30)])
     notices.handle(_write(spool, ledger.next_to_submit(10**9)))
     (s,) = ledger.lease_many(OLD, None, 1)
+    token = s.lease_token  # its DELIVER carried it: the trainer's late messages name it
     ledger.close()  # SIGKILL: nothing more is written
     P.remove_from_spool(spool, s.notice.file)  # the trainer read it; its RECEIVED and ACK wait in its socket
     ledger, notices, delivery = _sidecar(tmp_path, spool)
@@ -57,15 +58,15 @@ def _leased_then_restarted(tmp_path, spool):  # noqa: ANN001, ANN202
     s = ledger.next_to_submit(10**9)  # the live sample from here on (QUEUED ones are SQLite rows)
     notices.handle(_write(spool, s))
     assert s.state == State.ready and len(list(spool.glob("hs-*"))) == 1
-    return ledger, notices, delivery, ledger.jobs[job.job_id], s
+    return ledger, notices, delivery, ledger.jobs[job.job_id], s, token
 
 
 def test_a_late_received_for_the_old_file_keeps_the_new_one(tmp_path):
     spool = tmp_path / "spool"
-    ledger, notices, delivery, job, s = _leased_then_restarted(tmp_path, spool)
-    _from_trainer(delivery, NEW, P.Received(keys=[s.key]))  # about the file it deleted, not this one
+    ledger, notices, delivery, job, s, token = _leased_then_restarted(tmp_path, spool)
+    _from_trainer(delivery, NEW, P.Received(keys=[s.key], tokens=[token]))  # about the file it deleted, not this one
     assert s.state == State.ready and spool.joinpath(s.notice.file).exists()  # still good: not produced again
-    _from_trainer(delivery, NEW, P.Ack(keys=[s.key]))
+    _from_trainer(delivery, NEW, P.Ack(keys=[s.key], tokens=[token]))
     if (again := ledger.next_to_submit(10**9)) is not None:  # (before the fix: produced a third time)
         notices.handle(_write(spool, again))
     assert job.counts()["consumed"] == 1
@@ -74,8 +75,8 @@ def test_a_late_received_for_the_old_file_keeps_the_new_one(tmp_path):
 
 def test_an_ack_for_a_sample_produced_again_removes_its_new_file(tmp_path):
     spool = tmp_path / "spool"
-    ledger, notices, delivery, job, s = _leased_then_restarted(tmp_path, spool)
-    _from_trainer(delivery, NEW, P.Ack(keys=[s.key]))  # its RECEIVED was lost with the old sidecar
+    ledger, notices, delivery, job, s, token = _leased_then_restarted(tmp_path, spool)
+    _from_trainer(delivery, NEW, P.Ack(keys=[s.key], tokens=[token]))  # its RECEIVED was lost with the old sidecar
     assert job.counts()["consumed"] == 1 and ledger.reserved_bytes == 0
     assert sorted(p.name for p in spool.glob("hs-*")) == []  # the new copy nobody will read is gone
 

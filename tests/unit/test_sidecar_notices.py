@@ -110,9 +110,10 @@ def test_ack_is_exactly_once(setup):
     rx.handle(notice(ledger.job_samples(job.job_id)[0].key, "hs-f.safetensors"))
     s = ledger.lease_next(b"t1", None)
     assert s is ledger.job_samples(job.job_id)[0]  # the live object
-    assert not ledger.ack(b"t2", s.key)  # another trainer's ack does nothing
-    assert ledger.ack(b"t1", s.key)
-    assert not ledger.ack(b"t1", s.key)  # a repeat changes nothing
+    assert not ledger.ack(b"t2", s.key, s.lease_token)  # another trainer's ack does nothing
+    assert not ledger.ack(b"t1", s.key, "0" * 32)  # nor one without the lease's token
+    assert ledger.ack(b"t1", s.key, s.lease_token)
+    assert not ledger.ack(b"t1", s.key, s.lease_token)  # a repeat changes nothing
     assert job.counts()["consumed"] == 1 and job.tokens_consumed == 3 and ledger.reserved_bytes == 0
 
 

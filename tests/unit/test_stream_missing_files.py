@@ -95,8 +95,8 @@ def test_fail_not_received_is_optional_on_the_wire():
     key = P.SampleKey(job="j", index=3)
     frames = P.encode_msg(P.Fail(key=key, reason="bad"))
     assert b"not_received" not in frames[1]  # a plain FAIL is what an older sidecar parses
-    old = P.decode_msg([b"FAIL", b'{"v": 1, "key": {"job": "j", "index": 3, "epoch": 0}, "reason": "x"}'])
-    assert isinstance(old, P.Fail) and not old.not_received
+    plain = P.decode_msg([b"FAIL", b'{"v": 2, "key": {"job": "j", "index": 3, "epoch": 0}, "reason": "x"}'])
+    assert isinstance(plain, P.Fail) and not plain.not_received
     again = P.decode_msg(P.encode_msg(P.Fail(key=key, reason="gone", not_received=True)))
     assert again.not_received and again.key == key
 
@@ -119,7 +119,8 @@ def test_the_ledger_produces_a_not_received_sample_again_without_spending_an_att
     led = Ledger(max_attempts=1)
     ((s, old),) = _leased(led)
     for round_ in range(3):  # more than max_attempts: none is spent
-        assert led.trainer_failed(b"t", s.key, "file missing", not_received=True) == old.file
+        token = led.get(s.key).lease_token
+        assert led.trainer_failed(b"t", s.key, token, "file missing", not_received=True) == old.file
         smp = led.get(s.key)
         assert smp.state == State.queued and not smp.errors and led.reserved_bytes == 0
         again = led.next_to_submit(10**9)
@@ -129,7 +130,8 @@ def test_the_ledger_produces_a_not_received_sample_again_without_spending_an_att
         assert led.on_notice(n, 120) == "keep"
         led.lease_next(b"t", None)
     assert led.jobs[s.key.job].n_errors == 0 and led.jobs[s.key.job].counts()["failed"] == 0
-    assert led.trainer_failed(b"t", s.key, "checksum mismatch") is not None  # a real FAIL still counts
+    token = led.get(s.key).lease_token
+    assert led.trainer_failed(b"t", s.key, token, "checksum mismatch") is not None  # a real FAIL still counts
     assert led.get(s.key).state == State.failed
 
 
@@ -137,7 +139,8 @@ def test_the_delivery_service_passes_not_received_to_the_ledger(tmp_path, marked
     led = Ledger(max_attempts=1)
     ((s, _),) = _leased(led)
     svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", marked, led)
-    svc._on_message(b"t", P.encode_msg(P.Fail(key=s.key, reason="file missing", not_received=True)))
+    fail = P.Fail(key=s.key, reason="file missing", not_received=True, token=led.get(s.key).lease_token)
+    svc._on_message(b"t", P.encode_msg(fail))
     smp = led.get(s.key)
     assert smp.state == State.queued and not smp.errors
 
