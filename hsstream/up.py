@@ -882,7 +882,8 @@ class Supervisor:
         if gone:
             self.say(f"removed {len(gone)} shared-memory file(s) a dead vLLM left: {' '.join(gone)}")
         if kept:
-            self.say(f"kept {len(kept)} shared-memory file(s) a dead vLLM made that a live process maps: {' '.join(kept)}")
+            self.say(f"kept {len(kept)} shared-memory file(s) a dead vLLM made that a live process maps: "
+                     f"{' '.join(kept)}")
 
     def stop(self) -> None:
         """Stop every child (whole process groups) and remove the stack's spool files. Idempotent."""

@@ -81,7 +81,8 @@ def test_a_spool_that_is_a_symlink_not_ours_or_writable_by_others_is_refused(tmp
             plugin.check_spool(p)
     for mode in (0o770, 0o702, 0o777, 0o1777):
         os.chmod(real, mode)
-        with pytest.raises(plugin.ConnectorConfigError, match=rf"writable by other users \(mode {oct(mode)}\).*chmod 700"):
+        want = rf"writable by other users \(mode {oct(mode)}\).*chmod 700"
+        with pytest.raises(plugin.ConnectorConfigError, match=want):
             plugin.check_spool(str(real))
     os.chmod(real, 0o750)  # readable by the group (a trainer's group, say): fine
     plugin.check_spool(str(real))
