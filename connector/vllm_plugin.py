@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -181,8 +182,33 @@ class ConnectorOptions:
 
 
 def check_spool(spool: str) -> None:
-    if not os.path.isdir(spool):
-        raise ConnectorConfigError(f"spool directory {spool!r} does not exist (create it, e.g. on /dev/shm)")
+    """Refuse a spool we cannot trust with the hidden states (token ids are users' prompts): a
+    symlink (one planted in the world-writable /dev/shm would send them elsewhere), a directory
+    of another user, or one that others can write (they could swap a file between its rename
+    and its notice). The same rules as ``protocol.claim_spool``, which the sidecar and
+    ``hsstream up`` apply; the connector also runs alone (drop-in), with no sidecar to check."""
+    path = spool.rstrip("/") or "/"  # "link/" would resolve the link
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ConnectorConfigError(f"spool directory {spool!r} does not exist (create it, e.g. on /dev/shm)") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ConnectorConfigError(
+            f"spool directory {spool!r} is a symlink (to {os.readlink(path)!r}): refusing it, since a link in a "
+            "shared directory may have been planted by another user; point the spool at the directory itself"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConnectorConfigError(f"spool directory {spool!r} does not exist (it is not a directory)")
+    if st.st_uid != os.geteuid():
+        raise ConnectorConfigError(
+            f"spool directory {spool!r} belongs to uid {st.st_uid}, not to this process's user (uid "
+            f"{os.geteuid()}): refusing it; use a directory this user created (mode 0700)"
+        )
+    if st.st_mode & 0o022:
+        raise ConnectorConfigError(
+            f"spool directory {spool!r} is writable by other users (mode {oct(stat.S_IMODE(st.st_mode))}): "
+            f"refusing it; run `chmod 700 {spool}`"
+        )
     if not os.access(spool, os.W_OK | os.X_OK):
         raise ConnectorConfigError(f"spool directory {spool!r} is not writable by this process")
 

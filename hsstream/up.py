@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from urllib.parse import urlsplit
 
 from connector import protocol as P
@@ -460,12 +461,48 @@ def _reap_group(pgid: int, grace_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-def group_shm_files(pgid: int) -> set[str]:
-    """The /dev/shm files that a process group has mapped (vLLM's queues between its processes).
+def shm_snapshot() -> dict[str, int]:
+    """The plain files in /dev/shm now, by path with their inode: taken before an engine starts,
+    so that what was there already (same name and inode) is never counted as the engine's."""
+    out: dict[str, int] = {}
+    try:
+        for e in os.scandir("/dev/shm"):
+            try:
+                if e.is_file(follow_symlinks=False):
+                    out[e.path] = e.inode()
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def _maps_of(pid: str) -> list[tuple[int, str]]:
+    """(inode, path) of each /dev/shm file mapped by process ``pid`` (empty if unreadable)."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            i = line.find("/dev/shm/")
+            if i >= 0:
+                path = line[i:].strip().removesuffix(" (deleted)")
+                if os.path.dirname(path) == "/dev/shm":
+                    out.append((int(line.split()[4]), path))
+    return out
+
+
+def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[str]:
+    """The /dev/shm files a process group made and has mapped (vLLM's queues between its
+    processes, torch's shared tensors).
 
     vLLM removes them when it exits normally; after a SIGKILL or an OOM kill they stay, a few
-    hundred MB of RAM each time. Recorded while the group lives, removed once it is gone.
+    hundred MB of RAM each time. Recorded while the group lives, removed once it is gone, so
+    only files that are provably the group's count: mapped by one of its processes, not in
+    ``existing`` (``shm_snapshot()`` taken before it started: a file that was there is
+    someone else's, which vLLM only mapped), plain files owned by this user. Removal checks
+    again that no live process maps them (``remove_shm_files``).
     """
+    existing = existing or {}
+    uid = os.geteuid()
     out: set[str] = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -475,16 +512,41 @@ def group_shm_files(pgid: int) -> set[str]:
                 stat = f.read()
             if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:  # fields after comm: state ppid pgrp
                 continue
-            with open(f"/proc/{d}/maps") as f:
-                for line in f:
-                    i = line.find("/dev/shm/")
-                    if i >= 0:
-                        path = line[i:].strip().removesuffix(" (deleted)")
-                        if os.path.dirname(path) == "/dev/shm":
-                            out.add(path)
+            for inode, path in _maps_of(d):
+                if existing.get(path) == inode or path in out:
+                    continue
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if S_ISREG(st.st_mode) and st.st_uid == uid and st.st_ino == inode:
+                    out.add(path)
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+def remove_shm_files(paths: set[str]) -> tuple[list[str], list[str]]:
+    """Remove the recorded files of a dead group (``group_shm_files``) that no live process
+    maps: (removed, kept because mapped). A file a process still maps is in use, whoever made it."""
+    live: set[str] = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                live.update(path for _inode, path in _maps_of(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    removed, kept = [], []
+    for path in sorted(paths):
+        if path in live:
+            kept.append(path)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # vLLM removed it itself
+            pass
+    return removed, kept
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -526,6 +588,7 @@ class Supervisor:
         self._lock_fd: int | None = None
         self._made_spool = False
         self._vllm_shm: dict[str, set[str]] = {}  # engine name -> its shared-memory files
+        self._shm_before: dict[str, dict[str, int]] = {}  # engine name -> /dev/shm before it started
         self._stopped = False
         self._nanobind_told: set[str] = set()
         self._stopping: set[str] = set()  # children we are stopping now (their exit noise is ours)
@@ -601,6 +664,7 @@ class Supervisor:
             if launch.is_cpu_build() and "VLLM_CPU_OMP_THREADS_BIND" not in c.env:
                 extra["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(sorted(os.sched_getaffinity(0)), c.engines)[i]
         args = [sys.executable, "-m", "hsstream", "vllm", *c.engine_cli(i)]
+        self._shm_before[engine_name(i)] = shm_snapshot()  # what is there is not this engine's to remove
         return self._spawn(engine_name(i), args, gpus, extra)
 
     def _ticker(
@@ -674,7 +738,7 @@ class Supervisor:
         for i, vllm in enumerate(engines):
             tick = self._ticker("vLLM to load the model", on_tick)
             launch.wait_http(f"{c.engine_url(i)}/health", vllm, c.ready_timeout_s, tick)
-            self._vllm_shm[vllm.name] = group_shm_files(vllm.proc.pid)
+            self._vllm_shm[vllm.name] = group_shm_files(vllm.proc.pid, self._shm_before.get(vllm.name))
             self.say(f"{vllm.name} ready after {time.monotonic() - t0:.0f} s")
         launch.wait_http(f"{c.api_url}/readyz", sidecar, 120, self._ticker("the sidecar to reach vLLM", None))
         if c.trainer_cmd:
@@ -703,7 +767,7 @@ class Supervisor:
         i = next(j for j in range(c.engines) if engine_name(j) == name)
 
         def back(new: launch.Child) -> None:
-            self._vllm_shm[name] = group_shm_files(new.proc.pid)
+            self._vllm_shm[name] = group_shm_files(new.proc.pid, self._shm_before.get(name))
 
         return self._restart(dead, "restarts", lambda: self._spawn_vllm(i), f"{c.engine_url(i)}/health",
                              c.ready_timeout_s, "vLLM to come back", before=lambda: self._remove_vllm_shm(name),
@@ -811,16 +875,15 @@ class Supervisor:
     def _remove_vllm_shm(self, name: str | None = None) -> None:
         """Remove the shared memory of vLLM processes that are all gone (see group_shm_files):
         one engine's (``name``), or every engine's."""
-        gone = []
+        paths: set[str] = set()
         for n in [name] if name else list(self._vllm_shm):
-            for path in sorted(self._vllm_shm.pop(n, set())):
-                try:
-                    os.unlink(path)
-                    gone.append(path)
-                except FileNotFoundError:  # vLLM removed it itself
-                    pass
+            paths |= self._vllm_shm.pop(n, set())
+        gone, kept = remove_shm_files(paths)
         if gone:
             self.say(f"removed {len(gone)} shared-memory file(s) a dead vLLM left: {' '.join(gone)}")
+        if kept:
+            self.say(f"kept {len(kept)} shared-memory file(s) a dead vLLM made that a live process maps: "
+                     f"{' '.join(kept)}")
 
     def stop(self) -> None:
         """Stop every child (whole process groups) and remove the stack's spool files. Idempotent."""

@@ -58,15 +58,20 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def require_token(request: Request, settings: SettingsDep) -> None:
-    """Bearer-token check, applied per router (every route but the health probes).
+def has_token(request: Request, settings: Settings) -> bool:
+    """Whether the request carries the bearer token (always, when none is set).
 
     ``secrets.compare_digest`` keeps the comparison's time independent of how much of the
     token a caller got right."""
     if not settings.api_token:
-        return
+        return True
     got = request.headers.get("authorization", "")
-    if not secrets.compare_digest(got.encode(), f"Bearer {settings.api_token}".encode()):
+    return secrets.compare_digest(got.encode(), f"Bearer {settings.api_token}".encode())
+
+
+def require_token(request: Request, settings: SettingsDep) -> None:
+    """Bearer-token check, applied per router (every route but the health probes)."""
+    if not has_token(request, settings):
         raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer $HSSTREAM_API_TOKEN)")
 
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 MAX_CHAT_TEMPLATE_CHARS = 65536
 
 #: A token id as the ledger stores it (int32) and vLLM takes it; a tokenizer's vocabulary narrows it.
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31, strict=True)]  # strict: no true, "1" or 1.0
 #: An integer SQLite and vLLM can hold (int64).
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 

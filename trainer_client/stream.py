@@ -1182,8 +1182,10 @@ class HiddenStateStream:
             self._send(self._heartbeat())
 
     def close(self, *, failed: bool = False) -> None:
-        """Return leases and send pending acks. ``failed``: the loop stopped on an error, so the
-        sample in hand was not used — it is not acked and comes back.
+        """Return leases and send pending acks. With ``ack="use"`` the sample yielded last is
+        not acked: the loop never asked past it (it broke out, or stopped on an error:
+        ``failed``), so it may not have been used, and it comes back; a sample trained twice
+        is harmless, one acked unused is lost.
 
         Samples the pool still holds (delivered, not yet yielded) are finished first and settled
         as usual — an invalid one reported failed, a read one's file removed and RECEIVED sent —
@@ -1203,7 +1205,7 @@ class HiddenStateStream:
         if self._sock is not None:
             self._collect_deletes(every=True)  # every RECEIVED before the acks
             if self.ack_mode == "use":
-                if failed and self._used:
+                if self._used:
                     self._used_set.discard(self._used.pop())
                 self.ack_all_used()
             t0 = time.monotonic()  # give queued acks a moment to go; unacked samples come back anyway

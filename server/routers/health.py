@@ -1,13 +1,17 @@
-"""Liveness and readiness probes: open, so orchestrators need no credentials."""
+"""Liveness and readiness probes: open, so orchestrators need no credentials.
+
+``/readyz`` tells anyone whether the sidecar is ready; what is wrong (vLLM's URL, the spool's
+and the ledger's paths, error text) only to holders of the token, as that is more than an
+unauthenticated peer needs to know about the host."""
 
 from __future__ import annotations
 
 import os
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from server.dependencies import ServicesDep
+from server.dependencies import ServicesDep, has_token
 from server.submitter import VllmUnavailable
 
 router = APIRouter(tags=["health"])
@@ -19,7 +23,7 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(svc: ServicesDep) -> JSONResponse:
+async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
     problems = []
     try:
         await svc.submitter.vllm_model()
@@ -36,7 +40,8 @@ async def readyz(svc: ServicesDep) -> JSONResponse:
         if not alive():
             problems.append(f"{name} loop is not running (see the sidecar log)")
     if problems:
-        return JSONResponse({"ready": False, "problems": problems}, status_code=503)
+        detail = {"problems": problems} if has_token(request, svc.settings) else {}
+        return JSONResponse({"ready": False, **detail}, status_code=503)
     return JSONResponse({"ready": True})
 
 

@@ -64,6 +64,34 @@ def test_missing_or_unwritable_spool_refused(tmp_path):
             plugin.check_spool(str(ro))
 
 
+def test_a_spool_that_is_a_symlink_not_ours_or_writable_by_others_is_refused(tmp_path, monkeypatch):
+    """The spool holds users' prompts as token ids: a symlink planted where it should be (in the
+    world-writable /dev/shm) would send them elsewhere, and another user's or a group-writable
+    directory lets others swap a file between its rename and its notice."""
+    import os
+
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    plugin.check_spool(str(real))  # a private directory of ours: fine
+    plugin.check_spool(str(real) + "/")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    for p in (str(link), str(link) + "/"):
+        with pytest.raises(plugin.ConnectorConfigError, match="is a symlink"):
+            plugin.check_spool(p)
+    for mode in (0o770, 0o702, 0o777, 0o1777):
+        os.chmod(real, mode)
+        want = rf"writable by other users \(mode {oct(mode)}\).*chmod 700"
+        with pytest.raises(plugin.ConnectorConfigError, match=want):
+            plugin.check_spool(str(real))
+    os.chmod(real, 0o750)  # readable by the group (a trainer's group, say): fine
+    plugin.check_spool(str(real))
+    uid = os.geteuid()
+    monkeypatch.setattr(plugin.os, "geteuid", lambda: uid + 1)  # as if another user made it
+    with pytest.raises(plugin.ConnectorConfigError, match=rf"belongs to uid {uid}, not to this process"):
+        plugin.check_spool(str(real))
+
+
 def test_unknown_extra_config_keys_are_named_in_a_warning(tmp_path, caplog):
     extra = {"shared_storage_path": str(tmp_path), "notice_endpoint": "none", "num_writer_thread": 2, "use_lock": True}
     with caplog.at_level("WARNING", logger="hsstream.connector"):

@@ -52,9 +52,11 @@ def test_non_finite_numbers_are_a_422_that_does_not_echo_them(client, template, 
     assert "NaN" not in r.text and "Infinity" not in r.text and "inf" not in r.text.replace("info", "")
 
 
-@pytest.mark.parametrize("ids", ["[2147483648]", "[-1]", "[1, 99999999999999999999]", "[9223372036854775808]"])
+@pytest.mark.parametrize("ids", ["[2147483648]", "[-1]", "[1, 99999999999999999999]", "[9223372036854775808]",
+                                 "[true]", '["1"]', "[1.0]", "[1, false]"])  # fmt: skip
 def test_token_ids_outside_int32_or_negative_are_a_422(client, ids):
-    """Without a tokenizer there is no vocabulary to check against: 0 <= id < 2^31 still holds."""
+    """Without a tokenizer there is no vocabulary to check against: 0 <= id < 2^31 still holds,
+    and an id is a JSON integer (not a boolean, a string or a float that happens to be whole)."""
     r = _post(client, '{"samples": [{"token_ids": %s}]}' % ids)
     assert r.status_code == 422, r.text
 
