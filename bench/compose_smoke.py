@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         if not base:
             base = "hsstream-base:bookworm"
             t = time.monotonic()
-            print(sh([str(DEPLOY / "make-base-image.sh"), base], step, timeout=900).stdout.strip(), flush=True)
+            said = sh([str(DEPLOY / "make-base-image.sh"), base], step, timeout=900).stdout.strip()
+            print(said, flush=True)
+            result["base_image_made"] = "already present" not in said
             result["base_image_s"] = round(time.monotonic() - t, 1)
         result["base_image"] = base
         step = "inputs"

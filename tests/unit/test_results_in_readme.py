@@ -197,10 +197,10 @@ def test_the_online_gpu_row_quotes_the_runs_it_names():
 def compose_sentence(r: dict) -> str:
     """How docs/deploy.md quotes bench/results/compose_cpu.json (make compose-smoke)."""
     base = (f"base image `{r['base_image']}` made from Debian packages in {r['base_image_s']:.0f} s"
-            if r.get("base_image_s") else f"base image `{r['base_image']}`")
+            if r.get("base_image_made", r.get("base_image_s", 0) >= 1) else f"base image `{r['base_image']}` (made earlier)")
     return (f"{base}; image built in {r['build_s']:.0f} s without cache ({r['image_bytes'] / 2**30:.2f} GiB); "
             f"vllm-cpu healthy and the sidecar ready {r['up_s']:.0f} s after `up`; {r['samples_consumed']} samples "
-            f"consumed and {r['train_steps']} training steps with checkpoints {', '.join(r['checkpoints'])} "
+            f"consumed, the trainer's log at step {r['train_steps']} and checkpoints {', '.join(r['checkpoints'])} "
             f"(copied out with `run … cp`); clean stop {'yes' if r['clean_stop'] else 'no'}, "
             f"{r['spool_files_after']} files left in the spool; {r['engine']['name']} {r['engine']['server_version']}, "
             f"docker-compose {r['engine']['compose']}, {r['date'][:10]}.")
