@@ -341,3 +341,57 @@ def test_json_array_reader_reads_items_across_window_edges(tmp_path):
     p.write_text('[{"prompt": "x"} {"prompt": "y"}]')
     with pytest.raises(DS.DataSourceError, match="expected ','"):
         list(DS.iter_json_array(p))
+
+
+# ---------------------------------------------------------------- hsstream train --submit: the same path
+
+
+def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, monkeypatch):
+    import httpx
+
+    import trainer_client.eagle3.run as R
+    from hsstream.cli import submit_source
+
+    monkeypatch.setattr(httpx, "Client", lambda **kw: contextlib.nullcontext(client))
+    import pyarrow.parquet as pq
+
+    p = tmp_path / "u.parquet"
+    pq.write_table(to_table(ULTRACHAT), p)
+    src = submit_source({"submit_preset": "ultrachat", "submit_limit": 2, "submit_field": ["id=prompt"]}, seed=0)
+    assert src == {"preset": "ultrachat", "fields": ["id=prompt"], "limit": 2}
+    job = R.submit_job("http://sidecar", R.read_samples(p, **src), {"loss_mask": "all"}, filename=p.name)
+    assert stored_labels(client, job) == ["Name 0 colours.", "Name 1 colours."]
+    empty = write_jsonl(tmp_path / "e.jsonl", [])
+    with pytest.raises(ValueError, match="no samples"):
+        R.submit_job("http://sidecar", R.read_samples(empty), {})
+    with pytest.raises(ValueError, match="no such file"):
+        R.read_samples(tmp_path / "missing.parquet")
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    with bad.open("a") as f:
+        f.write("{oops\n")
+    n_jobs = len(client.app.state.services.ledger.job_ids())
+    with pytest.raises(ValueError, match=r"b.jsonl:3: not JSON"):
+        R.submit_job("http://sidecar", R.read_samples(bad), {})
+    assert len(client.app.state.services.ledger.job_ids()) == n_jobs  # nothing queued
+
+
+def test_train_submit_records_the_source_and_counts_locally_from_a_second_read(tmp_path, client, monkeypatch, tiny_model):
+    import httpx
+
+    import trainer_client.eagle3.run as R
+    from trainer_client.eagle3 import vocab as V
+    from trainer_client.eagle3.config import TrainConfig
+
+    monkeypatch.setattr(httpx, "Client", lambda **kw: contextlib.nullcontext(client))
+    monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: None)  # counted here instead
+    p = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(5)])
+    cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "run"), device="cpu")
+    jobs, counts = R.resolve_jobs_and_counts(cfg, api="http://sidecar", jobs=None, submit_file=str(p), epochs=2,
+                                             job_options={"loss_mask": "all"}, token_counts_file=None, api_token=None,
+                                             submit_source={"limit": 3})  # fmt: skip
+    rec = json.loads((tmp_path / "run" / "jobs.json").read_text())
+    assert rec["jobs"] == jobs and rec["source"] == {"limit": 3} and rec["epochs"] == 2
+    labels = stored_labels(client, jobs[0])  # 2 epochs, each in its own order
+    assert sorted(labels) == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    want = V.token_counts_from_samples(tiny_model, [{"prompt": f"row {i}"} for i in range(3)], "all")
+    assert counts == want and counts
