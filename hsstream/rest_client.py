@@ -16,6 +16,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hsstream import data_sources as DS
 
 console = Console(stderr=True)
+#: How long an upload waits for the sidecar's answer once its body is sent: the sidecar answers
+#: when every row is tokenised and queued (about 3,000 rows/s on 2 CPU cores: bench/ingest.py).
+ADMIT_TIMEOUT_S = 3600.0
 
 
 def _client(url: str | None) -> httpx.Client:
@@ -101,7 +104,8 @@ def stream_upload(
 
     body = DS.multipart_jsonl(source(), boundary=boundary, options=opts, filename=filename, counter=counter)
     try:
-        r = c.post("/v1/jobs/upload", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+        r = c.post("/v1/jobs/upload", content=body, headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+                   timeout=httpx.Timeout(60.0, read=ADMIT_TIMEOUT_S))  # the answer comes once the job is admitted
     except Exception as e:
         if failed:
             raise UploadError(f"{failed[0]} (nothing was queued)", 2) from failed[0]
@@ -131,11 +135,13 @@ def upload_samples(c: httpx.Client, samples: Iterable[dict], options: str = "{}"
                 yield s
                 if counter.rows % 1000 == 0:
                     prog.update(task, rows=counter.rows, mib=counter.bytes / 2**20)
+            prog.update(task, rows=counter.rows, mib=counter.bytes / 2**20, detail="sent; the sidecar is admitting them")
 
         try:
             job = stream_upload(c, counted(), options, filename=filename, counter=counter)
         except UploadError as e:
-            prog.update(task, rows=counter.rows, mib=counter.bytes / 2**20, detail="[red]refused[/red]")
+            why = {1: "refused", 2: "stopped: the source failed", 3: "no answer"}.get(e.code, "failed")
+            prog.update(task, rows=counter.rows, mib=counter.bytes / 2**20, detail=f"[red]{why}[/red]")
             prog.stop()
             console.print(f"[red]{e}[/red]")
             raise _Refused(e.code) from e
