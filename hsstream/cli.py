@@ -119,15 +119,28 @@ def demo(prompts: int = typer.Option(32, help="number of samples to stream"), wo
 
 @app.command()
 def submit(
-    file: str = typer.Argument(..., help="JSONL: one sample per line ({prompt|messages|conversations|token_ids, id})"),
+    file: str = typer.Argument(..., help="samples: JSONL (.jsonl, .jsonl.gz), a JSON array (.json), parquet, "
+                                         "arrow/feather, a datasets save_to_disk folder, or a datasets name (with --split)"),
     options: str = typer.Option("{}", help='job options as JSON, e.g. \'{"epochs": 2, "loss_mask": "all"}\''),
     follow: bool = typer.Option(False, "--follow", help="show progress until the job ends"),
     url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
+    preset: str = typer.Option(None, help="the rows' layout: sharegpt | ultrachat | openai (speculators' column names)"),
+    field: list[str] = typer.Option(None, "--field", help="NAME=COLUMN: take sample field NAME (id, prompt, messages, "
+                                                          "conversations, token_ids, tools) from COLUMN (repeatable)"),
+    split: str = typer.Option(None, help="the datasets split (a DatasetDict folder, or a datasets name)"),
+    limit: int = typer.Option(None, min=0, help="send at most N samples"),
+    shuffle: bool = typer.Option(False, "--shuffle", help="shuffle through a buffer of --shuffle-buffer rows "
+                                                          "(uniform when the buffer holds the whole source)"),
+    shuffle_buffer: int = typer.Option(10_000, min=1, help="rows held by --shuffle"),
+    seed: int = typer.Option(0, help="--shuffle's seed"),
 ) -> None:
-    """Submit a JSONL file as a job; prints the job id."""
+    """Submit a file or dataset as one job; prints the job id.
+
+    The rows are read and uploaded as a stream (JSONL made on the fly): memory stays flat."""
     from hsstream.rest_client import submit as _submit
 
-    raise typer.Exit(_submit(file, options, url, follow))
+    raise typer.Exit(_submit(file, options, url, follow, preset=preset, fields=field, split=split, limit=limit,
+                             shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer))  # fmt: skip
 
 
 @app.command()
@@ -217,7 +230,12 @@ def train(
     model: str = typer.Option(None, "--model", "--verifier-name-or-path", help="verifier checkpoint dir (default HSSTREAM_MODEL)"),
     out: str = typer.Option(None, "--out", "--save-path", help="run dir: checkpoints/, final/, metrics.jsonl; resumed if it exists"),
     job: list[str] = typer.Option(None, help="job id to follow (repeatable)"),
-    submit: str = typer.Option(None, help="JSONL of REST samples to submit as one job"),
+    submit: str = typer.Option(None, help="samples to submit as one job: a file or dataset, as `hsstream submit` takes"),
+    submit_preset: str = typer.Option(None, help="with --submit: the rows' layout, sharegpt | ultrachat | openai"),
+    submit_field: list[str] = typer.Option(None, help="with --submit: NAME=COLUMN (repeatable), as `hsstream submit --field`"),
+    submit_split: str = typer.Option(None, help="with --submit: the datasets split"),
+    submit_limit: int = typer.Option(None, min=0, help="with --submit: at most N samples"),
+    submit_shuffle: bool = typer.Option(False, "--submit-shuffle", help="with --submit: buffer shuffle (10,000 rows), --seed"),
     epochs: int = typer.Option(1, help="with --submit: how many times the sidecar streams each sample"),
     loss_mask: str = typer.Option("assistant", help="with --submit: 'assistant' or 'all'"),
     api: str = typer.Option(None, help="sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
@@ -298,7 +316,7 @@ def train(
     try:
         layers = ({}, TC.read(config) if config else {}, {})  # default, file, flag
         for name, value in ctx.params.items():
-            if name in ("config", "dump_config") or value is None or (name == "job" and not value):
+            if name in ("config", "dump_config") or value is None or (name in ("job", "submit_field") and not value):
                 continue
             key = TC.canonical(name)
             assert key is not None, f"--{name} names no setting"
@@ -325,6 +343,7 @@ def train(
             spool_dir=run.get("spool") or str(s.spool_dir), jobs=run.get("jobs") or None, submit_file=run.get("submit"),
             epochs=run.get("epochs", 1), job_options={"loss_mask": run.get("loss_mask", "assistant")},
             token_counts_file=run.get("token_counts"), api_token=s.api_token, timeout_s=run.get("timeout", 600.0),
+            submit_source=submit_source(run, cfg.seed),
         )  # fmt: skip
     except (MissingLayersError, DeviceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -333,6 +352,15 @@ def train(
         typer.echo(json.dumps(result.summary(), indent=2))
         if result.serve:  # stdout stays one JSON document; the line to copy goes to the terminal
             typer.echo(f"serve the trained draft ({result.final_dir}) with:\n  {result.serve}", err=True)
+
+
+def submit_source(run: dict, seed: int) -> dict:
+    """``hsstream train --submit-*`` as :func:`hsstream.data_sources.iter_samples`' arguments."""
+    src: dict = {"preset": run.get("submit_preset"), "fields": run.get("submit_field") or None,
+                 "split": run.get("submit_split"), "limit": run.get("submit_limit")}  # fmt: skip
+    if run.get("submit_shuffle"):
+        src.update(shuffle=True, seed=seed)
+    return {k: v for k, v in src.items() if v is not None}
 
 
 @app.command("eval")

@@ -34,7 +34,12 @@ class ConfigFileError(ValueError):
 #: Settings of the run beside the trainer's (hsstream/cli.py's flag of the same name).
 RUN_KEYS: dict[str, object] = {
     "jobs": list[str],  # job ids to follow
-    "submit": str,  # JSONL to submit as one job
+    "submit": str,  # a file or dataset to submit as one job (hsstream/data_sources.py)
+    "submit_preset": str,  # its layout: sharegpt | ultrachat | openai
+    "submit_field": list[str],  # NAME=COLUMN mappings
+    "submit_split": str,
+    "submit_limit": int,
+    "submit_shuffle": bool,  # buffer shuffle, seeded with the run's seed
     "epochs": int,
     "loss_mask": str,
     "api": str,

@@ -18,6 +18,7 @@ BLOCK = "import sys\nfor m in ('vllm', 'fastapi', 'uvicorn', 'transformers'):\n 
         "trainer_client.stream",
         "connector.transport, connector.transport.spool, connector.transport.zmq_bytes, connector.transport.mooncake",
         "connector.sample_tokens",  # the masks' code: transformers only when a tokenizer is loaded
+        "hsstream.data_sources, hsstream.rest_client",  # the readers `hsstream train --submit` uses too
     ],
 )
 def test_imports_without_vllm_or_fastapi(modules):
@@ -33,3 +34,10 @@ def test_only_the_plugin_module_imports_vllm():
     code = BLOCK + "import connector.vllm_plugin\n"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "vllm" in p.stderr
+
+
+def test_the_data_sources_reader_imports_nothing_of_the_sidecar():
+    code = ("import sys\nsys.modules['server'] = None\nimport hsstream.data_sources, hsstream.rest_client\n"
+            "print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in ('server', 'pyarrow', 'datasets')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr[-2000:]  # pyarrow / datasets: when used

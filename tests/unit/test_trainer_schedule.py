@@ -34,9 +34,10 @@ def captured(monkeypatch):
     sizes = {"j-sub": None, "j1": 30, "j2": 10}
     submitted: list[dict] = []
 
-    def fake_submit(api, samples, options=None, token=None):  # noqa: ANN001, ANN202
-        submitted.append({"n": len(samples), **(options or {})})
-        sizes["j-sub"] = len(samples) * (options or {}).get("epochs", 1)  # the sidecar's num_samples
+    def fake_submit(api, samples, options=None, token=None, filename=None):  # noqa: ANN001, ANN202
+        n = sum(1 for _ in samples)  # an iterator: the upload streams it
+        submitted.append({"n": n, **(options or {})})
+        sizes["j-sub"] = n * (options or {}).get("epochs", 1)  # the sidecar's num_samples
         return "j-sub"
 
     def fake_get(url, **kw):  # noqa: ANN001, ANN003, ANN202

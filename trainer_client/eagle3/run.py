@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -32,29 +34,47 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-def read_samples(path: str | Path) -> list[dict]:
-    """REST samples, one JSON object per line (``prompt`` / ``messages`` / ``conversations`` / ``token_ids``)."""
-    out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not JSON: {e}") from e
-    if not out:
-        raise ValueError(f"{path}: no samples")
-    return out
+def read_samples(path: str | Path, **source: Any) -> Iterator[dict]:
+    """REST samples (``prompt`` / ``messages`` / ``conversations`` / ``token_ids``) from a file or
+    dataset, lazily: JSONL (``.jsonl.gz`` too), a JSON array, parquet, arrow/feather, a
+    ``datasets`` folder or name (``hsstream/data_sources.py``; ``source``: ``preset``, ``fields``,
+    ``split``, ``limit``, ``shuffle``, ``seed``). The source is checked now, its rows read as
+    iterated; ValueError when it cannot be read."""
+    from hsstream import data_sources as DS
+
+    try:
+        rows = DS.iter_samples(path, **source)
+    except DS.DataSourceError as e:
+        raise ValueError(str(e)) from e
+
+    def checked() -> Iterator[dict]:
+        n = 0
+        try:
+            for r in rows:
+                n += 1
+                yield r
+        except DS.DataSourceError as e:
+            raise ValueError(str(e)) from e
+        if not n:
+            raise ValueError(f"{path}: no samples")
+
+    return checked()
 
 
-def submit_job(api: str, samples: list[dict], options: dict | None = None, token: str | None = None) -> str:
-    """One job; ``options.epochs`` makes the sidecar stream every sample once per epoch (new keys)."""
-    r = httpx.post(
-        f"{api.rstrip('/')}/v1/jobs", json={"samples": samples, "options": options or {}}, headers=_headers(token),
-        timeout=120,
-    )  # fmt: skip
-    if r.status_code != 200:
-        raise RuntimeError(f"the sidecar refused the job ({r.status_code}): {r.text[:500]}")
-    return r.json()["job_id"]
+def submit_job(api: str, samples: Iterable[dict], options: dict | None = None, token: str | None = None,
+               filename: str = "samples.jsonl") -> str:  # fmt: skip
+    """One job, uploaded as JSONL made on the fly (``hsstream submit``'s path: the samples are
+    never held together); ``options.epochs`` makes the sidecar stream every sample once per
+    epoch (new keys)."""
+    from hsstream.rest_client import UploadError, stream_upload
+
+    with httpx.Client(base_url=api.rstrip("/"), headers=_headers(token), timeout=600) as c:
+        try:
+            return stream_upload(c, samples, options or {}, filename=filename)["job_id"]
+        except UploadError as e:
+            if e.code == 2:
+                raise ValueError(str(e)) from e
+            raise RuntimeError(f"the sidecar refused the job: {str(e)[:500]}") from e
 
 
 def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa: ANN201
@@ -137,13 +157,14 @@ def resolve_jobs_and_counts(
     job_options: dict | None,
     token_counts_file: str | None,
     api_token: str | None,
+    submit_source: dict | None = None,
 ) -> tuple[list[str], dict[int, int] | None]:
     """The jobs this run follows (submitting ``submit_file`` once) and the token counts for the
     draft vocabulary; recorded in the run dir, so a restart follows the same ones."""
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     jobs_path = out / JOBS_FILE
-    samples: list[dict] | None = None
+    samples = None  # with --submit: a callable giving its samples again
     if jobs_path.exists():
         recorded = json.loads(jobs_path.read_text())["jobs"]
         if jobs and sorted(jobs) != sorted(recorded):
@@ -153,9 +174,11 @@ def resolve_jobs_and_counts(
     elif submit_file:
         if not api:
             raise ValueError("--submit needs the sidecar's REST address (--api)")
-        samples = read_samples(submit_file)
-        jobs = [submit_job(api, samples, {**(job_options or {}), "epochs": epochs}, api_token)]
-        jobs_path.write_text(json.dumps({"jobs": jobs, "submitted_from": str(submit_file), "epochs": epochs}) + "\n")
+        jobs = [submit_job(api, read_samples(submit_file, **(submit_source or {})),
+                           {**(job_options or {}), "epochs": epochs}, api_token, filename=Path(submit_file).name)]
+        samples = lambda: read_samples(submit_file, **(submit_source or {}))  # noqa: E731  (read again, for local counts)
+        jobs_path.write_text(json.dumps({"jobs": jobs, "submitted_from": str(submit_file), "epochs": epochs,
+                                         **({"source": submit_source} if submit_source else {})}) + "\n")  # fmt: skip
     elif jobs:
         jobs_path.write_text(json.dumps({"jobs": jobs}) + "\n")
     else:
@@ -173,7 +196,7 @@ def resolve_jobs_and_counts(
         if counts is None and samples is not None:
             opts = job_options or {}
             job = {k: opts[k] for k in ("chat_template", "chat_template_kwargs") if opts.get(k) is not None}
-            counts = V.token_counts_from_samples(cfg.verifier, samples, opts.get("loss_mask", "assistant"), **job)
+            counts = V.token_counts_from_samples(cfg.verifier, samples(), opts.get("loss_mask", "assistant"), **job)
     if counts is not None:
         V.save_token_counts(counts, counts_path)
     return jobs, counts
@@ -193,6 +216,7 @@ def run_train(
     api_token: str | None = None,
     timeout_s: float = 600.0,
     credit: int = 8,
+    submit_source: dict | None = None,
 ) -> TrainResult:
     from trainer_client.eagle3.loggers import names as logger_names
     from trainer_client.stream import HiddenStateStream
@@ -205,7 +229,7 @@ def run_train(
             try:
                 jobs, counts = resolve_jobs_and_counts(
                     cfg, api=api, jobs=jobs, submit_file=submit_file, epochs=epochs, job_options=job_options,
-                    token_counts_file=token_counts_file, api_token=api_token,
+                    token_counts_file=token_counts_file, api_token=api_token, submit_source=submit_source,
                 )  # fmt: skip
                 total = recorded_samples_total(cfg, api, jobs, api_token)
                 got: object = {"jobs": jobs, "counts": counts, "samples_total": total}
