@@ -143,6 +143,7 @@ class Submitter:
                       "failed_over_engine_limit": 0, "requeued_engine_lost": 0}  # fmt: skip
         self._client: Http | None = client
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._probe: asyncio.Task | None = None
         self._probes: dict[str, asyncio.Task] = {}  # engine url -> task probing it back
         self._checks: dict[str, asyncio.Task] = {}  # engine url -> liveness check while it owes files
@@ -151,6 +152,7 @@ class Submitter:
         self.on_latency = None  # optional callback(seconds)
 
     async def start(self) -> None:
+        self._stopping = False
         if self._given_client is None:  # aiohttp's session must be made inside the running loop
             self._client = AiohttpClient(self.timeout_s, max_connections=self.concurrency + 16)
         self._task = asyncio.create_task(self._loop())
@@ -169,6 +171,10 @@ class Submitter:
         return max(e.down_since for e in self.engines)  # type: ignore[type-var]
 
     async def stop(self) -> None:
+        # Python 3.11's asyncio.wait_for can swallow a cancellation that lands as its inner wait
+        # ends (fixed in 3.12): the loops below also end on this flag, so a lost cancel cannot
+        # keep them polling and this gather waiting forever.
+        self._stopping = True
         tasks = [t for t in (self._task, self._probe, *self._probes.values(), *self._checks.values(),
                              *self._inflight.values()) if t]  # fmt: skip
         for t in tasks:
@@ -247,7 +253,7 @@ class Submitter:
 
     async def _probe_engine_until_known(self) -> None:
         """Learn every engine's limit as soon as it answers, not only once a job needs it."""
-        while any(e.max_model_len is None for e in self.engines):
+        while any(e.max_model_len is None for e in self.engines) and not self._stopping:
             await self.probe_engine()
             await asyncio.sleep(1.0)
 
@@ -274,7 +280,7 @@ class Submitter:
             self._probes[e.url] = asyncio.create_task(self._probe_until_back(e))
 
     async def _probe_until_back(self, e: Engine) -> None:
-        while not e.up:
+        while not e.up and not self._stopping:
             try:
                 e.model_name = None
                 await self.engine_model(e, timeout=5.0)
@@ -353,7 +359,7 @@ class Submitter:
         return self.sizer is None or (self.sizer.known and self._applied[0] == self.sizer.version)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._loop_once()
             except asyncio.CancelledError:
@@ -365,7 +371,7 @@ class Submitter:
     async def _loop_once(self) -> None:
         sem = asyncio.Semaphore(self.concurrency)
         last_sweep = time.monotonic()
-        while True:
+        while not self._stopping:
             if time.monotonic() - last_sweep > 1.0:
                 last_sweep = time.monotonic()
                 if reason := self._sweep():
