@@ -28,7 +28,7 @@ import zmq
 
 from connector import protocol as P
 from connector.transport import Sender, TransportError, make_sender
-from server.ledger import Ledger, Sample, State
+from server.ledger import Ledger, SampleRow, State
 from server.notices import prepare_ipc
 from server.schemas import TrainerInfo
 from server.socket_thread import SocketThread
@@ -450,7 +450,7 @@ class DeliveryService(SocketThread):
                             and s.state == State.leased and s.lease_owner == owner and s.on_disk_bytes}  # fmt: skip
         return min(peer.credit, self.max_credit - len(peer.holding))
 
-    def _hand_back(self, owner: bytes, peer: Peer, samples: list[Sample]) -> None:
+    def _hand_back(self, owner: bytes, peer: Peer, samples: list[SampleRow]) -> None:
         """Leases whose DELIVER never left (the trainer's queue is full): READY again at once,
         for any trainer, and the trainer gets nothing new for a while."""
         self.stats["send_refused"] += 1

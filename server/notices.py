@@ -139,6 +139,6 @@ class NoticeReceiver(SocketThread):
             n = n.model_copy(update={"timings": {**n.timings, P.TIMING_SIDECAR_IN: round(arrived - n.sent_at, 6)}})
         if self.observe is not None:
             self.observe(n)  # e.g. the sample size, learned before the ledger frees the sample's estimate
-        if self.ledger.on_notice(n, size) == "delete" and path is not None:
+        if not self.ledger.on_notice(n, size).keeps_file and path is not None:
             return n.file
         return None

@@ -17,13 +17,10 @@ MAX_JOBS = 20
 
 
 def overview(svc: Services) -> Overview:
-    ledger, metrics = svc.ledger, svc.metrics
-    with ledger._lock:  # noqa: SLF001 - one consistent view of the jobs, not torn by a transition
-        jobs = list(ledger.jobs.values())
-        summaries = [JobSummary(job_id=j.job_id, done=j.done, num_samples=j.num_samples, counts=j.counts())
-                     for j in jobs]  # fmt: skip
-        ready = ledger.ready_count()
-        reserved = ledger.reserved_bytes
+    metrics = svc.metrics
+    snap = svc.ledger.snapshot()  # one consistent view of the jobs, not torn by a transition
+    summaries = [JobSummary(job_id=j.job_id, done=j.done, num_samples=j.num_samples, counts=j.counts)
+                 for j in snap.jobs]  # fmt: skip
     states: Counter[str] = Counter({st.value: 0 for st in State})
     for js in summaries:
         states.update(js.counts)
@@ -34,9 +31,9 @@ def overview(svc: Services) -> Overview:
         jobs_done=sum(js.done for js in summaries),
         jobs=summaries[::-1][:MAX_JOBS],
         samples=dict(states),
-        ready=ready,
+        ready=snap.ready,
         rates=Rates(window_s=metrics.consumed.window_s, samples_per_s=round(sps, 2), tokens_per_s=round(tps, 1)),
-        spool=SpoolUsage(file_bytes=svc.keeper.file_bytes(), reserved_bytes=reserved,
+        spool=SpoolUsage(file_bytes=svc.keeper.file_bytes(), reserved_bytes=snap.reserved_bytes,
                          budget_bytes=svc.settings.spool_budget_bytes),
         trainers=svc.delivery.trainers(),
         vllm_down_since_s=None if down is None else round(time.monotonic() - down, 1),

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from connector import protocol as P
-from server.ledger import Ledger, Sample, State
+from server.ledger import Ledger, SampleRow, State
 from server.model_shape import SampleSizer, over_budget_reason, too_long_reason
 from server.vllm_http import AiohttpClient, Http, HttpError, TimedOut, Unreachable
 
@@ -318,12 +318,12 @@ class Submitter:
     def _on_transition(self, new: State, old: State | None, n: int, _tokens: int) -> None:
         self.in_flight += n * ((new == State.submitted) - (old == State.submitted))
 
-    def _room(self, s: Sample) -> int:
+    def _room(self, s: SampleRow) -> int:
         """Tokens vLLM generates beyond the prompt: 1, or the regenerated reply."""
         sampling = self.ledger.jobs[s.key.job].sampling
         return int(sampling.get("max_tokens") or 1) if sampling is not None else 1
 
-    def _too_long(self, s: Sample) -> str | None:
+    def _too_long(self, s: SampleRow) -> str | None:
         if self.engine_max_len is None or (s.generated and self.ledger.jobs[s.key.job].sampling is not None):
             return None
         if len(s.token_ids) + self._room(s) <= self.engine_max_len:
@@ -341,7 +341,7 @@ class Submitter:
         if self.sizer is not None and self.sizer.known and version != self._applied[0]:
             sizer = self.sizer
 
-            def size_of(s: Sample) -> int:
+            def size_of(s: SampleRow) -> int:
                 pos = len(s.token_ids) + (self._room(s) if self.ledger.jobs[s.key.job].sampling is not None else 0)
                 return sizer.file_bytes(pos) or 0
 
@@ -450,7 +450,7 @@ class Submitter:
         """Fail every queued sample with ``reason`` (a chunk per transaction: see the ledger)."""
         return self.ledger.fail_queued(lambda _s: reason)
 
-    async def _submit(self, s: Sample, sem: asyncio.Semaphore, engine: Engine | None = None) -> None:
+    async def _submit(self, s: SampleRow, sem: asyncio.Semaphore, engine: Engine | None = None) -> None:
         e = engine or self.engines[0]
         if engine is None:
             e.in_flight += 1

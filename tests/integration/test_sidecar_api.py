@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.ledger import _unpack
+from server.ledger.store import unpack as _unpack
 from tests.integration.conftest import sidecar_without_vllm
 
 TOKEN = "s3cret"

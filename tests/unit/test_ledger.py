@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from connector import protocol as P
-from server.ledger import Ledger, NewSample, State
+from server.ledger import Ledger, NewSample, NoticeOutcome, State
 
 
 def new(n=4, tokens=10, nbytes=100):
@@ -24,7 +24,7 @@ def test_budget_admission_counts_expected_then_real_bytes():
     b = led.next_to_submit(budget=250)
     assert a and b and led.next_to_submit(budget=250) is None  # third would exceed 250
     assert led.reserved_bytes == 200
-    assert led.on_notice(ok_notice(a, "a.safetensors"), 120) == "keep"
+    assert led.on_notice(ok_notice(a, "a.safetensors"), 120) is NoticeOutcome.ready
     assert led.reserved_bytes == 220  # a's real file bytes replace its estimate
     a = led.lease_next(b"t", None)
     assert led.received(b"t", a.key, a.lease_token) == 120 and led.reserved_bytes == 100
@@ -81,7 +81,7 @@ def test_recovery_after_crash(tmp_path):
     assert stats == {"resubmitted": 1, "ready": 2, "regenerate": 1}
     assert led2.live_files() == present
     # a late notice for the pre-crash attempt of sample 0 is discarded
-    assert led2.on_notice(ok_notice(s[0], "late.safetensors"), 100) == "delete"
+    assert led2.on_notice(ok_notice(s[0], "late.safetensors"), 100) is NoticeOutcome.refused
     # the consumed sample's ack is not counted again
     assert not led2.ack(b"other", st[3].key, s3.lease_token)
     assert j2.tokens_consumed == 10
@@ -109,7 +109,7 @@ def test_cancel_returns_files_and_discards_late_notices():
     led.on_notice(ok_notice(a, "a.safetensors"), 100)
     assert led.cancel_job(j.job_id) == ["a.safetensors"]
     assert j.counts()["cancelled"] == 3 and j.done and led.reserved_bytes == 0
-    assert led.on_notice(ok_notice(b, "b.safetensors"), 100) == "delete"
+    assert led.on_notice(ok_notice(b, "b.safetensors"), 100) is NoticeOutcome.refused
 
 
 def test_trainer_gone_returns_leases():
@@ -269,7 +269,7 @@ def test_busy_notice_resubmits_without_spending_an_attempt():
     j = led.add_job(new(1, nbytes=100))
     s = led.next_to_submit(10**9)
     busy = P.Notice(status=P.NoticeStatus.busy, reason="connector busy", request_id="r", key=s.key, attempt=s.attempt)
-    assert led.on_notice(busy, 0) == "delete"
+    assert led.on_notice(busy, 0) is NoticeOutcome.refused
     again = led.next_to_submit(10**9)
     assert again.key == s.key and again.attempt == 1 and not again.errors and led.reserved_bytes == 100
     assert j.counts()["failed"] == 0 and j.n_errors == 0
@@ -359,3 +359,28 @@ def test_lease_many_is_one_commit_and_leases_none_if_it_fails(tmp_path):
     assert led.lease_many(b"t", None, 10) == []
     on_disk = {r[0] for r in led._db.db.execute("SELECT state FROM samples")}
     assert on_disk == {"leased"}
+
+
+def test_a_move_the_transition_table_does_not_name_is_refused_before_anything_is_written():
+    import pytest
+
+    from server.ledger import IllegalTransition
+
+    led = Ledger()
+    led.add_job(new(1))
+    s = led.next_to_submit(10**9)
+    led.fail(s.key, "refused")
+    done = led.get(s.key)
+    assert done.state == State.failed
+    done.state = State.ready  # a finished sample never comes back
+    with pytest.raises(IllegalTransition, match="from failed to ready"):
+        led._save(done)
+    assert led.get(s.key).state == State.failed and led.jobs[s.key.job].counts()["failed"] == 1
+
+
+def test_the_transition_table_names_every_state_and_ends_in_the_terminal_ones():
+    from server.ledger import TERMINAL, TRANSITIONS
+
+    assert set(TRANSITIONS) == set(State)
+    for st, nxt in TRANSITIONS.items():
+        assert (not nxt) if st in TERMINAL else TERMINAL <= nxt, st

@@ -13,7 +13,7 @@ import pytest
 
 from connector import protocol as P
 from server.delivery import DeliveryService
-from server.ledger import Ledger, NewSample, State
+from server.ledger import Ledger, NewSample, NoticeOutcome, State
 from server.spool import SpoolKeeper
 from tests.unit.test_stream_pool import FakeSidecar, write_sample
 from trainer_client import HiddenStateStream, StreamError
@@ -108,7 +108,7 @@ def _leased(led: Ledger, n: int = 1):
         s = led.next_to_submit(10**9)
         n_ = P.Notice(status=P.NoticeStatus.ok, request_id="r", key=s.key, attempt=s.attempt,
                       file=f"hs-{i}.safetensors", num_tokens=3, nbytes=100)  # fmt: skip
-        assert led.on_notice(n_, 120) == "keep"
+        assert led.on_notice(n_, 120) is NoticeOutcome.ready
         out.append((s, n_))
     for _ in range(n):
         led.lease_next(b"t", None)
@@ -126,8 +126,8 @@ def test_the_ledger_produces_a_not_received_sample_again_without_spending_an_att
         again = led.next_to_submit(10**9)
         assert again.key == s.key and again.attempt == round_ + 1
         n = old.model_copy(update={"attempt": again.attempt})
-        assert led.on_notice(old, 120) == "delete"  # a late notice of an older attempt is refused
-        assert led.on_notice(n, 120) == "keep"
+        assert led.on_notice(old, 120) is NoticeOutcome.refused  # a late notice of an older attempt is refused
+        assert led.on_notice(n, 120) is NoticeOutcome.ready
         led.lease_next(b"t", None)
     assert led.jobs[s.key.job].n_errors == 0 and led.jobs[s.key.job].counts()["failed"] == 0
     token = led.get(s.key).lease_token

@@ -1,0 +1,255 @@
+"""The ledger's state and the moves every side shares: write a sample through, queue it again,
+retry or finish it, make it READY; and the recovery after a restart.
+
+One lock (``_lock``, re-entrant) guards everything here and in the other parts of the ledger;
+each public call takes it, so each move is checked against the current state and attempt (a
+late notice for an old attempt cannot resurrect a sample; a second ack cannot count twice).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from connector import protocol as P
+from server.ledger.budget import SpoolBudget
+from server.ledger.rows import Job, SampleRow
+from server.ledger.states import IN_FLIGHT, State, check_transition
+from server.ledger.store import COLS, Store, row_to_sample
+
+#: In a job's meta while its rows are being written: a job still so marked at restart is dropped.
+ADMITTING = "admitting"
+
+#: A listener hears (new state, old state or None for a new sample, how many samples, their
+#: tokens), on the thread that made the move, with the ledger's lock held: it must be quick and
+#: must not call back into the ledger's writes.
+Listener = Callable[[State, "State | None", int, int], None]
+
+
+class LedgerCore:
+    def __init__(self, path: str | Path | None = None, max_attempts: int = 3) -> None:
+        self.max_attempts = max_attempts
+        self.jobs: dict[str, Job] = {}  # jobs not yet compacted
+        self._lock = threading.RLock()
+        self._live: dict[P.SampleKey, SampleRow] = {}  # SUBMITTED / READY / LEASED
+        # READY samples per job, oldest first; may hold samples that left READY (skipped when
+        # met). Per job, so a trainer asking for one job never walks another job's samples.
+        self._ready: dict[str, deque[SampleRow]] = {}
+        self._n_ready = 0
+        self._qlo = self._qhi = 0  # queue positions: appendleft below qlo, append above qhi
+        self._spool = SpoolBudget()
+        self._store = Store(path)
+        self.path = self._store.path
+        #: Told every move as it is written (``Listener``): observers such as the metrics and
+        #: the submitter's count of SUBMITTED samples. No thread is woken through them; the
+        #: hand-offs between threads are explicit where they happen (see ``server/app.py``).
+        self.listeners: list[Listener] = []
+        self._deferred: list[tuple] | None = None  # listener events held back until a commit
+
+    # The connection, for the parts' own queries (tests swap it for a wrapper that fails writes).
+    @property
+    def _db(self):  # noqa: ANN202
+        return self._store.db
+
+    @_db.setter
+    def _db(self, db) -> None:  # noqa: ANN001
+        self._store.db = db
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Spool bytes held: see :mod:`server.ledger.budget`."""
+        return self._spool.reserved
+
+    @reserved_bytes.setter
+    def reserved_bytes(self, n: int) -> None:
+        self._spool.reserved = n
+
+    def is_open(self) -> bool:
+        return self._store.is_open()
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.close()
+
+    def _tx(self):  # noqa: ANN202
+        return self._store.tx()
+
+    @contextmanager
+    def group(self):  # noqa: ANN201
+        """Several transitions, one commit: the lock is held from the first to the commit, so
+        nothing outside the group sees a state SQLite does not hold yet (REST reads take the
+        lock too). On an error part-way, what was applied is committed (as if each transition
+        had committed alone, which is what happens outside a group) and the error propagates.
+        A group inside a transaction joins it."""
+        with self._lock, self._store.group():
+            yield
+
+    # ------------------------------------------------------------------ one sample
+    def get(self, key: P.SampleKey) -> SampleRow | None:
+        """The sample in flight, or a copy loaded from SQLite (changes to it must be saved)."""
+        if key.job not in self.jobs:
+            return None
+        return self._live.get(key) or self._store.load(key)
+
+    def _save(self, s: SampleRow) -> None:
+        """Write a sample through, move it between RAM and SQLite-only, and keep the counts."""
+        old = s.saved
+        check_transition(old, s.state)
+        self._store.save_sample(s)
+        if s.state in IN_FLIGHT:
+            self._live[s.key] = s
+        else:
+            self._live.pop(s.key, None)
+        if old == s.state:
+            return
+        s.saved = s.state
+        self._n_ready += (s.state == State.ready) - (old == State.ready)
+        job = self.jobs.get(s.key.job)
+        if job is not None:
+            if old is not None:
+                job.state_counts[old.value] -= 1
+            job.state_counts[s.state.value] += 1
+        if self._deferred is not None:  # inside ack_many / lease_many: heard only once it commits
+            self._deferred.append((s.state, old, 1, len(s.token_ids)))
+            return
+        self._tell(s.state, old, 1, len(s.token_ids))
+
+    def _tell(self, new: State, old: State | None, n: int, tokens: int) -> None:
+        for fn in self.listeners:
+            fn(new, old, n, tokens)
+
+    def _tell_deferred(self) -> None:
+        """The listeners hear the transitions of a group once it is on disk, never before."""
+        events, self._deferred = self._deferred or [], None
+        for ev in events:
+            self._tell(*ev)
+
+    def _enqueue(self, s: SampleRow, *, front: bool = False) -> None:
+        """QUEUED again; the caller saves. At the front for samples that were already under way."""
+        if front:
+            self._qlo -= 1
+            s.qpos = self._qlo
+        else:
+            self._qhi += 1
+            s.qpos = self._qhi
+        s.state = State.queued
+
+    def _requeue_front(self, s: SampleRow) -> None:
+        """Produce it again, first in the queue, with a new attempt (a late answer or notice of
+        the old one is refused) and no error counted: not the sample's fault."""
+        s.attempt += 1
+        self._reset_prompt(s)
+        self._enqueue(s, front=True)
+        self._save(s)
+
+    def _add_error(self, s: SampleRow, reason: str) -> None:
+        if not s.errors and s.key.job in self.jobs:
+            self.jobs[s.key.job].n_errors += 1
+        s.errors.append(reason)
+
+    def _reset_prompt(self, s: SampleRow) -> None:
+        """Regenerate mode: a sample going back to QUEUED gets a new reply, so its token ids
+        return to the prompt alone (else the old reply would become part of the prompt)."""
+        if not s.generated:
+            return
+        if 0 <= s.prompt_len < len(s.token_ids):
+            s.token_ids = s.token_ids[: s.prompt_len]
+            s.loss_mask = s.loss_mask[: s.prompt_len] if s.loss_mask is not None else None
+            self._store.save_tokens(s)
+        s.generated = False
+
+    def _make_ready(self, smp: SampleRow, *, front: bool = False) -> None:
+        smp.state = State.ready
+        dq = self._ready.setdefault(smp.key.job, deque())
+        if len(dq) > 2 * self._n_ready + 64:  # drop entries that left READY (lost files, acks without lease)
+            dq = self._ready[smp.key.job] = deque(s for s in dq if s.state == State.ready)
+        dq.appendleft(smp) if front else dq.append(smp)
+        self._save(smp)
+
+    def _unreserve_submitted(self, smp: SampleRow) -> None:
+        """A SUBMITTED sample leaves that state: release what it holds (its estimate, or, if
+        its file already came in regenerate mode, the file, which the reaper removes)."""
+        if smp.notice is not None:
+            self.reserved_bytes -= smp.on_disk_bytes
+            smp.notice, smp.on_disk_bytes = None, 0
+        else:
+            self.reserved_bytes -= smp.expected_bytes
+
+    def _retry(self, smp: SampleRow, reason: str) -> None:
+        self._add_error(smp, f"attempt {smp.attempt}: {reason}")
+        smp.attempt += 1  # the request generation: late answers to older ones are discarded
+        if len(smp.errors) >= self.max_attempts:  # failures, not generations, use up attempts
+            self._finish(smp, State.failed)
+        else:
+            self._reset_prompt(smp)
+            self._enqueue(smp)
+            self._save(smp)
+
+    def _finish(self, smp: SampleRow, state: State) -> None:
+        smp.state = state
+        self._save(smp)
+        job = self.jobs[smp.key.job]
+        if job.finished is None and job.done:
+            job.finished = time.time()
+        self._store.save_job(job)
+
+    # ------------------------------------------------------------------ restart
+    def recover(self, file_exists: Callable[[str], bool]) -> dict[str, int]:
+        """Reload after a restart. SUBMITTED → QUEUED (the request may be lost; a late notice
+        for it is discarded as an old attempt); LEASED → READY if its file is still there,
+        else QUEUED (the trainer may have used it without acking: it is produced again).
+        Only samples that were in flight are read; the rest stay in SQLite."""
+        stats = Counter()
+        with self._lock:
+            for jid, created, finished, tok, nb, meta in self._db.execute(
+                "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs "
+                "WHERE summary IS NULL ORDER BY created"
+            ).fetchall():
+                meta = json.loads(meta or "{}")
+                if meta.get(ADMITTING):  # killed while its rows went in: its client never got the id
+                    with self._tx():
+                        self._db.execute("DELETE FROM samples WHERE job_id=?", (jid,))
+                        self._db.execute("DELETE FROM jobs WHERE job_id=?", (jid,))
+                    stats["half_admitted_jobs_dropped"] += 1
+                    continue
+                self.jobs[jid] = Job(jid, 0, created, finished, tok, nb, meta.get("sampling"))
+            for jid, st, n in self._db.execute("SELECT job_id, state, count(*) FROM samples GROUP BY job_id, state"):
+                if jid in self.jobs:
+                    self.jobs[jid].state_counts[st] += n
+                    self.jobs[jid].num_samples += n
+            errs = "SELECT job_id, count(*) FROM samples WHERE errors IS NOT NULL GROUP BY job_id"
+            for jid, n in self._db.execute(errs):
+                if jid in self.jobs:
+                    self.jobs[jid].n_errors = n
+            lo, hi = self._db.execute("SELECT min(qpos), max(qpos) FROM samples WHERE state = 'queued'").fetchone()
+            self._qlo, self._qhi = min(lo or 0, self._qlo), max(hi or 0, self._qhi)
+            rows = self._db.execute(
+                f"SELECT {COLS} FROM samples WHERE state IN ('submitted', 'ready', 'leased') ORDER BY job_id, ord"
+            ).fetchall()
+            with self._tx():
+                for s in map(row_to_sample, rows):
+                    if s.state == State.submitted:
+                        s.attempt += 1  # whatever comes back for the old attempt is discarded
+                        s.notice, s.on_disk_bytes = None, 0  # an early (regenerate) file is stray now
+                        self._reset_prompt(s)
+                        self._enqueue(s, front=True)
+                        stats["resubmitted"] += 1
+                    elif s.notice and s.notice.file and file_exists(s.notice.file):
+                        s.state = State.ready
+                        self._ready.setdefault(s.key.job, deque()).append(s)
+                        self.reserved_bytes += s.on_disk_bytes
+                        stats["ready"] += 1
+                    else:
+                        s.notice, s.on_disk_bytes = None, 0
+                        s.attempt += 1
+                        self._reset_prompt(s)
+                        self._enqueue(s, front=True)
+                        stats["regenerate"] += 1
+                    self._save(s)
+        return dict(stats)
+
