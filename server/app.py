@@ -22,6 +22,7 @@ from server import errors
 from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
+from server.doorbell import Doorbell
 from server.ledger import Ledger
 from server.metrics import SidecarMetrics
 from server.model_shape import SampleSizer
@@ -80,26 +81,39 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     s.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
     sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids, s.payload_dtype)
+    metrics = SidecarMetrics(ledger)  # a ledger listener: counts every move, on the thread that made it
+    tokenizer = Tokenizer(s.model or None, max_model_len=max_len)
+    # The hand-offs between threads, all made here. The delivery thread sleeps on its doorbell;
+    # the notices thread rings it after a commit that made samples READY, the submitter (event
+    # loop) when vLLM's reply did (regenerate mode). REST routes wake the submitter
+    # (Submitter.wake) when a job comes or goes; the submitter keeps its count of SUBMITTED
+    # samples as a ledger listener.
+    delivery_bell = Doorbell()
     svc = Services(
-        settings=s, ledger=ledger, metrics=SidecarMetrics(ledger), sizer=sizer,
-        tokenizer=Tokenizer(s.model or None, max_model_len=max_len), keeper=SpoolKeeper(spool, ledger),
-        notices=NoticeReceiver(s.notice_ep(), spool, ledger, max_message_bytes=s.max_peer_message_bytes),
+        settings=s, ledger=ledger, metrics=metrics, sizer=sizer, tokenizer=tokenizer,
+        keeper=SpoolKeeper(spool, ledger),
+        notices=NoticeReceiver(
+            s.notice_ep(), spool, ledger, max_message_bytes=s.max_peer_message_bytes,
+            observe=sizer.learn,  # the sample size, from the first notice when no config was readable
+            wake_delivery=delivery_bell.ring,
+        ),
         delivery=DeliveryService(
             s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s,
             remote_endpoint=s.remote_endpoint, curve=_curve(s), mooncake=_mooncake(s),
             max_credit=s.max_trainer_credit, send_hwm=s.trainer_send_hwm,
             max_message_bytes=s.max_peer_message_bytes, max_hello_jobs=s.max_hello_jobs,
+            doorbell=delivery_bell,
+            on_unheld=metrics.count_unheld,  # settlements without their lease token
         ),
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,
             concurrency=s.max_concurrency, timeout_s=s.request_timeout_s, down_deadline_s=s.vllm_down_deadline_s,
             notice_timeout_s=s.notice_timeout_s, spool_dir=str(spool), sizer=sizer,
+            on_latency=metrics.request_latency.observe,
+            on_engine_limit=tokenizer.set_engine_limit,  # vLLM's max_model_len, once it answers
+            wake_delivery=delivery_bell.ring,
         ),
     )  # fmt: skip
-    svc.submitter.on_latency = svc.metrics.request_latency.observe
-    svc.delivery.on_unheld = svc.metrics.count_unheld  # settlements without their lease token
-    svc.submitter.on_engine_limit = svc.tokenizer.set_engine_limit  # vLLM's max_model_len, once it answers
-    svc.notices.observe = sizer.learn  # the sample size, from the first notice when no config was readable
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

@@ -17,8 +17,6 @@ from a registered mapping of the file; for the last two the sidecar deletes the 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ import zmq
 
 from connector import protocol as P
 from connector.transport import Sender, TransportError, make_sender
+from server.doorbell import Doorbell
 from server.ledger import Ledger, SampleRow, State
 from server.notices import prepare_ipc
 from server.schemas import TrainerInfo
@@ -122,10 +121,16 @@ class DeliveryService(SocketThread):
         send_hwm: int = 256,
         max_message_bytes: int = 1 << 20,
         max_hello_jobs: int = 1024,
+        doorbell: Doorbell | None = None,
+        on_unheld: Callable[[str, int], object] | None = None,
     ) -> None:
         """``max_message_bytes``: the largest message part a trainer may send (ZeroMQ drops the
         connection of one that sends more, before anything is parsed); ``max_hello_jobs``: the
-        most jobs a HELLO may name (each delivery pass walks them under the ledger's lock)."""
+        most jobs a HELLO may name (each delivery pass walks them under the ledger's lock).
+        ``doorbell``: what other threads ring when they made samples READY (the notices thread,
+        the submitter), so a new sample is offered at once rather than at the poll's timeout.
+        ``on_unheld``: told (kind, keys) of each message's keys ignored for want of their lease
+        token, e.g. the Prometheus counter."""
         super().__init__()
         if max_credit < 1 or send_hwm < 1:
             raise ValueError(f"max_credit and send_hwm must be at least 1 (got {max_credit}, {send_hwm})")
@@ -150,8 +155,7 @@ class DeliveryService(SocketThread):
                       # keys of ACK / RECEIVED / FAIL messages ignored: without the token of the
                       # sample's latest lease (never delivered to the sender, or a stale copy's)
                       "unheld_acks": 0, "unheld_receiveds": 0, "unheld_fails": 0}  # fmt: skip
-        #: Told (kind, keys) of each message's ignored keys, e.g. the Prometheus counter.
-        self.on_unheld: Callable[[str, int], object] | None = None
+        self.on_unheld = on_unheld
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
@@ -159,13 +163,8 @@ class DeliveryService(SocketThread):
         self.senders: dict[str, Sender] = {"spool": make_sender("spool"), "zmq": make_sender("zmq")}
         if mooncake is not None:
             self.senders["mooncake"] = mooncake
-        # Woken when a sample becomes READY (a notice committed on the notices thread, a lease
-        # returned): without it a new sample waits for the poll's timeout or for some trainer's
-        # message before it is offered — up to POLL_MS of pure latency per sample. A pipe, since
-        # the ledger's listeners run on other threads and may not touch this thread's sockets.
-        # Made in bind(), closed when serve() ends.
-        self._wake_r = self._wake_w = -1
-        self._wake_lock = threading.Lock()  # the write end is never written after it is closed
+        # Opened in bind(), closed when serve() ends (or by close_wakeups() if it never ran).
+        self.doorbell = doorbell if doorbell is not None else Doorbell()
 
     def trainers(self) -> list[TrainerInfo]:
         """The connected trainers, for the REST overview (read from another thread: a snapshot)."""
@@ -202,41 +201,20 @@ class DeliveryService(SocketThread):
             remote.curve_secretkey = self.curve.secret
             remote.bind(self.remote_endpoint)
             self._socks[b"R"] = remote
-        self._wake_r, self._wake_w = os.pipe()  # last: nothing to close if a bind above failed
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        self.ledger.listeners.append(self._on_transition)
+        self.doorbell.open()  # last: nothing to close if a bind above failed
         return auth
-
-    def _on_transition(self, new: object, _old: object, _n: int, _tokens: int) -> None:
-        """Ledger listener (any thread): a sample became READY, so wake the delivery thread."""
-        if new is not State.ready:
-            return
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:  # the pipe is full: the thread has wake-ups pending anyway
-                pass
-
-    def _drain_wakeups(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
 
     def serve(self, auth: object) -> None:
         poller = zmq.Poller()
         for s in self._socks.values():
             poller.register(s, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        bell = self.doorbell.fileno()
+        poller.register(bell, zmq.POLLIN)
         try:
             while not self.stopping:
                 for sock, _ in poller.poll(POLL_MS):
-                    if sock == self._wake_r:
-                        self._drain_wakeups()
+                    if sock == bell:
+                        self.doorbell.drain()  # a sample became READY on another thread
                         continue
                     tag = next(t for t, s in self._socks.items() if s is sock)
                     more = True
@@ -264,14 +242,8 @@ class DeliveryService(SocketThread):
             self.close_wakeups()
 
     def close_wakeups(self) -> None:
-        """Stop hearing the ledger and close the wake-up pipe (the thread's end, or never started)."""
-        if self._on_transition in self.ledger.listeners:
-            self.ledger.listeners.remove(self._on_transition)
-        with self._wake_lock:
-            for fd in (self._wake_r, self._wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+        """Close the doorbell (the thread's end, or never started): rings from now on do nothing."""
+        self.doorbell.close()
 
     def _on_messages(self, tag: bytes, batch: list[list[bytes]]) -> None:
         """The messages that arrived together, in one ledger group (one commit for their acks

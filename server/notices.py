@@ -5,7 +5,9 @@ against the spool before anything is touched. A notice naming a path outside the
 refused and logged; its "file" is left alone, since it is not ours.
 
 The notices that have arrived together (up to ``BATCH``) go into the ledger as one group: one
-commit for all of them, and the files of refused ones deleted only after it.
+commit for all of them, and the files of refused ones deleted only after it. A notice that made
+its sample READY wakes the delivery thread (``wake_delivery``), which offers the sample to the
+trainers as soon as the group's commit releases the ledger's lock.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import zmq
 
 from connector import protocol as P
-from server.ledger import Ledger
+from server.ledger import Ledger, NoticeOutcome
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
@@ -44,16 +46,22 @@ def prepare_ipc(endpoint: str) -> None:
 class NoticeReceiver(SocketThread):
     name = "hsstream-notices"
 
-    def __init__(self, endpoint: str, spool: Path, ledger: Ledger, max_message_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, endpoint: str, spool: Path, ledger: Ledger, max_message_bytes: int = 1 << 20, *,
+        observe: Callable[[P.Notice], object] | None = None, wake_delivery: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         """``max_message_bytes``: the largest notice accepted; ZeroMQ drops the connection of a
-        peer that sends more before anything is parsed (a notice is a few kB of JSON)."""
+        peer that sends more before anything is parsed (a notice is a few kB of JSON).
+        ``observe``: sees each checked notice before the ledger does (the sample size is learned
+        from it). ``wake_delivery``: rung for each notice that made its sample READY."""
         super().__init__()
         self.max_message_bytes = max_message_bytes
         self.endpoint = endpoint
         self.spool = spool
         self.ledger = ledger
         self.stats = {"notices": 0, "refused": 0, "deleted": 0, "foreign": 0}
-        self.observe: Callable[[P.Notice], object] | None = None  # sees each checked notice first
+        self.observe = observe
+        self.wake_delivery = wake_delivery
         self.last_notice_at: float | None = None  # monotonic time of the latest well-formed notice
 
     def bind(self) -> zmq.Socket:
@@ -84,17 +92,25 @@ class NoticeReceiver(SocketThread):
 
     def handle_batch(self, raws: list[bytes], arrived: float | None = None) -> None:
         """Apply notices in one ledger group; delete the files it refused once that is on disk.
-        ``arrived``: ``time.time()`` they were read off the socket (default: now)."""
+        ``arrived``: ``time.time()`` they were read off the socket (default: now).
+
+        The delivery thread is rung as each sample becomes READY, inside the group: it wakes,
+        waits for the lock and leases once the commit is on disk (ringing after the commit
+        instead was measured no faster: docs/benchmarks.md, the sidecar's hop)."""
         arrived = time.time() if arrived is None else arrived
         delete: list[str] = []
         try:
             with self.ledger.group():
                 for raw in raws:
                     try:
-                        if (name := self._apply(raw, arrived)) is not None:
-                            delete.append(name)
+                        outcome, name = self._apply(raw, arrived)
                     except Exception:  # noqa: BLE001 - one bad notice must not end the thread
                         log.exception("notice handling failed")
+                        continue
+                    if outcome is NoticeOutcome.ready and self.wake_delivery is not None:
+                        self.wake_delivery()  # the delivery thread acts next: it offers the sample
+                    if name is not None:
+                        delete.append(name)
         except Exception:  # noqa: BLE001 - the commit failed: keep the files, the notice timeout settles them
             log.exception("writing %d notice(s) to the ledger failed", len(raws))
             return
@@ -102,15 +118,16 @@ class NoticeReceiver(SocketThread):
             self.stats["deleted"] += 1
             P.remove_from_spool(self.spool, name)
 
-    def _apply(self, raw: bytes, arrived: float) -> str | None:
-        """One notice into the ledger; returns its file if the ledger refused it (to delete)."""
+    def _apply(self, raw: bytes, arrived: float) -> tuple[NoticeOutcome | None, str | None]:
+        """One notice into the ledger: what the ledger made of it (None: not given to it), and
+        its file if the ledger refused it (to delete)."""
         self.stats["notices"] += 1
         try:
             n = P.Notice.decode(raw)
         except P.ProtocolError as e:
             self.stats["refused"] += 1
             log.error("refused notice: %s", e)
-            return None
+            return None, None
         self.last_notice_at = time.monotonic()  # a connector is talking (readyz: notices_stopped)
         path = None
         if n.file is not None:
@@ -121,15 +138,15 @@ class NoticeReceiver(SocketThread):
             except (P.UnsafePathError, FileNotFoundError) as e:
                 # Refused without touching the sample: a notice naming a file we cannot use may
                 # come from anyone, and must not cost a real sample an attempt (a flood of them
-                # failed one). The sample's own notice, or the notice timeout, settles it.
+                # would fail it). The sample's own notice, or the notice timeout, settles it.
                 self.stats["refused"] += 1
                 why = e if isinstance(e, P.UnsafePathError) else f"file {n.file} missing"
                 log.error("refused notice for %s (key %s, attempt %d): %s", n.request_id, n.key, n.attempt, why)
-                return None
+                return None, None
         if n.key is None:
             # A request that did not come through us (drop-in use of the connector): not ours.
             self.stats["foreign"] += 1
-            return None
+            return None, None
         try:
             size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
         except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
@@ -139,6 +156,5 @@ class NoticeReceiver(SocketThread):
             n = n.model_copy(update={"timings": {**n.timings, P.TIMING_SIDECAR_IN: round(arrived - n.sent_at, 6)}})
         if self.observe is not None:
             self.observe(n)  # e.g. the sample size, learned before the ledger frees the sample's estimate
-        if not self.ledger.on_notice(n, size).keeps_file and path is not None:
-            return n.file
-        return None
+        outcome = self.ledger.on_notice(n, size)
+        return outcome, (n.file if not outcome.keeps_file and path is not None else None)

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from connector import protocol as P
@@ -117,7 +118,14 @@ class Submitter:
         fs_reserve_bytes: int = 64 * 2**20,
         sizer: SampleSizer | None = None,
         client: Http | None = None,
+        on_latency: Callable[[float], object] | None = None,
+        on_engine_limit: Callable[[int], object] | None = None,
+        wake_delivery: Callable[[], None] | None = None,
     ) -> None:
+        """``on_latency``: told each vLLM request's seconds (the metrics); ``on_engine_limit``:
+        told vLLM's max_model_len once an engine answers (admission); ``wake_delivery``: rung
+        when vLLM's reply made a sample READY (regenerate mode), so the delivery thread offers
+        it at once."""
         self.ledger = ledger
         self.engines = [Engine(u) for u in parse_engine_urls(vllm_url)]
         self._turn = 0  # where least_loaded starts looking: equal engines take turns
@@ -131,11 +139,13 @@ class Submitter:
         self.fs_reserve_bytes = fs_reserve_bytes
         self._fs_ok_at = -1.0  # monotonic time the filesystem last had room
         self.engine_max_len: int | None = None  # the smallest max_model_len of the engines that answered
-        self.on_engine_limit = None  # optional callback(max_model_len), for admission
+        self.on_engine_limit = on_engine_limit
+        self.on_latency = on_latency
+        self.wake_delivery = wake_delivery
         self.sizer = sizer
         self._given_client = client  # a fake vLLM in unit tests; else aiohttp, made in start()
         self._applied: tuple[int, int | None] = (-1, None)  # (sizer version, engine limit) applied to the queue
-        self.in_flight = 0  # SUBMITTED samples, kept by a ledger listener
+        self.in_flight = 0  # SUBMITTED samples, kept by this ledger listener (on the thread of each move)
         ledger.listeners.append(self._on_transition)
         self.last_notice_timeout_at: float | None = None  # monotonic; readyz compares it with the last notice
         self.stats = {"requests": 0, "http_errors": 0, "vllm_down_retries": 0, "notice_timeouts": 0,
@@ -149,7 +159,6 @@ class Submitter:
         self._checks: dict[str, asyncio.Task] = {}  # engine url -> liveness check while it owes files
         self._wake = asyncio.Event()
         self._inflight: dict[P.SampleKey, asyncio.Task] = {}
-        self.on_latency = None  # optional callback(seconds)
 
     async def start(self) -> None:
         self._stopping = False
@@ -491,7 +500,8 @@ class Submitter:
                 if not out:
                     self.ledger.requeue(s.key, attempt, "vLLM returned no token ids for the reply")
                     return
-                self.ledger.set_generated(s.key, attempt, list(out))
+                if self.ledger.set_generated(s.key, attempt, list(out)) and self.wake_delivery is not None:
+                    self.wake_delivery()  # the delivery thread acts next: it offers the sample
             if self.on_latency:
                 self.on_latency(time.monotonic() - t0)
         except (Unreachable, TimedOut, VllmUnavailable) as exc:

@@ -179,9 +179,8 @@ def test_one_engine_down_does_not_start_the_deadline():
 def test_admission_uses_the_smallest_engine_limit():
     led = Ledger()
     fake = Engines("a", "b", max_model_len={"a": 2048, "b": 512})
-    sub = submitter(led, fake, ["a", "b"])
     limits = []
-    sub.on_engine_limit = limits.append
+    sub = submitter(led, fake, ["a", "b"], on_engine_limit=limits.append)
 
     assert asyncio.run(probe(sub)) == 512 and limits[-1] == 512
     assert [e.max_model_len for e in sub.engines] == [2048, 512]

@@ -47,9 +47,9 @@ def test_settling_keys_never_delivered_changes_nothing_and_is_counted(tmp_path):
     P.claim_spool(spool)
     ledger = Ledger()
     job = _ready_job(ledger, spool, 5)
-    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger)
     metrics = SidecarMetrics(ledger)
-    svc.on_unheld = metrics.count_unheld  # as server/app.py wires it
+    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger,
+                          on_unheld=metrics.count_unheld)  # as server/app.py wires it  # fmt: skip
     svc.start()
     hostile = _dealer(svc.endpoint)
     try:

@@ -62,8 +62,7 @@ def test_engine_limit_reaches_admission():
     opt = JobOptions()
     tok(SampleIn(token_ids=[1] * 1890), opt)  # fits the config's limit
     led = Ledger()
-    sub = submitter(led, FakeVllm(512), budget_bytes=10**9)
-    sub.on_engine_limit = tok.set_engine_limit
+    sub = submitter(led, FakeVllm(512), budget_bytes=10**9, on_engine_limit=tok.set_engine_limit)
 
     assert asyncio.run(probe(sub)) == 512
     with pytest.raises(SampleRejected, match=r"1890 tokens, more than vLLM's max_model_len of 512"):
