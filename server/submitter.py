@@ -427,8 +427,8 @@ class Submitter:
     def _fs_has_room(self) -> bool:
         """The budget counts our files; the filesystem also holds files unlinked but still
         mapped by a trainer, and anyone else's. Never submit into a nearly full tmpfs.
-        A "yes" is trusted for ``FS_CHECK_S`` (a statvfs per sample was 3 % of the sidecar's
-        CPU); a "no" is asked again each time."""
+        A "yes" is trusted for ``FS_CHECK_S`` (a statvfs per sample is a visible share of the
+        sidecar's CPU: docs/benchmarks.md, sidecar throughput); a "no" is asked again each time."""
         if not self.spool_dir:
             return True
         now = time.monotonic()

@@ -41,3 +41,14 @@ def test_the_data_sources_reader_imports_nothing_of_the_sidecar():
             "print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in ('server', 'pyarrow', 'datasets')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr[-2000:]  # pyarrow / datasets: when used
+
+
+def test_the_ledger_imports_nothing_of_the_sidecar_but_itself():
+    """The ledger is the sidecar's state, below its threads and its HTTP layer: it imports
+    none of them (nor FastAPI or ZeroMQ), only the shared contracts in connector/."""
+    code = ("import sys\nfor m in ('fastapi', 'starlette', 'uvicorn', 'zmq', 'vllm'):\n    sys.modules[m] = None\n"
+            "import server.ledger\n"
+            "print(sorted(m for m, v in sys.modules.items() if v is not None and m.startswith('server.')\n"
+            "             and not m.startswith('server.ledger')))")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout + p.stderr)[-2000:]
