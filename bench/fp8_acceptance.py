@@ -4,7 +4,7 @@
 Runs ``bench/acceptance.py`` (the whole loop on the CPU demo: stream hidden states from vLLM,
 train an Eagle-3 draft online, serve it in vLLM and count accepted draft tokens) once per arm
 and seed, with ``HSSTREAM_PAYLOAD_DTYPE`` = ``model`` (the tiny verifier's bf16) or
-``fp8_e4m3`` (connector/payload.py). Arms alternate (bf16 s0, fp8 s0, bf16 s1, ...), so drift
+``fp8_e4m3`` (connector/contract/payload.py). Arms alternate (bf16 s0, fp8 s0, bf16 s1, ...), so drift
 of the shared machine's load falls on both alike; the seed is the trainer's (draft init and
 order), data and evaluation prompts are the same for every run.
 

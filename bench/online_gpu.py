@@ -166,6 +166,7 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
     from safetensors.torch import save_file
 
     from connector import protocol as P
+    from trainer_client import sample_reader as R
     from trainer_client import stream as S
 
     T, K, H = spec["prompt_len"], len(spec["layers"]), spec["hidden_size"]
@@ -216,7 +217,7 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
             rows["read_into_pinned_one_thread"].append(time.perf_counter() - t9)
             os.close(fd)
             t9 = time.perf_counter()
-            for k in (2, 4, 8):  # parts read at once by k threads (the stream's default: S.READ_THREADS)
+            for k in (2, 4, 8):  # parts read at once by k threads (the stream's default: R.READ_THREADS)
                 fd = os.open(path, os.O_RDONLY)
                 t9 = time.perf_counter()
                 S.read_parallel(fd, memoryview(pbuf.numpy()), path.stat().st_size, threads=k)
@@ -224,7 +225,7 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
                 os.close(fd)
             t9 = time.perf_counter()
             got = S.read_into_buffer(path, None, lambda n: pbuf[:n], tm := {})
-            rows["read_into_pinned"].append(tm["read_s"])  # parts read at once (S.READ_THREADS)
+            rows["read_into_pinned"].append(tm["read_s"])  # parts read at once (R.READ_THREADS)
             if cuda:
                 got[P.HIDDEN_STATES_KEY].to(dev, non_blocking=True)
                 torch.cuda.current_stream(dev).synchronize()
@@ -258,7 +259,7 @@ def measure_floor(spec: dict, dev) -> dict:  # noqa: ANN001
             rows["alloc_pinned_new"].append(time.perf_counter() - t0)
         del held
         rows = {k: v for k, v in rows.items() if v}
-        return {"bytes": path.stat().st_size, "device": str(dev), "read_threads": S.READ_THREADS, **extra,
+        return {"bytes": path.stat().st_size, "device": str(dev), "read_threads": R.READ_THREADS, **extra,
                 **{f"{k}_ms_p50": round(1000 * statistics.median(v), 3) for k, v in rows.items()}}  # fmt: skip
     finally:
         shutil.rmtree(d, ignore_errors=True)

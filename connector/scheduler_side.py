@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from connector import protocol as P
-from connector.worker_side import LockRequest, PendingSave
+from connector.contract import messages as M, spool as SP
+from connector.step_metadata import LockRequest, PendingSave
 
 log = logging.getLogger("hsstream.connector")
 
@@ -39,20 +39,20 @@ class SchedulerSide:
     def _target(self, request: Any) -> _Target:
         rid = request.request_id
         params = getattr(request, "kv_transfer_params", None) or {}
-        custom = params.get(P.KV_PARAMS_PATH_KEY)
-        default = f"{self.spool_dir}/{P.file_name_for_request(rid)}"
+        custom = params.get(M.KV_PARAMS_PATH_KEY)
+        default = f"{self.spool_dir}/{SP.file_name_for_request(rid)}"
         if custom is None:
             return _Target(default, False)
-        if P.KV_PARAMS_KEY in params:
+        if M.KV_PARAMS_KEY in params:
             return _Target(default, False, "the sidecar's requests are written to the spool, not to a custom path")
         if not self.allow_custom_save_path:
             return _Target(
                 default, False,
-                f"custom {P.KV_PARAMS_PATH_KEY} {str(custom)[:200]!r} refused: the connector's "
+                f"custom {M.KV_PARAMS_PATH_KEY} {str(custom)[:200]!r} refused: the connector's "
                 "allow_custom_save_path is off (kv_connector_extra_config)",
             )  # fmt: skip
         if not isinstance(custom, str) or not custom.strip() or custom.endswith("/"):
-            return _Target(default, False, f"custom {P.KV_PARAMS_PATH_KEY} {custom!r} is not a file path")
+            return _Target(default, False, f"custom {M.KV_PARAMS_PATH_KEY} {custom!r} is not a file path")
         return _Target(os.path.abspath(custom), True)
 
     def request_scheduled(self, request: Any) -> None:
@@ -66,7 +66,7 @@ class SchedulerSide:
         if t.error is not None:
             log.error("request %s: %s", rid, t.error)
             return
-        plain = P.KV_PARAMS_KEY not in (getattr(request, "kv_transfer_params", None) or {})
+        plain = M.KV_PARAMS_KEY not in (getattr(request, "kv_transfer_params", None) or {})
         if self.use_lock and plain:  # the sidecar's requests are announced by notices instead
             self._new_locks[rid] = LockRequest(t.path, make_dirs=t.custom)
 
@@ -79,14 +79,14 @@ class SchedulerSide:
         rid = request.request_id
         params = getattr(request, "kv_transfer_params", None) or {}
         try:
-            tag = P.tag_from_kv_params(params)
-        except P.ProtocolError as e:
+            tag = M.tag_from_kv_params(params)
+        except M.ProtocolError as e:
             log.error("request %s: %s", rid, e)
             tag = None
         tag_d = tag.model_dump(mode="json") if tag else None
         target = self._targets.pop(rid, None)
         self._new_locks.pop(rid, None)  # finished before the worker ever saw it
-        name = P.file_name_for_request(rid)
+        name = SP.file_name_for_request(rid)
         if params.get("include_output_tokens"):
             # The last output token was never fed back through the model: no state for it.
             token_ids = list(request.all_token_ids)[:-1]
@@ -109,12 +109,12 @@ class SchedulerSide:
         if error is not None:
             self._pending.append(PendingSave(rid, name, [], [], tag_d, error=error))
             refused = target is not None and target.error is not None
-            return False, ({P.KV_PARAMS_ERROR_KEY: error} if refused else None)
+            return False, ({M.KV_PARAMS_ERROR_KEY: error} if refused else None)
         if target is not None and target.custom:
             self._pending.append(PendingSave(rid, name, token_ids, list(block_ids), tag_d, path=target.path))
-            return True, {P.KV_PARAMS_PATH_KEY: target.path}
+            return True, {M.KV_PARAMS_PATH_KEY: target.path}
         self._pending.append(PendingSave(rid, name, token_ids, list(block_ids), tag_d))
-        return True, {P.KV_PARAMS_PATH_KEY: f"{self.spool_dir}/{name}", "hsstream_file": name}
+        return True, {M.KV_PARAMS_PATH_KEY: f"{self.spool_dir}/{name}", "hsstream_file": name}
 
     def take_pending(self) -> list[PendingSave]:
         out, self._pending = self._pending, []

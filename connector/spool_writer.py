@@ -23,9 +23,9 @@ import torch
 import zmq
 from safetensors.torch import save_file
 
-from connector import payload as PL
-from connector import protocol as P
-from connector.file_lock import WriteLock
+from connector.contract import messages as M, sample_file as SF, spool as SP
+from connector.contract import payload as PL
+from connector.contract.spool import WriteLock
 
 log = logging.getLogger("hsstream.connector")
 
@@ -34,7 +34,7 @@ log = logging.getLogger("hsstream.connector")
 class WriteJob:
     request_id: str
     file: str
-    tag: P.RequestTag | None
+    tag: M.RequestTag | None
     token_ids: list[int]
     hidden_states: torch.Tensor  # host tensor [T, K, H]; may still be filling (see ready)
     ready: Callable[[], None] | None = None  # blocks until the async copy has landed
@@ -51,7 +51,7 @@ class ShapeInfo:
     layer_ids: list[int]
     num_hidden_layers: int
     hidden_size: int
-    dtype: str  # the stored dtype (connector/payload.py): the model's, or float8_e4m3fn
+    dtype: str  # the stored dtype, a payload codec's (connector/contract/payload.py)
     model: str
 
 
@@ -65,7 +65,7 @@ class SpoolWriter:
         *,
         max_pending_bytes: int = 2 * 2**30,
         max_queued_notices: int = 4096,
-        checksum_algo: str = P.CHECKSUM_ALGO,
+        checksum_algo: str = SF.CHECKSUM_ALGO,
         max_sender_restarts: int = 5,
     ) -> None:
         """Both queues are bounded, and neither bound ever blocks the engine step: over
@@ -105,11 +105,11 @@ class SpoolWriter:
         with self._lock:
             return self._pending == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes
 
-    def refuse_busy(self, request_id: str, tag: P.RequestTag | None) -> None:
+    def refuse_busy(self, request_id: str, tag: M.RequestTag | None) -> None:
         with self._lock:
             self.stats["busy"] += 1
             mb = self._pending_bytes / 2**20
-        self._publish(self._notice(request_id, tag, status=P.NoticeStatus.busy,
+        self._publish(self._notice(request_id, tag, status=M.NoticeStatus.busy,
                                    reason=f"connector busy: {mb:.0f} MiB of hidden states waiting to be written "
                                           f"(HSSTREAM_MAX_PENDING_WRITE_BYTES)"))  # fmt: skip
 
@@ -126,13 +126,13 @@ class SpoolWriter:
         self._pool.submit(self._write, job)
         return True
 
-    def submit_error(self, request_id: str, tag: P.RequestTag | None, reason: str) -> None:
-        self._publish(self._notice(request_id, tag, status=P.NoticeStatus.error, reason=reason))
+    def submit_error(self, request_id: str, tag: M.RequestTag | None, reason: str) -> None:
+        self._publish(self._notice(request_id, tag, status=M.NoticeStatus.error, reason=reason))
 
     # -- writer threads ----------------------------------------------------------------------
-    def _notice(self, request_id: str, tag: P.RequestTag | None, **kw: object) -> P.Notice:
+    def _notice(self, request_id: str, tag: M.RequestTag | None, **kw: object) -> M.Notice:
         s = self.shape
-        return P.Notice(
+        return M.Notice(
             request_id=request_id,
             key=tag.key if tag else None,
             attempt=tag.attempt if tag else 0,
@@ -146,7 +146,7 @@ class SpoolWriter:
 
     def _write(self, job: WriteJob) -> None:
         dest = job.path or self.spool / job.file
-        tmp = dest.parent / P.tmp_name_for(dest.name)
+        tmp = dest.parent / SP.tmp_name_for(dest.name)
         t0 = time.perf_counter()
         try:
             if job.ready is not None:
@@ -156,30 +156,28 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if hs.shape[0] != ids.shape[0]:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
-            tensors = {P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}
-            if PL.is_quantized(self.shape.dtype):
-                # On the writer thread, off the engine's step (as hs-connectors quantises on write).
-                tensors[P.HIDDEN_STATES_KEY], tensors[PL.SCALES_KEY] = PL.quantize_fp8(hs)
-            digest = P.checksum(*PL.checksum_buffers(tensors), algo=self.checksum_algo)
+            # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on write).
+            tensors = {**PL.codec(self.shape.dtype).encode(hs), SF.TOKEN_IDS_KEY: ids}
+            digest = SF.sample_checksum(tensors, algo=self.checksum_algo)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
                 job.tag,
-                status=P.NoticeStatus.ok,
+                status=M.NoticeStatus.ok,
                 file=job.file if job.path is None else None,  # the sidecar reads the spool only
                 num_tokens=int(ids.shape[0]),
-                nbytes=sum(t.numel() * t.element_size() for k, t in tensors.items() if k != P.TOKEN_IDS_KEY),
+                nbytes=sum(t.numel() * t.element_size() for k, t in tensors.items() if k != SF.TOKEN_IDS_KEY),
                 checksum=digest,
                 checksum_algo=self.checksum_algo,
             )
             save_file(
                 tensors,
                 str(tmp),
-                metadata=P.header_metadata(notice),
+                metadata=SF.header_metadata(notice),
             )
             # Token ids are the users' prompts: 0600 before the name is visible. safetensors 0.8
             # writes 0600 itself; older releases (GPU images pin their own) follow the umask.
-            os.chmod(tmp, P.FILE_MODE)
+            os.chmod(tmp, SP.FILE_MODE)
             os.rename(tmp, dest)
             if job.lock is not None:
                 job.lock.release()
@@ -192,7 +190,7 @@ class SpoolWriter:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
-            notice = self._notice(job.request_id, job.tag, status=P.NoticeStatus.error, reason=f"write failed: {e!r}")
+            notice = self._notice(job.request_id, job.tag, status=M.NoticeStatus.error, reason=f"write failed: {e!r}")
         finally:
             job.hidden_states = None  # type: ignore[assignment]  # release pinned memory now
             if job.lock is not None:
@@ -203,7 +201,7 @@ class SpoolWriter:
             self._pending_bytes -= job.nbytes
             self._idle.notify_all()
 
-    def _publish(self, notice: P.Notice) -> None:
+    def _publish(self, notice: M.Notice) -> None:
         if self._sender is None:
             return
         try:

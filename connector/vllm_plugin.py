@@ -15,7 +15,7 @@ nothing but the pickled per-step metadata. Load it with::
 ``include_output_tokens`` and ``hidden_states_path`` per request too. Ours: ``notice_endpoint``
 (``"none"``: no sidecar), ``layer_ids`` (the order written), ``layer_order`` (``config``:
 that order; ``sorted``: ascending, as the Example connector writes) and ``payload_dtype``
-(``model`` or ``fp8_e4m3``, ``connector/payload.py``). See docs/drop-in.md.
+(``model`` or ``fp8_e4m3``, ``connector/contract/payload.py``). See docs/drop-in.md.
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector import endpoints as E
-from connector import payload as PL
-from connector import protocol as P
+from connector.contract import endpoints as E
+from connector.contract import payload as PL
+from connector.contract import sample_file as SF
+from connector.contract.settings import Settings, lower_switch_interval
 from connector.layers import storage_permutation, validate_layer_ids
 from connector.scheduler_side import SchedulerSide
-from connector.settings import Settings, lower_switch_interval
 from connector.spool_writer import ShapeInfo, SpoolWriter
-from connector.worker_side import HiddenStateGatherer, LockRequest, PendingSave, WorkerSide
+from connector.step_metadata import LockRequest, PendingSave
+from connector.worker_side import HiddenStateGatherer, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,8 +154,8 @@ class ConnectorOptions:
                 raise ConnectorConfigError(str(e)) from None
         dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         algo = str(extra.get("checksum") or env.checksum)
-        if algo not in P.CHECKSUM_ALGOS:
-            raise ConnectorConfigError(f"checksum {algo!r} is not one of {list(P.CHECKSUM_ALGOS)} (HSSTREAM_CHECKSUM)")
+        if algo not in SF.CHECKSUM_ALGOS:
+            raise ConnectorConfigError(f"checksum {algo!r} is not one of {list(SF.CHECKSUM_ALGOS)} (HSSTREAM_CHECKSUM)")
         model = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
         payload_dtype = str(extra.get("payload_dtype") or env.payload_dtype)
         try:

@@ -20,36 +20,12 @@ from pathlib import Path
 
 import torch
 
-from connector import protocol as P
 from connector.cache_layout import block_chunks, gather_rows, token_major_view
-from connector.file_lock import LockError, WriteLock
+from connector.contract.spool import LockError, WriteLock
 from connector.spool_writer import SpoolWriter, WriteJob
+from connector.step_metadata import LockRequest, PendingSave
 
 log = logging.getLogger("hsstream.connector")
-
-
-@dataclass
-class PendingSave:
-    """Scheduler → worker, in the step's connector metadata (pickled: keep it plain)."""
-
-    request_id: str
-    file: str
-    token_ids: list[int]
-    block_ids: list[int]
-    tag: dict | None = None  # RequestTag as JSON-able dict
-    error: str | None = None  # set: send an error notice, there is nothing to copy
-    path: str | None = None  # a client's own path (allow_custom_save_path); None: spool / file
-
-    def request_tag(self) -> P.RequestTag | None:
-        return P.RequestTag.model_validate(self.tag) if self.tag else None
-
-
-@dataclass(frozen=True)
-class LockRequest:
-    """Scheduler → worker: hold ``<data_path>.lock`` for a request scheduled this step."""
-
-    data_path: str
-    make_dirs: bool = False  # a custom path's directory may not exist yet (as the Example connector)
 
 
 @dataclass

@@ -24,8 +24,8 @@ def serve(
     import uvicorn
 
     from connector import protocol as P
-    from connector.curve_keys import InsecureKeyFile
-    from connector.settings import Settings
+    from connector.contract.curve_keys import InsecureKeyFile
+    from connector.contract.settings import Settings
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
     from server.app import create_app
@@ -71,7 +71,7 @@ def vllm(
 
     It execs `vllm serve` with the command line compose runs too."""
     from connector.layers import LayerIdError
-    from connector.settings import Settings
+    from connector.contract.settings import Settings
     from hsstream import launch
 
     s = Settings()
@@ -310,7 +310,7 @@ def train(
     import json
     import logging
 
-    from connector.settings import Settings
+    from connector.contract.settings import Settings
 
     s = Settings()
     try:
@@ -385,7 +385,7 @@ def eval_(
     import tempfile
     from pathlib import Path
 
-    from connector.settings import Settings
+    from connector.contract.settings import Settings
     from hsstream import evaluate as E
 
     mdl = model or Settings().model
@@ -426,7 +426,7 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
 
     The sidecar's pair goes to HSSTREAM_CURVE_SERVER_SECRET_FILE; each trainer's public
     NAME.key goes into the sidecar's HSSTREAM_CURVE_CLIENTS_DIR."""
-    from connector.curve_keys import InsecureKeyFile, write_key_pair
+    from connector.contract.curve_keys import InsecureKeyFile, write_key_pair
 
     try:
         pub, sec = write_key_pair(directory, name)
@@ -437,7 +437,7 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
 
 
 def main() -> None:
-    from connector.endpoints import InsecureEndpoint
+    from connector.contract.endpoints import InsecureEndpoint
 
     try:
         app(prog_name="hsstream")

@@ -46,7 +46,7 @@ class VllmOptions:
     enforce_eager: bool = False
     prefix_caching: bool = False
     num_writer_threads: int = 4
-    layer_order: str = "config"  # or "sorted": see connector/settings.py
+    layer_order: str = "config"  # or "sorted": see connector/contract/settings.py
     served_model_name: str | None = None
     #: vLLM's --shutdown-timeout. Its default, 0, force-kills the engine at once on SIGTERM,
     #: before it unlinks its shared memory ("leaked shared_memory" warnings, RAM held in

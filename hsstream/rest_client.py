@@ -22,7 +22,7 @@ ADMIT_TIMEOUT_S = 3600.0
 
 
 def _client(url: str | None) -> httpx.Client:
-    from connector.settings import Settings
+    from connector.contract.settings import Settings
 
     s = Settings()
     base = url or f"http://{s.host}:{s.port}"

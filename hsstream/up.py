@@ -239,7 +239,7 @@ def build_config(
 ) -> UpConfig:
     """Resolve the stack's configuration: CLI flags > environment > ``.env`` > defaults."""
     from connector.layers import LayerIdError, validate_layer_ids
-    from connector.settings import Settings
+    from connector.contract.settings import Settings
 
     filed = read_env_file(env_file) if env_file else {}
     env = {**filed, **os.environ}

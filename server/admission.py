@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from fastapi import HTTPException
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 
 T = TypeVar("T")
 

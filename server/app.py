@@ -17,7 +17,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from connector import protocol as P
-from connector.settings import Settings, lower_switch_interval
+from connector.contract.settings import Settings, lower_switch_interval
+from connector.transport import senders_from_settings
 from server import errors
 from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
@@ -43,7 +44,7 @@ def _curve(s: Settings) -> CurveServer | None:
             "HSSTREAM_REMOTE_ENDPOINT needs HSSTREAM_CURVE_SERVER_SECRET_FILE and HSSTREAM_CURVE_CLIENTS_DIR "
             "(create them with `hsstream keys DIR`)"
         )
-    from connector.curve_keys import load_secret
+    from connector.contract.curve_keys import load_secret
 
     public, secret = load_secret(s.curve_server_secret_file)  # refuses a file others can read
     if secret is None:
@@ -51,14 +52,12 @@ def _curve(s: Settings) -> CurveServer | None:
     return CurveServer(public, secret, str(s.curve_clients_dir))
 
 
-def _mooncake(s: Settings):  # noqa: ANN202
-    """The Mooncake sender when HSSTREAM_MOONCAKE_HOSTNAME is set: its engine starts here, so a
-    missing package or an address it cannot use stops the sidecar at start-up with the reason."""
-    if not s.mooncake_hostname:
-        return None
-    from connector.transport.mooncake import MooncakeSender
-
-    return MooncakeSender(s.mooncake_hostname, s.mooncake_protocol, s.mooncake_device)
+def offer_transports(delivery: DeliveryService, s: Settings) -> None:
+    """Every registered transport the settings configure (``connector/transport/``), each
+    with its delivery counter; a sender that cannot start stops the sidecar with the reason."""
+    for name, sender in senders_from_settings(s).items():
+        delivery.senders[name] = sender
+        delivery.stats.setdefault(f"delivered_{name}", 0)
 
 
 async def compact_finished_jobs(ledger: Ledger, retention_s: float) -> None:
@@ -99,7 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ),
         delivery=DeliveryService(
             s.delivery_ep(), spool, ledger, peer_timeout_s=s.trainer_timeout_s,
-            remote_endpoint=s.remote_endpoint, curve=_curve(s), mooncake=_mooncake(s),
+            remote_endpoint=s.remote_endpoint, curve=_curve(s),
             max_credit=s.max_trainer_credit, send_hwm=s.trainer_send_hwm,
             max_message_bytes=s.max_peer_message_bytes, max_hello_jobs=s.max_hello_jobs,
             doorbell=delivery_bell,
@@ -114,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             wake_delivery=delivery_bell.ring,
         ),
     )  # fmt: skip
+    offer_transports(svc.delivery, s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import resource
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 
 log = logging.getLogger("hsstream.sidecar")
 

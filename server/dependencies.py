@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from server.admission import Admitter
 from server.delivery import DeliveryService
 from server.ledger import Job, Ledger

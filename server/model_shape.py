@@ -21,7 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from connector import payload as PL
+from connector.contract import payload as PL
 from connector import protocol as P
 from connector.layers import default_layer_ids
 
@@ -45,7 +45,7 @@ class Shape:
     hidden_size: int
     dtype_size: int
     source: str  # where it was learned, for logs and /v1/stats
-    scale_bytes: int = 0  # per position: a quantised payload's scales (connector/payload.py)
+    scale_bytes: int = 0  # per position: a quantised payload's scales (connector/contract/payload.py)
 
     def file_bytes(self, positions: int) -> int:
         return P.expected_file_bytes(positions, self.num_layers, self.hidden_size, self.dtype_size, self.scale_bytes)

@@ -123,7 +123,7 @@ class JobOptions(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _kwargs_are_the_templates(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        from connector.sample_tokens import RESERVED_TEMPLATE_KWARGS
+        from connector.contract.sample_tokens import RESERVED_TEMPLATE_KWARGS
 
         bad = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
         if bad:
@@ -144,7 +144,7 @@ class JobOptions(BaseModel):
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        from connector.sample_tokens import _generation_ext
+        from connector.contract.sample_tokens import _generation_ext
 
         try:
             ImmutableSandboxedEnvironment(extensions=[loopcontrols, _generation_ext()]).parse(v)

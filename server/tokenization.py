@@ -2,7 +2,7 @@
 
 vLLM then receives token ids, never text, so what is extracted is exactly what was
 tokenised here and the loss mask lines up position for position. The ids and masks come from
-``connector/sample_tokens.py`` (shared with the trainer's local token counts); this module
+``connector/contract/sample_tokens.py`` (shared with the trainer's local token counts); this module
 adds what only the sidecar decides: the vocabulary check of raw token ids and the length limits.
 """
 
@@ -13,16 +13,12 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from connector.sample_tokens import SampleRefused, encode_sample, load_tokenizer
+from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 from server.model_shape import too_long_reason
 from server.schemas import JobOptions, SampleIn
 
-__all__ = ["SampleRejected", "Tokenized", "Tokenizer"]
+__all__ = ["SampleRefused", "Tokenized", "Tokenizer"]
 log = logging.getLogger("hsstream.sidecar")
-
-#: The shared refusal (connector/sample_tokens.py) under the name the sidecar has always used.
-SampleRejected = SampleRefused
-
 
 @dataclass
 class Tokenized:
@@ -62,12 +58,12 @@ class Tokenizer:
     def __call__(self, s: SampleIn, opt: JobOptions) -> Tokenized:
         try:
             ids, mask = self._encode(s, opt)
-        except SampleRejected:
+        except SampleRefused:
             raise
         except Exception as e:  # noqa: BLE001 - the tokenizer or chat template choked on this input
-            raise SampleRejected(f"the tokenizer failed on this sample: {type(e).__name__}: {e}"[:500]) from e
+            raise SampleRefused(f"the tokenizer failed on this sample: {type(e).__name__}: {e}"[:500]) from e
         if not ids:
-            raise SampleRejected("empty sample: no tokens")
+            raise SampleRefused("empty sample: no tokens")
         # vLLM needs room for what it generates beyond the prompt (1 token, or the new reply).
         room = opt.sampling.max_tokens if opt.mode == "regenerate" else 1
         limits = [(opt.max_tokens_per_sample, f"sample has {len(ids)} tokens, more than the limit of "
@@ -78,7 +74,7 @@ class Tokenizer:
         limit, why = min(limits) if limits else (None, "")
         if limit is not None and len(ids) > limit:
             if opt.overlong == "reject":
-                raise SampleRejected(why)
+                raise SampleRefused(why)
             ids, mask = ids[:limit], mask[:limit]
         return Tokenized(ids, mask, s.id)
 
@@ -87,9 +83,9 @@ class Tokenizer:
             if self.vocab_size is not None:
                 bad = [t for t in s.token_ids if not 0 <= t < self.vocab_size]
                 if bad:
-                    raise SampleRejected(f"token ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
+                    raise SampleRefused(f"token ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
         elif self._tok is None:
-            raise SampleRejected(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
+            raise SampleRefused(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
         sample = s.model_dump(by_alias=True, exclude_none=True)
         kw = {"loss_mask": opt.loss_mask, "mode": opt.mode, "chat_template_kwargs": opt.chat_template_kwargs}
         if opt.chat_template is None or s.token_ids is not None or (s.messages is None and s.conversations is None):
@@ -100,11 +96,11 @@ class Tokenizer:
         """encode_sample with the job's own template, in a worker thread, for at most render_timeout_s."""
         digest = hashlib.sha256(template.encode()).hexdigest()
         if digest in self._slow:
-            raise SampleRejected(f"the job's chat_template took longer than {self.render_timeout_s:g} s to render "
+            raise SampleRefused(f"the job's chat_template took longer than {self.render_timeout_s:g} s to render "
                                  "an earlier sample: refused")  # fmt: skip
         self._stuck = [t for t in self._stuck if t.is_alive()]
         if len(self._stuck) >= self.max_stuck_renders:
-            raise SampleRejected(f"{len(self._stuck)} renders of earlier jobs' chat templates are still running past "
+            raise SampleRefused(f"{len(self._stuck)} renders of earlier jobs' chat templates are still running past "
                                  "their time: jobs with their own chat_template are refused until they end")  # fmt: skip
         box: dict = {}
 
@@ -123,7 +119,7 @@ class Tokenizer:
             self._slow.add(digest)
             self._stuck.append(t)
             log.warning("a job's chat template ran past %.1f s; its render thread is abandoned", self.render_timeout_s)
-            raise SampleRejected(f"the job's chat_template took longer than {self.render_timeout_s:g} s to render "
+            raise SampleRefused(f"the job's chat_template took longer than {self.render_timeout_s:g} s to render "
                                  "this sample: refused (a template that loops without bound?)")
         if "err" in box:
             raise box["err"]

@@ -22,12 +22,17 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connector import protocol as P
+from connector.contract import messages as M
 from connector.transport import Receiver, Sender, TransportError
+
+if TYPE_CHECKING:
+    from connector.contract.settings import Settings
 
 log = logging.getLogger("hsstream.transport")
 
@@ -36,6 +41,19 @@ INSTALL_HINT = ("pip install 'hidden-state-stream[mooncake]' (the package moonca
 #: The header and token ids a file holds beyond its hidden states: a DELIVER asking us to read
 #: more than this past the notice's ``nbytes`` is refused instead of allocating what it says.
 _MAX_EXTRA_BYTES = 1 << 20
+
+
+class Transfer(BaseModel):
+    """Where a Mooncake reader finds a sample's bytes on the producing host: the engine's
+    session (``host:port`` of its P2P handshake), the registered address and the length. Only
+    the bytes travel through the engine; this descriptor rides in the DELIVER
+    (``Deliver.transfer``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session: str = Field(min_length=3, max_length=300)
+    addr: int = Field(gt=0)
+    nbytes: int = Field(ge=8)
 
 
 def start_engine(hostname: str, protocol: str = "tcp", device: str = ""):  # noqa: ANN201
@@ -82,15 +100,22 @@ class MooncakeSender(Sender):
 
     def __init__(self, hostname: str, protocol: str = "tcp", device: str = "") -> None:
         self.engine, self.session = start_engine(hostname, protocol, device)
-        self._regions: dict[P.SampleKey, _Region] = {}
+        self._regions: dict[M.SampleKey, _Region] = {}
         log.info("Mooncake transfer engine serving spool files at %s over %s", self.session, protocol)
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> MooncakeSender | None:
+        """Offered only when ``HSSTREAM_MOONCAKE_HOSTNAME`` names this host's address for it."""
+        if not s.mooncake_hostname:
+            return None
+        return cls(s.mooncake_hostname, s.mooncake_protocol, s.mooncake_device)
 
     @property
     def registered(self) -> int:
         """Regions registered now (bounded by the Mooncake trainers' credit)."""
         return len(self._regions)
 
-    def offer(self, owner: bytes, key: P.SampleKey, path: Path | None) -> tuple[P.Transfer | None, bytes | None]:
+    def offer(self, owner: bytes, key: M.SampleKey, path: Path | None) -> tuple[M.Descriptor | None, bytes | None]:
         r = self._regions.get(key)
         if r is None:
             assert path is not None
@@ -109,9 +134,9 @@ class MooncakeSender(Sender):
                 raise TransportError(f"Mooncake could not register {size} bytes of {path.name} (code {rc})")
             self._regions[key] = r
         r.owner = owner
-        return P.Transfer(session=self.session, addr=r.addr, nbytes=r.nbytes), None
+        return Transfer(session=self.session, addr=r.addr, nbytes=r.nbytes).model_dump(), None
 
-    def release(self, key: P.SampleKey) -> None:
+    def release(self, key: M.SampleKey) -> None:
         r = self._regions.pop(key, None)
         if r is not None:
             self.engine.unregister_memory(r.addr)
@@ -139,6 +164,12 @@ class MooncakeReceiver(Receiver):
         self.retries = max(1, retries)
         self._buf: np.ndarray | None = None
 
+    @classmethod
+    def from_settings(cls, s: Settings, endpoint: str) -> MooncakeReceiver:
+        """This host's address is ``HSSTREAM_MOONCAKE_HOSTNAME``, else the one on the route to
+        the sidecar at ``endpoint``."""
+        return cls(s.mooncake_hostname or local_address_towards(endpoint), s.mooncake_protocol, s.mooncake_device)
+
     def _buffer(self, n: int) -> np.ndarray:
         if self._buf is None or self._buf.nbytes < n:
             if self._buf is not None:
@@ -150,13 +181,16 @@ class MooncakeReceiver(Receiver):
                 raise TransportError(f"Mooncake could not register a {n}-byte receive buffer (code {rc})")
         return self._buf
 
-    def fetch(self, d: P.Deliver, frame: bytes | None) -> bytes | memoryview | None:
-        t = d.transfer
-        if t is None:
-            raise P.ProtocolError("a DELIVER without a Mooncake transfer descriptor")
+    def fetch(self, d: M.Deliver, frame: bytes | None) -> bytes | memoryview | None:
+        if d.transfer is None:
+            raise M.ProtocolError("a DELIVER without a Mooncake transfer descriptor")
+        try:
+            t = Transfer.model_validate(d.transfer)
+        except ValidationError as e:
+            raise M.ProtocolError(f"bad Mooncake transfer descriptor: {e}") from e
         limit = d.notice.nbytes + 8 * d.notice.num_tokens + _MAX_EXTRA_BYTES
         if t.nbytes > limit:
-            raise P.ProtocolError(f"transfer of {t.nbytes} bytes for a {d.notice.nbytes}-byte sample")
+            raise M.ProtocolError(f"transfer of {t.nbytes} bytes for a {d.notice.nbytes}-byte sample")
         buf = self._buffer(t.nbytes)
         for i in range(self.retries):
             rc = self.engine.transfer_sync_read(t.session, int(buf.ctypes.data), t.addr, t.nbytes)

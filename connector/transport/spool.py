@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from connector import protocol as P
+from connector.contract import messages as M
 from connector.transport import Receiver, Sender
 
 
@@ -12,7 +12,7 @@ class SpoolSender(Sender):
     name = "spool"
     sidecar_deletes = False  # the trainer deletes the file once it has checked it
 
-    def offer(self, owner: bytes, key: P.SampleKey, path: Path | None) -> tuple[P.Transfer | None, bytes | None]:
+    def offer(self, owner: bytes, key: M.SampleKey, path: Path | None) -> tuple[M.Descriptor | None, bytes | None]:
         return None, None
 
 
@@ -20,5 +20,5 @@ class SpoolReceiver(Receiver):
     name = "spool"
     reads_spool = True
 
-    def fetch(self, d: P.Deliver, frame: bytes | None) -> bytes | memoryview | None:
+    def fetch(self, d: M.Deliver, frame: bytes | None) -> bytes | memoryview | None:
         return None

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from connector import protocol as P
+from connector.contract import messages as M
 from connector.transport import Receiver, Sender
 
 
 class ZmqSender(Sender):
     name = "zmq"
 
-    def offer(self, owner: bytes, key: P.SampleKey, path: Path | None) -> tuple[P.Transfer | None, bytes | None]:
+    def offer(self, owner: bytes, key: M.SampleKey, path: Path | None) -> tuple[M.Descriptor | None, bytes | None]:
         assert path is not None
         return None, path.read_bytes()
 
@@ -21,7 +21,7 @@ class ZmqSender(Sender):
 class ZmqReceiver(Receiver):
     name = "zmq"
 
-    def fetch(self, d: P.Deliver, frame: bytes | None) -> bytes | memoryview | None:
+    def fetch(self, d: M.Deliver, frame: bytes | None) -> bytes | memoryview | None:
         if frame is None:
-            raise P.ProtocolError("remote delivery without the file's bytes")
+            raise M.ProtocolError("remote delivery without the file's bytes")
         return frame

@@ -12,14 +12,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
 from pydantic import ValidationError
 
-from connector.settings import Settings
+from connector.contract.sample_tokens import SampleRefused
+from connector.contract.settings import Settings
 from server.admission import check_job_size, too_many_samples
 from server.content_type import expects
 from server.dependencies import Services, ServicesDep, job_or_404, require_token
 from server.ledger import Job, NewSample
 from server.model_shape import over_budget_reason
 from server.schemas import JobCreated, JobIn, JobOptions, JobStatus, SampleError, SampleIn, TokenCounts
-from server.tokenization import SampleRejected
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
 JobDep = Annotated[Job, Depends(job_or_404)]
@@ -33,7 +33,7 @@ def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated
     for i, smp in enumerate(samples):
         try:
             t = svc.tokenizer(smp, opt)
-        except SampleRejected as e:
+        except SampleRefused as e:
             bad.append({"index": i, "id": smp.id, "reason": str(e)})
             continue
         n_pos = len(t.token_ids) + (opt.sampling.max_tokens if opt.mode == "regenerate" else 0)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from connector import payload as PL
+from connector.contract import payload as PL
 from hsstream.tiny_model import hf_hidden_states
 from tests.integration.conftest import submit
 from trainer_client import HiddenStateStream

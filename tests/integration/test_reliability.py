@@ -36,7 +36,7 @@ def stack(tiny_model):
     state = Path(tempfile.mkdtemp(prefix="hsstream-rel-state-"))
     keys = state / "keys"
     # as `hsstream keys` writes them: the sidecar and the stream refuse a secret others can read
-    from connector.curve_keys import write_key_pair
+    from connector.contract.curve_keys import write_key_pair
 
     write_key_pair(keys, "server")
     write_key_pair(keys / "clients", "trainer")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import resource
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from server import connections as C
 
 

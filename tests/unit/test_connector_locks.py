@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
 
 from connector import protocol as P  # noqa: E402
-from connector.file_lock import LockError, WriteLock  # noqa: E402
+from connector.contract.spool import LockError, WriteLock  # noqa: E402
 from connector.scheduler_side import SchedulerSide  # noqa: E402
 from connector.spool_writer import ShapeInfo, SpoolWriter  # noqa: E402
 from connector.worker_side import HiddenStateGatherer, WorkerSide  # noqa: E402

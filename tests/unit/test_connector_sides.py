@@ -19,7 +19,8 @@ from connector.cache_layout import CacheLayoutError  # noqa: E402
 from connector.layers import storage_permutation  # noqa: E402
 from connector.scheduler_side import SchedulerSide  # noqa: E402
 from connector.spool_writer import ShapeInfo, SpoolWriter  # noqa: E402
-from connector.worker_side import HiddenStateGatherer, PendingSave  # noqa: E402
+from connector.step_metadata import PendingSave  # noqa: E402
+from connector.worker_side import HiddenStateGatherer  # noqa: E402
 
 TAG = P.RequestTag(key=P.SampleKey(job="jobA", epoch=0, index=9), attempt=1)
 SPOOL = "/dev/shm/hsstream-test"

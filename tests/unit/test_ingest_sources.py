@@ -13,7 +13,7 @@ import tracemalloc
 import pytest
 from fastapi.testclient import TestClient
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from hsstream import data_sources as DS
 from hsstream import rest_client as RC
 from server.app import create_app

@@ -1,4 +1,4 @@
-"""FP8 payloads (connector/payload.py): hs-connectors' layout on file, validated by the reader,
+"""FP8 payloads (connector/contract/payload.py): hs-connectors' layout on file, validated by the reader,
 dequantised by the stream, priced at their own bytes by the sidecar."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from connector import payload as PL  # noqa: E402
+from connector.contract import payload as PL  # noqa: E402
 from connector import protocol as P  # noqa: E402
 from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob  # noqa: E402
 from server.model_shape import SampleSizer, shape_from_config, shape_from_notice  # noqa: E402

@@ -47,7 +47,9 @@ def test_a_trainer_of_protocol_version_1_is_told_the_versions_and_served_nothing
         assert isinstance(end, P.End) and "version 1" in end.reason and "speaks protocol version 2" in end.reason
         assert not old.poll(500)  # said once, nothing else (no heartbeats, no samples)
         # What the old stream raises on reading it: its own decoder refuses version 2, by name.
-        monkeypatch.setattr(P, "PROTOCOL_VERSION", 1)
+        from connector.contract import messages
+
+        monkeypatch.setattr(messages, "PROTOCOL_VERSION", 1)
         with pytest.raises(P.VersionMismatch, match=r"version 2 \(this build speaks 1\)"):
             P.decode_msg(frames)
     finally:

@@ -9,9 +9,9 @@ import logging
 import pytest
 import zmq
 
-from connector import endpoints as E
+from connector.contract import endpoints as E
 from connector import protocol as P
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from tests.unit.test_secure_defaults import _env, _hsstream, free_port
 from trainer_client import HiddenStateStream
 

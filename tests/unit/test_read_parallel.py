@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from connector import protocol as P
-from trainer_client import stream as S
+from trainer_client import sample_reader as S
+from trainer_client.sample_checks import load_and_check
 
 
 @pytest.mark.parametrize("size", [1, 999, 1000, 4001, 10_007])
@@ -145,7 +146,7 @@ def _sample(tmp_path, *, flip_at: int | None = None):  # noqa: ANN202
 
 
 def _load(tmp_path, d):  # noqa: ANN001, ANN202
-    return S.load_and_check(tmp_path, d, pin_memory=True, alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    return load_and_check(tmp_path, d, pin_memory=True, alloc=lambda n: torch.empty(n, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("flip_at", [0, 5000, 64 * 3 * 32 * 2 - 1])

@@ -1,11 +1,11 @@
 """Assistant masks for any chat template, and token ids as vLLM computes them
-(connector/sample_tokens.py), on templates in the styles users bring (tests/unit/chat_templates.py)."""
+(connector/contract/sample_tokens.py), on templates in the styles users bring (tests/unit/chat_templates.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from connector.sample_tokens import SampleRefused, _marked_mask, assistant_mask, encode_sample, turn_by_turn_mask
+from connector.contract.sample_tokens import SampleRefused, _marked_mask, assistant_mask, encode_sample, turn_by_turn_mask
 from tests.unit.chat_templates import GEMMA, LLAMA2, LLAMA3, MISTRAL, MISTRAL_SYSTEM_LAST, QWEN3, STYLES, make_tokenizer
 
 UNICODE = "Emoji 🚀🎉👍🏽, 中文：你好，世界！ 日本語のテキスト, עברית: שלום עולם, العربية: مرحبا بالعالم"
@@ -94,7 +94,7 @@ def test_marker_free_mask_equals_the_marked_templates_mask(tokenizers, style, co
 
 
 def test_tiny_models_own_marked_template(tiny_model):
-    from connector.sample_tokens import load_tokenizer
+    from connector.contract.sample_tokens import load_tokenizer
 
     tok = load_tokenizer(tiny_model)
     for msgs in CONVERSATIONS.values():
@@ -166,7 +166,7 @@ def test_template_errors_and_unknown_speakers_are_refused_with_the_reason(tokeni
 
 
 def test_bos_on_prompts_once_on_chats(tokenizers, tiny_model):
-    from connector.sample_tokens import load_tokenizer
+    from connector.contract.sample_tokens import load_tokenizer
 
     tok = tokenizers[(LLAMA3.name, False)]
     bos = tok.bos_token_id

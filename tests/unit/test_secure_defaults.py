@@ -18,7 +18,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from connector import curve_keys
+from connector.contract import curve_keys
 from hsstream.cli import app
 from hsstream.demo import free_port
 from hsstream.exposure import OpenBindRefused, check_api_exposure, is_loopback
@@ -229,7 +229,7 @@ def test_connector_files_are_0600_whatever_safetensors_does(spool, monkeypatch):
 
 
 def test_serve_makes_spool_run_dir_and_ledger_private(tmp_path):
-    from connector.settings import Settings
+    from connector.contract.settings import Settings
     from server.app import create_app
 
     old = os.umask(0o022)

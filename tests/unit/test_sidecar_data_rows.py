@@ -11,7 +11,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from server.app import create_app
 from tests.unit.chat_templates import CHATML, QWEN3, make_tokenizer
 
@@ -169,7 +169,7 @@ def test_content_part_lists_reach_a_template_that_loops_over_parts(client):
 
 def test_our_content_format_detection_agrees_with_vllms():
     hf = pytest.importorskip("vllm.renderers.hf")
-    from connector.sample_tokens import content_format
+    from connector.contract.sample_tokens import content_format
     from hsstream.tiny_model import CHAT_TEMPLATE
     from tests.unit.chat_templates import STYLES
 

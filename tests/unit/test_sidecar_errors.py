@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from server.app import create_app
 
 

@@ -18,7 +18,7 @@ from server.schemas import JobOptions, SampleIn
 from server.submitter import Submitter
 from server.vllm_http import Reply
 from tests.unit.fake_vllm_http import FakeHttp, Request, reply
-from server.tokenization import SampleRejected, Tokenizer
+from server.tokenization import SampleRefused, Tokenizer
 from tests.unit.submitter_runs import probe, run_for, started
 
 
@@ -65,7 +65,7 @@ def test_engine_limit_reaches_admission():
     sub = submitter(led, FakeVllm(512), budget_bytes=10**9, on_engine_limit=tok.set_engine_limit)
 
     assert asyncio.run(probe(sub)) == 512
-    with pytest.raises(SampleRejected, match=r"1890 tokens, more than vLLM's max_model_len of 512"):
+    with pytest.raises(SampleRefused, match=r"1890 tokens, more than vLLM's max_model_len of 512"):
         tok(SampleIn(token_ids=[1] * 1890), opt)
 
 
@@ -153,7 +153,7 @@ def test_a_notice_that_disagrees_with_the_config_wins_once():
 def test_no_tokenizer_still_takes_token_ids(tmp_path):
     tok = Tokenizer(str(tmp_path))  # a folder without config or tokenizer files
     assert tok(SampleIn(token_ids=[1, 2, 3]), JobOptions()).token_ids == [1, 2, 3]
-    with pytest.raises(SampleRejected, match="no tokenizer .*none could be loaded from"):
+    with pytest.raises(SampleRefused, match="no tokenizer .*none could be loaded from"):
         tok(SampleIn(prompt="hello"), JobOptions())
 
 

@@ -97,7 +97,7 @@ def test_reaper_sweeps_only_own_names_in_a_marked_spool(tmp_path):
 def test_reaper_handles_locks_with_their_files_and_keeps_held_ones(tmp_path):
     """A companion lock goes with its stray file; alone, it is reaped only once its writer let
     go of it (a held flock is a write in progress, whatever its age); a live file's lock stays."""
-    from connector.file_lock import WriteLock
+    from connector.contract.spool import WriteLock
 
     spool = tmp_path / "spool"
     P.claim_spool(spool)

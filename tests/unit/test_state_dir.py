@@ -11,7 +11,7 @@ import stat
 
 import pytest
 
-from connector.settings import Settings
+from connector.contract.settings import Settings
 from server.ledger import Ledger
 
 

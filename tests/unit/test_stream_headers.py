@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector import protocol as P
+from connector.contract.sample_file import MAX_HEADER_BYTES
 from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob
 from trainer_client import HiddenStateStream
 from trainer_client import stream as S
@@ -240,7 +241,7 @@ def test_each_bad_header_in_bytes_is_an_invalid_sample(real, tmp_path, case):
     elif case == "huge length":
         blob = (2**63 + 5).to_bytes(8, "little") + raw[8:]
     elif case == "a huge header in the file":
-        header["__metadata__"]["pad"] = "x" * (S.MAX_HEADER_BYTES + 1)
+        header["__metadata__"]["pad"] = "x" * (MAX_HEADER_BYTES + 1)
         blob = _join(header, data)
     elif case == "not an object":
         blob = _join([1, 2], data)

@@ -17,7 +17,7 @@ from server.ledger import Ledger, NewSample, NoticeOutcome, State
 from server.spool import SpoolKeeper
 from tests.unit.test_stream_pool import FakeSidecar, write_sample
 from trainer_client import HiddenStateStream, StreamError
-from trainer_client import stream as S
+from trainer_client import sample_reader as S
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from connector import protocol as P
 from trainer_client import HiddenStateStream, StreamError
+from trainer_client import sample_reader
 from trainer_client import stream as S
 from trainer_client.check_pool import THREAD_PREFIX
 from trainer_client.stream import InvalidSample, to_device_checked
@@ -269,7 +270,7 @@ def test_finiteness_on_a_device_refuses_non_finite_values_and_returns_them_there
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
 def test_the_stream_checks_finiteness_on_cuda_and_yields_samples_there(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "READ_PART", 1000)  # each file in parts, copied to the GPU one by one
+    monkeypatch.setattr(sample_reader, "READ_PART", 1000)  # each file in parts, copied to the GPU one by one
     spool = tmp_path / "spool"
     spool.mkdir()
     # 1: NaN (caught on the GPU); 3: a wrong checksum (caught on the host while its copy to the

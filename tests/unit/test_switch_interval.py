@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from connector.settings import Settings, lower_switch_interval
+from connector.contract.settings import Settings, lower_switch_interval
 from trainer_client import HiddenStateStream
 
 
@@ -60,7 +60,7 @@ def test_a_switch_interval_that_would_thrash_or_stall_is_refused_naming_the_rang
 
 
 def test_a_bad_read_thread_count_names_the_variable():
-    from trainer_client.stream import _read_threads
+    from trainer_client.sample_reader import _read_threads
 
     assert _read_threads(None) == min(8, __import__("os").cpu_count())
     assert _read_threads("1") == 1

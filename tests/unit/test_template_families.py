@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from connector.sample_tokens import SampleRefused, encode_sample
+from connector.contract.sample_tokens import SampleRefused, encode_sample
 from tests.unit.chat_templates import (DEEPSEEK_V3, GRANITE3, GRANITE_SYSTEM, GRANITE_TOOLS_SYSTEM, LLAMA31, MISTRAL_NEMO, OLMO2,
                                       PHI4_MINI, PHI35, QWEN3, make_tokenizer)
 from tests.unit.test_sidecar_data_rows import TOOLS, spelled

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from connector.sample_tokens import encode_sample
+from connector.contract.sample_tokens import encode_sample
 from tests.unit.chat_templates import CHATML, QWEN3, make_tokenizer
 from tests.unit.test_sidecar_data_rows import (PARTS, PARTS_TEMPLATE, QWEN3_SWITCH, THINK_TEMPLATE, TOOL_CHAT, TOOLS,
                                                TOOLS_TEMPLATE, TWO_TURNS)  # fmt: skip
@@ -41,7 +41,7 @@ def vllm_ids(mc, tok, messages, *, tools=None, chat_template=None, kwargs=None, 
 
 
 def tokenizers(tiny_model):
-    from connector.sample_tokens import load_tokenizer
+    from connector.contract.sample_tokens import load_tokenizer
 
     return {"tiny": load_tokenizer(tiny_model), "chatml": make_tokenizer(tiny_model, CHATML),
             "qwen3": make_tokenizer(tiny_model, QWEN3)}  # fmt: skip

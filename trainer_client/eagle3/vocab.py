@@ -91,7 +91,7 @@ def tokenize_samples(
     leaves them out; with ``"reject"`` the sidecar refused the whole job already.
     ``chat_template`` / ``chat_template_kwargs``: the job's options of those names.
     """
-    from connector.sample_tokens import SampleRefused, encode_sample, load_tokenizer
+    from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 
     tok = None
     out = []

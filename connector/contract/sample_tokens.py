@@ -3,11 +3,10 @@
 The sidecar tokenises every sample before vLLM sees it (vLLM gets token ids, never text), and a
 trainer that counts tokens locally for its draft vocabulary must get the same ids and masks,
 or its vocabulary is picked from other data than it trains on. So both import this module.
-It lives in ``connector/`` next to the wire format and settings because that is the package
-every role installs (the trainer installs without the server); like them it imports no
-heavy library at import time: the tokenizer is a transformers object the caller passes in
-(:func:`load_tokenizer` imports transformers lazily), so ``import trainer_client`` stays
-free of transformers.
+It is one of the contracts (``connector/contract/``), the package every role installs (the
+trainer installs without the server); like them it imports no heavy library at import time:
+the tokenizer is a transformers object the caller passes in (:func:`load_tokenizer` imports
+transformers lazily), so ``import trainer_client`` stays free of transformers.
 
 Token ids are what ``vllm serve`` would compute for the same text: a plain prompt is encoded
 with the tokenizer's special tokens (``add_special_tokens=True``, e.g. Llama's BOS, as vLLM

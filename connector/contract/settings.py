@@ -1,8 +1,8 @@
 """Every ``HSSTREAM_*`` setting, in one place, for all processes.
 
-It lives beside the protocol because both are the dependency-free base every role imports:
-the connector inside vLLM, the sidecar, the trainer and the launcher read the same names, so
-one ``.env`` configures a whole stack (compose or ``hsstream up``).
+A contract like the wire format: the connector inside vLLM, the sidecar, the trainer and the
+launcher read the same names, so one ``.env`` configures a whole stack (compose or
+``hsstream up``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from connector import endpoints as E
+from connector.contract import endpoints as E
 
 
 def _default_run_dir() -> str:
@@ -115,7 +115,7 @@ class Settings(BaseSettings):
     # so an open API on the network is always something a person asked for.
     allow_open: bool = False
     # Accept a tcp:// notice or delivery endpoint, or a stream's tcp:// without CURVE keys
-    # (connector/endpoints.py): off, so unauthenticated sockets are always something asked for.
+    # (connector/contract/endpoints.py): off, so unauthenticated sockets are always something asked for.
     allow_insecure_tcp: bool = False
 
     # Connector
@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
     layer_order: str = "config"
     checksum: str = "blake3"  # one of protocol.CHECKSUM_ALGOS, named in every notice
-    # How hidden states are stored (connector/payload.py): "model" (the verifier's dtype) or
+    # How hidden states are stored (connector/contract/payload.py): "model" (the verifier's dtype) or
     # "fp8_e4m3" (hs-connectors' FP8 layout, per-token scales: ~0.5x the bytes). Read by the
     # connector (writes it) and the sidecar (prices samples by it before the first notice).
     payload_dtype: str = "model"
@@ -144,7 +144,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _no_plain_tcp(self) -> Settings:
         """The notice and delivery sockets have no CURVE: on a network address they are refused
-        (``connector/endpoints.py``) wherever the settings are read, so no role starts on them."""
+        (``connector/contract/endpoints.py``) wherever the settings are read, so no role starts on them."""
         for name, ep, exposes in (("HSSTREAM_NOTICE_ENDPOINT", self.notice_endpoint, E.NOTICE_EXPOSES),
                                   ("HSSTREAM_DELIVERY_ENDPOINT", self.delivery_endpoint, E.DELIVERY_EXPOSES)):  # fmt: skip
             E.check_plain(name, ep, allow=self.allow_insecure_tcp, exposes=exposes, fix=E.SIDECAR_FIX)
@@ -173,10 +173,6 @@ class Settings(BaseSettings):
 
     def delivery_ep(self) -> str:
         return self.delivery_endpoint or f"ipc://{self.run_dir}/delivery.sock"
-
-
-def load_settings(**overrides: object) -> Settings:
-    return Settings(**overrides)  # type: ignore[arg-type]
 
 
 #: The smallest switch interval accepted (``switch_interval_ms``), in milliseconds.

@@ -1,0 +1,174 @@
+"""One sample's checks against its notice and what the sidecar submitted: its tensors, shapes
+and dtype from the header before the data is read, then the checksum, the payload's own
+tensors (its codec's ``check``), finite values and the token ids. A sample that fails any is an
+:class:`InvalidSample`, reported failed and produced again, never yielded.
+
+Order of the work for one file: ``load_and_check`` builds a :class:`_SampleChecks` and hands its
+``start`` to the reader (``sample_reader.read_sample_file``) as the header callback; ``start``
+checks the header and, for a CUDA device, returns a feed that sends each part of the hidden
+states to ``device_copy.DeviceCopy`` as it arrives; once the file is in, ``host_checks`` runs
+the rest and ``load_and_check`` collects the device copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from connector.contract import messages as M
+from connector.contract import payload as PL
+from connector.contract import sample_file as SF
+from connector.contract import spool as SP
+from connector.contract.sample_file import InvalidSample
+from trainer_client.device_copy import DeviceCopy, to_device_checked
+from trainer_client.finite import all_finite
+from trainer_client.sample import Sample
+from trainer_client.sample_reader import read_sample_file
+
+def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
+                   pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
+                   alloc: Callable[[int], torch.Tensor] | None = None,
+                   timings: dict[str, float] | None = None) -> Sample:  # fmt: skip
+    """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
+    and check it against its notice and what the sidecar submitted. ``require_key=False``:
+    a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`.
+
+    ``pin_memory``: the tensors live in page-locked memory, ready for a non-blocking copy to
+    a GPU (``alloc`` gives the buffer). ``checksum_threads`` (0: all useful) does not change
+    the digest. Safe to call from several threads at once (the stream's check workers).
+
+    ``device`` (the trainer's): the hidden states (and FP8 scales) are copied there and their
+    finiteness is checked there; the sample is returned with them on that device. None or a CPU
+    device: checked on the host. On a CUDA device each part of the hidden states is
+    copied as soon as it is read (:class:`_SampleChecks`), so the copy overlaps the read, and
+    the finiteness check there overlaps the host's checksum; a sample refused later has its
+    device copy dropped, never returned. ``timings`` receives each phase's seconds.
+    """
+    tm = timings if timings is not None else {}
+    n = d.notice
+    if n.file is None or (require_key and n.key is None):
+        raise InvalidSample("delivery without a file or key")
+    if n.checksum_algo not in SF.CHECKSUM_ALGOS:
+        raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
+    if n.dtype not in PL.CODECS:
+        raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
+    dev = torch.device(device) if device is not None else None
+    checks = _SampleChecks(n, dev, checksum_threads, tm)
+    if payload is not None:
+        tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm, on_header=checks.start)
+    else:
+        if spool is None:
+            raise InvalidSample("delivery without bytes, and no spool to read from")
+        t0 = time.perf_counter()
+        tensors = read_sample_file(SP.resolve_in_spool(spool, n.file), pin_memory=pin_memory, alloc=alloc, timings=tm,
+                                   on_header=checks.start)  # fmt: skip
+        tm.setdefault("read_s", time.perf_counter() - t0)  # unpinned: safetensors maps the file
+    hs, ids, scales = checks.host_checks(tensors)
+    if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
+        raise InvalidSample("token ids differ from the ones submitted")
+    mask = torch.tensor(d.loss_mask, dtype=torch.bool) if d.loss_mask is not None else None
+    if mask is not None and mask.shape[0] != n.num_tokens:
+        raise InvalidSample(f"loss mask has {mask.shape[0]} entries for {n.num_tokens} tokens")
+    if checks.copy is not None:
+        hs, scales = checks.copy.finish()
+    elif dev is not None and dev.type != "cpu":
+        hs, scales = to_device_checked(hs, scales, dev, tm)
+    return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n, scales)
+
+
+class _SampleChecks:
+    """One sample's checks against its notice, run as its file arrives: the header's tensors,
+    shapes and dtype before any data is read (:meth:`start`), then on a CUDA device each part of
+    the hidden states copied there as it arrives (:meth:`_feed`); the rest once the file is in
+    (:meth:`host_checks`)."""
+
+    def __init__(self, n: M.Notice, dev: torch.device | None, threads: int, tm: dict[str, float]) -> None:
+        self.n, self.dev, self.tm, self.threads = n, dev, tm, threads
+        self.copy: DeviceCopy | None = None
+        self.span = (0, 0)
+        self.hs_bytes: torch.Tensor | None = None
+        self.pinned = False
+
+    def start(self, tensors: dict, spans: dict[str, tuple[int, int]] | None) -> Callable[[int, int], None] | None:
+        n = self.n
+        if set(tensors) != PL.tensor_names(n.dtype):
+            raise InvalidSample(f"unexpected tensors {sorted(tensors)} for a {n.dtype} payload "
+                                f"(expected {sorted(PL.tensor_names(n.dtype))})")  # fmt: skip
+        hs, ids = tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY]
+        T = n.num_tokens
+        if ids.dim() != 1 or ids.shape[0] != T:
+            raise InvalidSample(f"token_ids shape {tuple(ids.shape)}, notice says {T} tokens")
+        if tuple(hs.shape) != (T, len(n.layer_ids), n.hidden_size):
+            raise InvalidSample(f"hidden_states shape {tuple(hs.shape)} != {(T, len(n.layer_ids), n.hidden_size)}")
+        if str(hs.dtype).removeprefix("torch.") != n.dtype:
+            raise InvalidSample(f"dtype {hs.dtype} != notice {n.dtype}")
+        if self.dev is None or self.dev.type != "cuda":
+            return None
+        self.hs_bytes = hs.contiguous().view(-1).view(torch.uint8)
+        nbytes = self.hs_bytes.numel()
+        self.span = spans[SF.HIDDEN_STATES_KEY] if spans is not None else (0, nbytes)
+        self.pinned = hs.is_pinned()
+        self.copy = DeviceCopy(hs.shape, hs.dtype, self.dev, self.tm, scales_like=tensors.get(PL.SCALES_KEY))
+        return self._feed if spans is not None else (lambda a, b: self._feed(0, nbytes))
+
+    def _feed(self, a: int, b: int) -> None:
+        """Bytes [a, b) of the file are in: the hidden states' share of them goes to the device."""
+        h0, h1 = self.span
+        lo, hi = max(a, h0), min(b, h1)
+        if lo < hi and self.copy is not None and self.hs_bytes is not None:
+            self.copy.part(self.hs_bytes[lo - h0 : hi - h0], lo - h0, non_blocking=self.pinned)
+
+    def host_checks(self, tensors: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The file is in: the checksum, the scales, finiteness on the host (without a device)
+        and the scales' copy to the device; returns (hidden states, ids, scales), on the host."""
+        hs, ids = tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY]
+        t0 = time.perf_counter()
+        digest = SF.sample_checksum(tensors, algo=self.n.checksum_algo, threads=self.threads)
+        self.tm["checksum_s"] = time.perf_counter() - t0
+        if digest != self.n.checksum:
+            raise InvalidSample("checksum mismatch")
+        try:
+            PL.codec(self.n.dtype).check(tensors, self.n.num_tokens)  # the payload's own tensors
+        except PL.PayloadError as e:
+            raise InvalidSample(str(e)) from e
+        scales = tensors.get(PL.SCALES_KEY)
+        if scales is not None and self.copy is not None:
+            self.copy.scales(scales)
+        if self.dev is None or self.dev.type == "cpu":
+            t0 = time.perf_counter()
+            if not all_finite(hs):
+                raise InvalidSample("non-finite hidden states")
+            self.tm["finite_s"] = time.perf_counter() - t0
+        return hs, ids, scales
+
+
+def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None, *,
+                       dequantize: torch.dtype | None = torch.bfloat16) -> Sample:  # fmt: skip
+    """Read and validate one file our connector wrote, without a sidecar: shapes, dtype,
+    checksum, finite values and token ids against the notice in its header (and against
+    ``expected_token_ids`` if given). Works for plain vLLM requests (no sample key; ``key`` is
+    None). Wait for the file first as for vLLM's Example connector (``<path>.lock``).
+    ``dequantize``: the dtype an FP8 payload is turned into (None: keep FP8 + ``scales``)."""
+    p = Path(path)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any parse failure is an invalid file
+        raise InvalidSample(f"{p}: not a readable safetensors file: {e}") from e
+    if SF.HEADER_NOTICE_KEY not in meta:
+        raise InvalidSample(f"{p}: no {SF.HEADER_NOTICE_KEY} in its header (not written by this connector)")
+    try:
+        n = M.Notice.decode(meta[SF.HEADER_NOTICE_KEY])
+    except M.ProtocolError as e:
+        raise InvalidSample(f"{p}: bad header notice: {e}") from e
+    if n.status != M.NoticeStatus.ok:
+        raise InvalidSample(f"{p}: header notice has status {n.status.value}")
+    d = M.Deliver(notice=n.model_copy(update={"file": p.name}), expected_token_ids=expected_token_ids)
+    return load_and_check(p.parent, d, require_key=False).dequantized(dequantize)
