@@ -30,7 +30,7 @@ from connector import protocol as P
 from connector.transport import Sender, TransportError, make_sender
 from server.ledger import Ledger, Sample, State
 from server.notices import prepare_ipc
-from server.schemas import TrainerInfo
+from connector.contract.rest import TrainerInfo
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")

@@ -1,0 +1,1 @@
+"""The contracts every process shares: what crosses a process boundary, each in one module."""
