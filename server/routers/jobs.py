@@ -134,8 +134,9 @@ async def list_jobs(svc: ServicesDep) -> list[JobBrief]:
 
 @router.get("/{job_id}", response_model=JobStatus)
 async def job_status(
-    j: JobDep, svc: ServicesDep, errors_offset: int = Query(0, ge=0, lt=2**31), errors_limit: int = Query(100, ge=1, le=1000)
-) -> JobStatus:
+    j: JobDep, svc: ServicesDep,
+    errors_offset: int = Query(0, ge=0, lt=2**31), errors_limit: int = Query(100, ge=1, le=1000),
+) -> JobStatus:  # fmt: skip
     elapsed = (j.finished or time.time()) - j.created
     page = svc.ledger.errors_page(j.job_id, errors_offset, errors_limit)  # an indexed read, not a scan
     return JobStatus(
