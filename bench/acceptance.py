@@ -71,11 +71,10 @@ def verdict(checks: dict[str, bool]) -> int:
 
 
 def submit(api: str, samples: list[dict], options: dict) -> str:
-    import httpx
+    from connector.contract.rest_client import SidecarClient
 
-    r = httpx.post(f"{api}/v1/jobs", json={"samples": samples, "options": options}, timeout=120)
-    r.raise_for_status()
-    return r.json()["job_id"]
+    with SidecarClient(api, timeout=120) as c:
+        return c.create_job(samples, options).job_id
 
 
 def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_vocab_size: int, steps: int,  # noqa: ANN001
@@ -188,11 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"training failed ({p.returncode}):\n" + "\n".join(p.stderr.splitlines()[-30:]))
             return 1
         train = json.loads(p.stdout[p.stdout.index("{") :])
-        import httpx
+        from connector.contract.rest_client import SidecarClient
 
-        consumed = [httpx.get(f"{stack.api}/v1/jobs/{j}", timeout=30).json() for j in jobs]
-        payload = {"payload_dtype": a.payload_dtype, "tokens_consumed": sum(c["tokens_consumed"] for c in consumed),
-                   "bytes_consumed": sum(c["bytes_consumed"] for c in consumed)}  # fmt: skip
+        with SidecarClient(stack.api, timeout=30) as c:
+            consumed = [c.job(j) for j in jobs]
+        payload = {"payload_dtype": a.payload_dtype, "tokens_consumed": sum(c.tokens_consumed for c in consumed),
+                   "bytes_consumed": sum(c.bytes_consumed for c in consumed)}  # fmt: skip
         payload["bytes_per_token"] = round(payload["bytes_consumed"] / max(1, payload["tokens_consumed"]), 2)
         log(f"payload {a.payload_dtype}: {payload['bytes_per_token']} bytes per token (hidden states + scales)")
         log(f"trained {train['steps']} steps on {train['samples']} samples ({train['tokens']} tokens) in {t_train:.0f} s; "

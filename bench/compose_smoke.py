@@ -32,9 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
+
 DEPLOY = ROOT / "deploy"
 INPUTS = DEPLOY / "build-inputs"
 PROJECT = "hsstream-smoke"
@@ -221,13 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         sh([*compose, "up", "-d", "sidecar-cpu"], step, timeout=900, env=cenv)  # waits for vllm-cpu healthy
         api = f"http://127.0.0.1:{port}"
-        headers = {"authorization": f"Bearer {token}"}
+        rest = SidecarClient(api, token=token)
         deadline = time.monotonic() + 180
         while True:
             try:
-                if httpx.get(f"{api}/readyz", timeout=5).status_code == 200:
+                if rest.readyz().ready:
                     break
-            except httpx.HTTPError:
+            except SidecarError:
                 pass
             if time.monotonic() > deadline:
                 raise StepFailed(step, "the sidecar's /readyz did not answer 200 within 180 s")
@@ -241,15 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[up] vllm-cpu healthy, sidecar ready in {result['up_s']} s", flush=True)
 
         step = "job"
-        sys.path.insert(0, str(ROOT))
         from hsstream.demo import demo_prompts
 
-        r = httpx.post(f"{api}/v1/jobs", json={"samples": demo_prompts(args.samples, seed=1)}, headers=headers, timeout=60)
-        if r.status_code != 200:
-            raise StepFailed(step, f"POST /v1/jobs answered {r.status_code}: {r.text[:300]}")
-        job = r.json()["job_id"]
-        if httpx.get(f"{api}/v1/jobs/{job}", timeout=10).status_code != 401:
-            raise StepFailed(step, "GET /v1/jobs/{id} without the token was not refused with 401")
+        try:
+            job = rest.create_job(demo_prompts(args.samples, seed=1)).job_id
+        except SidecarError as e:
+            raise StepFailed(step, f"POST /v1/jobs answered {str(e)[:300]}") from e
+        try:
+            SidecarClient(api, token="").job(job)  # no token
+            raise StepFailed(step, "GET /v1/jobs/{id} without the token was not refused")
+        except SidecarError as e:
+            if e.status != 401:
+                raise StepFailed(step, f"GET /v1/jobs/{{id}} without the token answered {e}, not 401") from e
 
         step = "train"
         t = time.monotonic()
@@ -258,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
            step, timeout=1800, env=cenv)
         result["train_s"] = round(time.monotonic() - t, 1)
         result["trainer_exit"] = 0  # sh() raised otherwise
-        st = httpx.get(f"{api}/v1/jobs/{job}", headers=headers, timeout=10).json()
-        result["job_counts"] = st["counts"]
-        result["samples_consumed"] = int(st["counts"].get("consumed", 0))
+        st = rest.job(job)
+        result["job_counts"] = st.counts
+        result["samples_consumed"] = int(st.counts.get("consumed", 0))
         metrics = sh([*compose, "run", "--rm", "--no-deps", "--entrypoint", "sh", "trainer-cpu", "-c",
                       "cat /checkpoints/smoke/metrics.jsonl; echo ---; ls /checkpoints/smoke/checkpoints"],
                      step, timeout=120, env=cenv).stdout

@@ -43,18 +43,18 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from connector.contract.rest_client import SidecarClient, SidecarError, auth_headers  # noqa: E402
 from hsstream import launch  # noqa: E402
 from hsstream.demo import free_port  # noqa: E402
 
 TOKEN = "fuzz-token"
-AUTH = {"authorization": f"Bearer {TOKEN}"}
+AUTH = auth_headers(TOKEN)  # for the hand-made requests; the well-formed ones go through SidecarClient
 NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400", "-1e400")
 
 
@@ -111,17 +111,18 @@ class Prober(threading.Thread):
         self.failures: list[str] = []
 
     def run(self) -> None:
-        with httpx.Client(timeout=30) as c:
+        with SidecarClient(self.url, timeout=30) as c:
             while not self.stop_event.is_set():
                 t0 = time.monotonic()
                 try:
-                    ok = c.get(f"{self.url}/healthz").status_code == 200
-                    wait = time.monotonic() - t0
-                    self.waits.append((self.phase, wait))
-                    if not ok:
+                    c.healthz()
+                    self.waits.append((self.phase, time.monotonic() - t0))
+                except SidecarError as e:
+                    if e.unreachable:
+                        self.failures.append(f"{self.phase}: {e}"[:200])
+                    else:
+                        self.waits.append((self.phase, time.monotonic() - t0))
                         self.failures.append(f"{self.phase}: not 200")
-                except httpx.HTTPError as e:
-                    self.failures.append(f"{self.phase}: {e!r}"[:200])
                 self.stop_event.wait(self.every_s)
 
     def summary(self) -> dict:
@@ -189,12 +190,8 @@ def poison(body: object, at: int, text: str) -> str:
 
 
 def real_jobs(url: str, sizes: tuple[int, ...]) -> list[str]:
-    out = []
-    for n in sizes:
-        r = httpx.post(f"{url}/v1/jobs", json={"samples": [{"token_ids": [1, 2, 3]}] * n}, headers=AUTH, timeout=60)
-        r.raise_for_status()
-        out.append(r.json()["job_id"])
-    return out
+    with SidecarClient(url, token=TOKEN) as c:
+        return [c.create_job([{"token_ids": [1, 2, 3]}] * n).job_id for n in sizes]
 
 
 def generated(url: str, n: int, batch: int, tally: Tally, jobs: list[str]) -> dict:
@@ -204,7 +201,8 @@ def generated(url: str, n: int, batch: int, tally: Tally, jobs: list[str]) -> di
     from hypothesis import HealthCheck, given, seed, settings
     from hypothesis import strategies as st
 
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json", headers=AUTH).json())
+    with SidecarClient(url, token=TOKEN) as c:
+        schema = schemathesis.openapi.from_dict(c.openapi())
     ops = [r.ok() for r in schema.get_all_operations()]
     session = requests.Session()
     counts = {"aimed_at_real_jobs": 0, "non_finite_bodies": 0, "huge_query_integers": 0}
@@ -588,7 +586,8 @@ def main() -> int:
         conns = held_connections(port, tally, args.slow, args.idle, args.idle)
         prober.phase = rss.phase = "end"
         time.sleep(1)
-        alive = child.proc.poll() is None and httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+        with SidecarClient(url, timeout=10) as c:
+            alive = child.proc.poll() is None and c.healthz().ok
         prober.stop_event.set()
         rss.stop_event.set()
         prober.join()

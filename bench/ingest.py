@@ -31,9 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
+
 MIB = 2**20
 
 
@@ -131,6 +133,7 @@ def main() -> int:
            "HSSTREAM_LOG_LEVEL": "warning", "HSSTREAM_MAX_JOB_SAMPLES": str(max(a.rows, 1000)),
            "HSSTREAM_MAX_JOB_ROWS": str(max(a.rows, 1000))}  # fmt: skip
     env.pop("HSSTREAM_API_TOKEN", None)
+    rest = SidecarClient(api, token="")  # the sidecar runs without a token
     procs = []
     log = open(work / "sidecar.log", "w")  # noqa: SIM115
     try:
@@ -139,14 +142,13 @@ def main() -> int:
         procs.append(sidecar)
         for _ in range(600):
             try:
-                if httpx.get(f"{api}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+                rest.healthz()
+                break
+            except SidecarError:
+                time.sleep(0.1)
         warm = run_submit(small, api, env)  # the tokenizer, the first job: out of the figure
         assert warm["rc"] == 0, warm
-        httpx.delete(f"{api}/v1/jobs/{warm['job_id']}", timeout=60)
+        rest.cancel(warm["job_id"])
         time.sleep(1.0)
         before = proc_kib(sidecar.pid, "VmRSS")
         Path(f"/proc/{sidecar.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -162,12 +164,12 @@ def main() -> int:
         stop.set()
         th.join()
         hwm, after = proc_kib(sidecar.pid, "VmHWM"), proc_kib(sidecar.pid, "VmRSS")
-        st = httpx.get(f"{api}/v1/jobs/{res['job_id']}", timeout=60).json() if res["rc"] == 0 else {}
+        st = rest.job(res["job_id"]) if res["rc"] == 0 else None
         if res["rc"] == 0:
-            httpx.delete(f"{api}/v1/jobs/{res['job_id']}", timeout=600)
+            SidecarClient(api, token="", timeout=600).cancel(res["job_id"])
         client_small = run_submit(small, api, env)
         if client_small["rc"] == 0:
-            httpx.delete(f"{api}/v1/jobs/{client_small['job_id']}", timeout=60)
+            rest.cancel(client_small["job_id"])
     finally:
         for p in procs:
             p.terminate()
@@ -181,7 +183,7 @@ def main() -> int:
     result = {
         "what": "hsstream submit of a JSONL file to a real hsstream serve (stand-in vLLM holding requests)",
         "rows": a.rows, "file_mib": round(nbytes / MIB, 1), "chat_every": a.chat_every,
-        "submit_rc": res["rc"], "job_num_samples": st.get("num_samples"),
+        "submit_rc": res["rc"], "job_num_samples": st.num_samples if st else None,
         "wall_s": res["wall_s"], "rows_per_s": round(a.rows / res["wall_s"], 1) if res["rc"] == 0 else None,
         "client_peak_rss_mib": res["peak_rss_mib"], "client_peak_rss_mib_1000_rows": client_small["peak_rss_mib"],
         "client_rss_growth_mib": round(res["peak_rss_mib"] - client_small["peak_rss_mib"], 1),

@@ -653,19 +653,21 @@ class Orchestrator:
             self.stack = None
 
     def submit(self, ps: list[list[int]]) -> str:
-        import httpx
-
-        r = httpx.post(f"{self.stack.api}/v1/jobs", json={"samples": [{"token_ids": p} for p in ps]}, timeout=120)
-        if r.status_code != 200:
-            raise ConfigFailed(f"the sidecar refused the job ({r.status_code}): {r.text[:300]}")
-        return r.json()["job_id"]
-
-    def cancel(self, job: str) -> None:
-        import httpx
+        from connector.contract.rest_client import SidecarClient, SidecarError
 
         try:
-            httpx.delete(f"{self.stack.api}/v1/jobs/{job}", timeout=30)
-        except httpx.HTTPError:
+            with SidecarClient(self.stack.api, timeout=120) as c:
+                return c.create_job([{"token_ids": p} for p in ps]).job_id
+        except SidecarError as e:
+            raise ConfigFailed(f"the sidecar refused the job: {str(e)[:300]}") from e
+
+    def cancel(self, job: str) -> None:
+        from connector.contract.rest_client import SidecarClient, SidecarError
+
+        try:
+            with SidecarClient(self.stack.api, timeout=30) as c:
+                c.cancel(job)
+        except SidecarError:
             pass
 
     def consumer_spec(self, mode: str, tag: str, n: int, ordered: bool | None = None) -> dict:

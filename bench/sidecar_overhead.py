@@ -41,6 +41,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from connector.contract.rest_client import SidecarClient  # noqa: E402
 from connector.protocol import lock_path_for  # noqa: E402
 
 
@@ -121,9 +122,9 @@ def via_sidecar(stack, ps: list[list[int]]) -> float:
     from trainer_client import HiddenStateStream
 
     t0 = time.perf_counter()
-    r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": [{"token_ids": p} for p in ps]}, timeout=60)
-    r.raise_for_status()
-    with HiddenStateStream(stack.delivery_endpoint, jobs=[r.json()["job_id"]], spool_dir=stack.spool,
+    with SidecarClient(stack.api) as api:
+        job = api.create_job([{"token_ids": p} for p in ps]).job_id
+    with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool,
                            credit=32, timeout_s=300) as s:  # fmt: skip
         n = sum(1 for _ in s)
     assert n == len(ps), (n, len(ps))

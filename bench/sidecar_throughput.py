@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from connector import protocol as P  # noqa: E402
+from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
 from hsstream.demo import free_port  # noqa: E402
 
 TOKENS, LAYERS, HIDDEN = 16, 4, 128  # a 16 KiB sample: the control plane's cost, not the bytes'
@@ -184,18 +185,17 @@ def run_once(a: argparse.Namespace) -> dict:
            "HSSTREAM_MAX_CONCURRENCY": str(a.concurrency), "HSSTREAM_LOG_LEVEL": "warning"}  # fmt: skip
     procs: list[subprocess.Popen] = []
     log = open(run / "sidecar.log", "w")  # noqa: SIM115
+    rest = SidecarClient(f"http://127.0.0.1:{aport}", timeout=120)
     try:
         sidecar = subprocess.Popen([sys.executable, "-m", "hsstream", "serve"], env=env, stdout=log, stderr=log,
                                    cwd=ROOT, start_new_session=True)  # fmt: skip
         procs.append(sidecar)
-        api = f"http://127.0.0.1:{aport}"
         for _ in range(300):
             try:
-                if httpx.get(f"{api}/healthz", timeout=1).status_code < 500:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+                rest.healthz()
+                break
+            except SidecarError:
+                time.sleep(0.1)
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--stand-in", str(vport), str(spool), f"ipc://{run}/notice.sock",
              json.dumps(token_ids)], env={**env, "BENCH_STAND_IN_PACE_MS": str(a.pace_ms),
@@ -222,9 +222,7 @@ def run_once(a: argparse.Namespace) -> dict:
 
         cpu0 = {"sidecar": cpu_of(sidecar.pid), "stand_in": cpu_of(procs[1].pid), "trainer": cpu_of()}
         t_submit = time.perf_counter()
-        r = httpx.post(f"{api}/v1/jobs", json={"samples": [{"token_ids": token_ids}] * a.samples}, timeout=120)
-        r.raise_for_status()
-        job = r.json()["job_id"]
+        job = rest.create_job([{"token_ids": token_ids}] * a.samples).job_id
         stamps = []
         hops: dict[str, list[float]] = collections.defaultdict(list)
         with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[job], spool_dir=spool, credit=a.credit,
@@ -241,7 +239,7 @@ def run_once(a: argparse.Namespace) -> dict:
         if prof is not None:
             prof.send_signal(signal.SIGINT)
             prof.wait(60)
-        status = httpx.get(f"{api}/v1/jobs/{job}", timeout=10).json()
+        status = rest.job(job)
         left = P.own_spool_entries(spool)
         # More jobs through the same sidecar (--jobs): does anything it keeps grow per job?
         import psutil
@@ -251,9 +249,8 @@ def run_once(a: argparse.Namespace) -> dict:
                        "sidecar_rss_mib": round(psutil.Process(sidecar.pid).memory_info().rss / 2**20, 1)}]  # fmt: skip
         for j in range(1, a.jobs):
             c0, t0 = cpu_of(sidecar.pid), time.perf_counter()
-            r = httpx.post(f"{api}/v1/jobs", json={"samples": [{"token_ids": token_ids}] * a.samples}, timeout=120)
-            r.raise_for_status()
-            with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[r.json()["job_id"]], spool_dir=spool,
+            job_j = rest.create_job([{"token_ids": token_ids}] * a.samples).job_id
+            with HiddenStateStream(f"ipc://{run}/delivery.sock", jobs=[job_j], spool_dir=spool,
                                    credit=a.credit, timeout_s=60) as s:  # fmt: skip
                 n_j = sum(1 for _ in s)
             dt = time.perf_counter() - t0
@@ -264,6 +261,7 @@ def run_once(a: argparse.Namespace) -> dict:
             print(f"  job {j}: {successive[-1]}", flush=True)
         left = P.own_spool_entries(spool)
     finally:
+        rest.close()
         for p in reversed(procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -278,8 +276,8 @@ def run_once(a: argparse.Namespace) -> dict:
     whole = n / (t_end - t_submit)
     res = {
         "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-        "samples": a.samples, "yielded": n, "consumed": status["counts"].get("consumed"),
-        "failed": status["counts"].get("failed"), "left_in_spool": len(left),
+        "samples": a.samples, "yielded": n, "consumed": status.counts.get("consumed"),
+        "failed": status.counts.get("failed"), "left_in_spool": len(left),
         "file_bytes": len(sample_bytes(token_ids)[0]), "credit": a.credit, "concurrency": a.concurrency,
         "pace_ms": a.pace_ms, "notice_after_ms": a.notice_after_ms,
         "samples_per_s_steady": round(steady, 1), "samples_per_s_whole_job": round(whole, 1),

@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +94,7 @@ def main() -> int:
     if args.trainer:
         return trainer(*args.trainer)
 
+    from connector.contract.rest_client import SidecarClient, SidecarError
     from hsstream import launch
     from hsstream.demo import Stack
     from hsstream.tiny_model import build_tiny_verifier
@@ -103,6 +103,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hsstream-soak-"))
     ledger = work / "ledger.sqlite"
     stack = Stack(model, [2, 6, 9, 12], work)
+    api = SidecarClient(stack.api, timeout=120)
     stack.env.update({"HSSTREAM_LEDGER_PATH": str(ledger), "HSSTREAM_SPOOL_BUDGET_BYTES": str(args.budget_bytes),
                       "HSSTREAM_TRAINER_TIMEOUT_S": "10"})  # fmt: skip
     rng = random.Random(0)
@@ -137,11 +138,11 @@ def main() -> int:
 
     def progress() -> tuple[int, int, int]:
         try:
-            js = httpx.get(f"{stack.api}/v1/jobs", timeout=10).json()
-        except httpx.HTTPError:
+            js = api.jobs()
+        except SidecarError:
             return -1, -1, -1  # the sidecar is restarting
-        c = [j["counts"] for j in js]
-        return sum(x["consumed"] for x in c), sum(x["failed"] for x in c), sum(j["done"] for j in js)
+        c = [j.counts for j in js]
+        return sum(x["consumed"] for x in c), sum(x["failed"] for x in c), sum(j.done for j in js)
 
     expected: set[str] = set()
     ok, left, consumed, failed = False, [], -1, -1
@@ -154,9 +155,8 @@ def main() -> int:
             n = per_job if j < args.jobs - 1 else args.samples - per_job * (args.jobs - 1)
             lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in range(n)]
             samples = [{"token_ids": [rng.randrange(0, 509) for _ in range(k)]} for k in lengths]
-            r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples}, timeout=120)
-            r.raise_for_status()
-            expected.update(f"{r.json()['job_id']}/0/{i}" for i in range(n))
+            job = api.create_job(samples).job_id
+            expected.update(f"{job}/0/{i}" for i in range(n))
         event(f"{len(expected)} samples in {args.jobs} jobs submitted")
         start_trainer()
         restarted_trainer = restarted_sidecar = False
@@ -196,6 +196,7 @@ def main() -> int:
         for p in trainers:
             if p.poll() is None:
                 p.kill()
+        api.close()
         stack.stop()
         stack.remove_spool()
 

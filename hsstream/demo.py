@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 
+from connector.contract.rest_client import SidecarClient
 from hsstream import launch
 from hsstream.up import Supervisor, UpConfig, hsstream_vllm_cli
 
@@ -169,9 +169,8 @@ def run_demo(num_prompts: int = 32, workdir: str | None = None) -> int:
         with console.status("starting vLLM + sidecar") as st:
             stack.start(on_tick=lambda s: st.update(f"starting vLLM (CPU build, threads bound {bind}): {s:.0f} s"))
         console.print(f"stack ready after {time.perf_counter() - t_all:.0f} s")
-        r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": demo_prompts(num_prompts)}, timeout=60)
-        r.raise_for_status()
-        job = r.json()["job_id"]
+        with SidecarClient(stack.api) as api:
+            job = api.create_job(demo_prompts(num_prompts)).job_id
         t0 = time.perf_counter()
         tokens = nbytes = samples = 0
         with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=300) as stream:
@@ -185,15 +184,16 @@ def run_demo(num_prompts: int = 32, workdir: str | None = None) -> int:
                     highlight=False,
                 )
         dt = time.perf_counter() - t0
-        status = httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+        with SidecarClient(stack.api, timeout=10) as api:
+            status = api.job(job)
         time.sleep(0.2)
         left = stack.spool_files()
         print(
             f"\nsamples {samples}  tokens {tokens}  tokens/s {tokens / dt:,.0f}  bytes {nbytes:,}  "
             f"stream wall {dt:.1f} s  total wall {time.perf_counter() - t_all:.1f} s  "
-            f"CPU thread binding {bind}\njob {job}: {status['counts']}  spool files left: {len(left)}"
+            f"CPU thread binding {bind}\njob {job}: {status.counts}  spool files left: {len(left)}"
         )
-        ok = samples == num_prompts and status["counts"]["consumed"] == num_prompts and not left
+        ok = samples == num_prompts and status.counts["consumed"] == num_prompts and not left
         if not ok:
             console.print("[red]demo FAILED: samples missing or files left in the spool[/red]")
         return 0 if ok else 1

@@ -29,7 +29,7 @@ from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
 from server.ledger import Ledger, SampleRow, State
 from server.notices import prepare_ipc
-from server.schemas import TrainerInfo
+from connector.contract.rest import TrainerInfo
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")

@@ -11,7 +11,7 @@ from collections import Counter
 
 from server.dependencies import Services
 from server.ledger import State
-from server.schemas import JobSummary, Overview, Rates, SpoolUsage
+from connector.contract.rest import JobSummary, Overview, Rates, SpoolUsage
 
 MAX_JOBS = 20
 

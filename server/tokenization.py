@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 from server.model_shape import too_long_reason
-from server.schemas import JobOptions, SampleIn
+from connector.contract.rest import JobOptions, SampleIn
 
 __all__ = ["SampleRefused", "Tokenized", "Tokenizer"]
 log = logging.getLogger("hsstream.sidecar")

@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import os
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request, Response
 
+from connector.contract.rest import Health, Readiness
 from server.dependencies import ServicesDep, has_token
 from server.submitter import VllmUnavailable
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
-async def healthz() -> dict:
-    return {"ok": True}
+@router.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    return Health(ok=True)
 
 
-@router.get("/readyz")
-async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
+@router.get("/readyz", response_model=Readiness, response_model_exclude_none=True,
+            responses={503: {"model": Readiness, "description": "not ready"}})  # fmt: skip
+async def readyz(request: Request, response: Response, svc: ServicesDep) -> Readiness:
     problems = []
     try:
         await svc.submitter.vllm_model()
@@ -40,9 +41,9 @@ async def readyz(request: Request, svc: ServicesDep) -> JSONResponse:
         if not alive():
             problems.append(f"{name} loop is not running (see the sidecar log)")
     if problems:
-        detail = {"problems": problems} if has_token(request, svc.settings) else {}
-        return JSONResponse({"ready": False, **detail}, status_code=503)
-    return JSONResponse({"ready": True})
+        response.status_code = 503
+        return Readiness(ready=False, problems=problems if has_token(request, svc.settings) else None)
+    return Readiness(ready=True)
 
 
 def notices_stopped(svc: ServicesDep) -> str | None:

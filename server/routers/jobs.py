@@ -12,6 +12,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
 from pydantic import ValidationError
 
+from connector.contract.rest import (
+    JobBrief,
+    JobCancelled,
+    JobCreated,
+    JobIn,
+    JobOptions,
+    JobStatus,
+    SampleError,
+    SampleIn,
+    TokenCounts,
+)
 from connector.contract.sample_tokens import SampleRefused
 from connector.contract.settings import Settings
 from server.admission import check_job_size, too_many_samples
@@ -19,7 +30,6 @@ from server.content_type import expects
 from server.dependencies import Services, ServicesDep, job_or_404, require_token
 from server.ledger import Job, NewSample
 from server.model_shape import over_budget_reason
-from server.schemas import JobCreated, JobIn, JobOptions, JobStatus, SampleError, SampleIn, TokenCounts
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
 JobDep = Annotated[Job, Depends(job_or_404)]
@@ -115,15 +125,18 @@ def read_jsonl(file: UploadFile, s: Settings) -> list[SampleIn]:
     return samples
 
 
-@router.get("")
-async def list_jobs(svc: ServicesDep) -> list[dict]:
+@router.get("", response_model=list[JobBrief])
+async def list_jobs(svc: ServicesDep) -> list[JobBrief]:
     led = svc.ledger
-    return [{"job_id": j.job_id, "done": j.done, "counts": j.counts(), "compacted": j.compacted}
+    return [JobBrief(job_id=j.job_id, done=j.done, counts=j.counts(), compacted=j.compacted)
             for j in map(led.job_view, led.job_ids()) if j is not None]  # fmt: skip
 
 
 @router.get("/{job_id}", response_model=JobStatus)
-async def job_status(j: JobDep, svc: ServicesDep, errors_offset: int = Query(0, ge=0, lt=2**31), errors_limit: int = Query(100, ge=1, le=1000)):  # noqa: ANN201
+async def job_status(
+    j: JobDep, svc: ServicesDep,
+    errors_offset: int = Query(0, ge=0, lt=2**31), errors_limit: int = Query(100, ge=1, le=1000),
+) -> JobStatus:  # fmt: skip
     elapsed = (j.finished or time.time()) - j.created
     page = svc.ledger.errors_page(j.job_id, errors_offset, errors_limit)  # an indexed read, not a scan
     return JobStatus(
@@ -153,12 +166,12 @@ def _count_tokens(svc: Services, job_id: str) -> tuple[Counter[int], int]:
     return c, total
 
 
-@router.delete("/{job_id}")
-async def cancel_job(j: JobDep, svc: ServicesDep) -> dict:
+@router.delete("/{job_id}", response_model=JobCancelled)
+async def cancel_job(j: JobDep, svc: ServicesDep) -> JobCancelled:
     if j.compacted:
         raise HTTPException(409, f"job {j.job_id!r} finished and was compacted: nothing to cancel")
     files = await asyncio.to_thread(svc.ledger.cancel_job, j.job_id)  # O(job): off the event loop
     aborted = await svc.submitter.cancel_job(j.job_id)
     removed = svc.keeper.remove(files)
-    return {"job_id": j.job_id, "cancelled": True, "aborted_requests": aborted, "removed_files": removed,
-            "counts": svc.ledger.jobs[j.job_id].counts()}  # fmt: skip
+    return JobCancelled(job_id=j.job_id, cancelled=True, aborted_requests=aborted, removed_files=removed,
+                        counts=svc.ledger.jobs[j.job_id].counts())  # fmt: skip

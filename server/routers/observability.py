@@ -8,9 +8,9 @@ from collections import Counter
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
+from connector.contract.rest import EngineInfo, Overview, SampleSize, Stats
 from server.dependencies import ServicesDep, require_token
 from server.overview import overview
-from server.schemas import Overview
 
 router = APIRouter(tags=["observability"], dependencies=[Depends(require_token)])
 
@@ -21,24 +21,24 @@ async def prom(svc: ServicesDep) -> Response:
     return Response(body, media_type=ctype)
 
 
-@router.get("/v1/stats")
-async def stats(svc: ServicesDep) -> dict:
+@router.get("/v1/stats", response_model=Stats, response_model_exclude_unset=True)  # unset: a size not yet known
+async def stats(svc: ServicesDep) -> Stats:
     ledger, sub = svc.ledger, svc.submitter
-    return {
-        "reserved_bytes": ledger.reserved_bytes,
-        "budget_bytes": svc.settings.spool_budget_bytes,
-        "sample_size": svc.sizer.describe(),
-        "engine_max_model_len": sub.engine_max_len,
-        "spool_file_bytes": svc.keeper.file_bytes(),
-        "ready": ledger.ready_count(),
-        "vllm_down_since_s": None if sub.down_since is None else round(time.monotonic() - sub.down_since, 1),
-        "engines": [e.describe() for e in sub.engines],
-        "notices": svc.notices.stats,
-        "delivery": svc.delivery.stats,
-        "submitter": sub.stats,
-        "states": dict(sum((Counter(j.counts()) for j in list(ledger.jobs.values())), Counter())),
-        "in_flight": ledger.in_flight(),
-    }
+    return Stats(
+        reserved_bytes=ledger.reserved_bytes,
+        budget_bytes=svc.settings.spool_budget_bytes,
+        sample_size=SampleSize(**svc.sizer.describe()),
+        engine_max_model_len=sub.engine_max_len,
+        spool_file_bytes=svc.keeper.file_bytes(),
+        ready=ledger.ready_count(),
+        vllm_down_since_s=None if sub.down_since is None else round(time.monotonic() - sub.down_since, 1),
+        engines=[EngineInfo(**e.describe()) for e in sub.engines],
+        notices=svc.notices.stats,
+        delivery=svc.delivery.stats,
+        submitter=sub.stats,
+        states=dict(sum((Counter(j.counts()) for j in list(ledger.jobs.values())), Counter())),
+        in_flight=ledger.in_flight(),
+    )
 
 
 @router.get("/v1/overview", response_model=Overview)

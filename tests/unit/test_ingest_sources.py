@@ -5,7 +5,6 @@ and the upload body made on the fly (a source consumed as the body is, memory fl
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import tracemalloc
@@ -13,6 +12,7 @@ import tracemalloc
 import pytest
 from fastapi.testclient import TestClient
 
+from connector.contract.rest_client import SidecarClient, multipart_jsonl
 from connector.contract.settings import Settings
 from hsstream import data_sources as DS
 from hsstream import rest_client as RC
@@ -36,7 +36,7 @@ def client(tmp_path, tiny_model):
 @pytest.fixture
 def cli_submit(client, monkeypatch):
     """``hsstream submit``'s code (rest_client.submit) against the app; returns (exit code, job)."""
-    monkeypatch.setattr(RC, "_client", lambda url: contextlib.nullcontext(client))
+    monkeypatch.setattr(RC, "_client", lambda url: SidecarClient(http=client, token=""))
     out: dict = {}
     real = getattr(RC, "upload_samples", None)
 
@@ -143,10 +143,10 @@ FORMATS = {"jsonl": _jsonl, "jsonl.gz": _jsonl_gz, "json": _json_array, "parquet
 def test_each_format_is_uploaded_and_stored_as_the_same_rows_posted_as_json(fmt, tmp_path, client, cli_submit):
     code, job = cli_submit(FORMATS[fmt](tmp_path), '{"loss_mask": "all"}')
     assert code == 0 and job is not None
-    assert job["num_samples"] == 4 and job["num_failed_at_submission"] == 0
-    assert job["warnings"] == []  # columnar nulls (a prompt row's messages) are not sent
-    assert stored_labels(client, job["job_id"]) == ["p0", "c0", "s0", "t0"]
-    assert stored(client, job["job_id"]) == reference(client, ROWS)
+    assert job.num_samples == 4 and job.num_failed_at_submission == 0
+    assert job.warnings == []  # columnar nulls (a prompt row's messages) are not sent
+    assert stored_labels(client, job.job_id) == ["p0", "c0", "s0", "t0"]
+    assert stored(client, job.job_id) == reference(client, ROWS)
 
 
 def test_a_datasets_dict_folder_needs_split_and_takes_it(tmp_path, client, cli_submit):
@@ -157,7 +157,7 @@ def test_a_datasets_dict_folder_needs_split_and_takes_it(tmp_path, client, cli_s
                          ).save_to_disk(str(p))  # fmt: skip
     assert cli_submit(p)[0] == 2  # splits [train, test]: pass --split
     code, job = cli_submit(p, split="test")
-    assert code == 0 and stored_labels(client, job["job_id"]) == ["t0"]
+    assert code == 0 and stored_labels(client, job.job_id) == ["t0"]
 
 
 def test_a_datasets_name_is_loaded_offline_with_split(tmp_path, client, cli_submit, monkeypatch):
@@ -171,7 +171,7 @@ def test_a_datasets_name_is_loaded_offline_with_split(tmp_path, client, cli_subm
     d.mkdir(parents=True)
     pq.write_table(to_table(ROWS), d / "train-00000-of-00001.parquet")
     code, job = cli_submit(tmp_path / "org-name", split="train")
-    assert code == 0 and stored_labels(client, job["job_id"]) == ["p0", "c0", "s0", "t0"]
+    assert code == 0 and stored_labels(client, job.job_id) == ["p0", "c0", "s0", "t0"]
     assert cli_submit("no-such-org/no-such-dataset", split="train")[0] == 2  # offline, not cached: one line
 
 
@@ -211,23 +211,23 @@ def test_presets_take_speculators_column_names(preset, rows, want_ids, keys, tmp
 
     pq.write_table(to_table(rows), p)
     code, job = cli_submit(p, '{"loss_mask": "all"}', preset=preset)
-    assert code == 0 and job["num_failed_at_submission"] == 0
-    assert job["warnings"] == []  # a preset sends only its fields: model / source / ... stay home
-    assert stored_labels(client, job["job_id"]) == want_ids
+    assert code == 0 and job.num_failed_at_submission == 0
+    assert job.warnings == []  # a preset sends only its fields: model / source / ... stay home
+    assert stored_labels(client, job.job_id) == want_ids
     mapped = [{"id": i, **{k: r[k] for k in keys}} for i, r in zip(want_ids, rows, strict=True)]
-    assert stored(client, job["job_id"]) == reference(client, mapped)
+    assert stored(client, job.job_id) == reference(client, mapped)
 
 
 def test_field_maps_other_columns_and_overrides_a_preset(tmp_path, client, cli_submit):
     rows = [{"uid": 7, "question": "What is two plus two?"}, {"uid": 8, "question": "And three?"}]
     p = write_jsonl(tmp_path / "q.jsonl", rows)
     code, job = cli_submit(p, fields=["prompt=question", "id=uid"])
-    assert code == 0 and stored_labels(client, job["job_id"]) == ["7", "8"]  # an int id sent as text
-    assert stored(client, job["job_id"]) == reference(client, [{"prompt": r["question"]} for r in rows])
+    assert code == 0 and stored_labels(client, job.job_id) == ["7", "8"]  # an int id sent as text
+    assert stored(client, job.job_id) == reference(client, [{"prompt": r["question"]} for r in rows])
     rows = [{"conv_id": "a", "dialog": SHAREGPT[0]["conversations"]}]
     p = write_jsonl(tmp_path / "sg.jsonl", rows)
     code, job = cli_submit(p, preset="sharegpt", fields=["conversations=dialog", "id=conv_id"])
-    assert code == 0 and stored_labels(client, job["job_id"]) == ["a"]
+    assert code == 0 and stored_labels(client, job.job_id) == ["a"]
     code, job = cli_submit(p, fields=["text=dialog"])
     assert code == 2 and job is None  # not a sample field: refused before anything is sent
 
@@ -235,7 +235,7 @@ def test_field_maps_other_columns_and_overrides_a_preset(tmp_path, client, cli_s
 def test_nested_column_with_a_dot(tmp_path, client, cli_submit):
     p = write_jsonl(tmp_path / "n.jsonl", [{"meta": {"q": "Hello there"}, "k": "n1"}])
     code, job = cli_submit(p, fields=["prompt=meta.q", "id=k"])
-    assert code == 0 and stored_labels(client, job["job_id"]) == ["n1"]
+    assert code == 0 and stored_labels(client, job.job_id) == ["n1"]
 
 
 # ---------------------------------------------------------------- --limit, --shuffle
@@ -245,7 +245,7 @@ def test_limit_sends_the_first_n_rows_and_stops_reading(tmp_path, client, cli_su
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(50)]
     p = write_jsonl(tmp_path / "r.jsonl", rows)
     code, job = cli_submit(p, limit=7)
-    assert code == 0 and stored_labels(client, job["job_id"]) == [f"r{i}" for i in range(7)]
+    assert code == 0 and stored_labels(client, job.job_id) == [f"r{i}" for i in range(7)]
     with p.open("a") as f:
         f.write("not json\n")  # past the limit: never read
     assert cli_submit(p, limit=50)[0] == 0
@@ -255,9 +255,9 @@ def test_limit_sends_the_first_n_rows_and_stops_reading(tmp_path, client, cli_su
 def test_shuffle_is_seeded_a_permutation_and_bounded_by_its_buffer(tmp_path, client, cli_submit):
     rows = [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(40)]
     p = write_jsonl(tmp_path / "r.jsonl", rows)
-    a = stored_labels(client, cli_submit(p, shuffle=True, seed=1, shuffle_buffer=64)[1]["job_id"])
-    b = stored_labels(client, cli_submit(p, shuffle=True, seed=1, shuffle_buffer=64)[1]["job_id"])
-    c = stored_labels(client, cli_submit(p, shuffle=True, seed=2, shuffle_buffer=64)[1]["job_id"])
+    a = stored_labels(client, cli_submit(p, shuffle=True, seed=1, shuffle_buffer=64)[1].job_id)
+    b = stored_labels(client, cli_submit(p, shuffle=True, seed=1, shuffle_buffer=64)[1].job_id)
+    c = stored_labels(client, cli_submit(p, shuffle=True, seed=2, shuffle_buffer=64)[1].job_id)
     assert a == b != c and sorted(a) == sorted(r["id"] for r in rows) and a != [r["id"] for r in rows]
     # a buffer of 4 rows: row i leaves no earlier than position i - 4
     out = [int(r["id"][1:]) for r in DS.shuffled(iter(rows), 4, seed=0)]
@@ -271,7 +271,7 @@ def test_refused_rows_are_reported_skip_and_reject(tmp_path, client, cli_submit,
     rows = [{"id": "ok", "prompt": "fine"}, {"id": "bad", "token_ids": [10**9]}]
     p = write_jsonl(tmp_path / "r.jsonl", rows)
     code, job = cli_submit(p, '{"on_invalid": "skip"}')
-    assert code == 0 and job["num_failed_at_submission"] == 1
+    assert code == 0 and job.num_failed_at_submission == 1
     assert "refused 1" in capsys.readouterr().err
     code, job = cli_submit(p)
     assert code == 1 and job is None
@@ -291,7 +291,7 @@ def test_the_body_consumes_its_source_as_it_is_read():
             taken += 1
             yield {"prompt": "x" * 100}
 
-    body = DS.multipart_jsonl(endless(), boundary="b", chunk_bytes=4096)
+    body = multipart_jsonl(endless(), boundary="b", chunk_bytes=4096)
     head = next(body)
     assert b'name="options"' in head and b'name="file"' in head and taken == 0
     first = next(body)
@@ -307,7 +307,7 @@ def test_the_body_memory_is_flat_in_the_number_of_rows():
 
     def peak(n):
         tracemalloc.start()
-        sent = sum(len(c) for c in DS.multipart_jsonl(rows(n), boundary="b"))
+        sent = sum(len(c) for c in multipart_jsonl(rows(n), boundary="b"))
         _, pk = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return sent, pk
@@ -319,7 +319,7 @@ def test_the_body_memory_is_flat_in_the_number_of_rows():
 
 
 def test_the_body_parses_as_the_upload_form(client):
-    body = b"".join(DS.multipart_jsonl(iter(ROWS), boundary="xyz", options='{"epochs": 2}', filename='a"b.jsonl'))
+    body = b"".join(multipart_jsonl(iter(ROWS), boundary="xyz", options='{"epochs": 2}', filename='a"b.jsonl'))
     r = client.post("/v1/jobs/upload", content=body, headers={"content-type": "multipart/form-data; boundary=xyz"})
     assert r.status_code == 200, r.text
     assert r.json()["num_samples"] == 8
@@ -347,12 +347,10 @@ def test_json_array_reader_reads_items_across_window_edges(tmp_path):
 
 
 def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, monkeypatch):
-    import httpx
-
     import trainer_client.eagle3.run as R
     from hsstream.cli import submit_source
 
-    monkeypatch.setattr(httpx, "Client", lambda **kw: contextlib.nullcontext(client))
+    monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
     import pyarrow.parquet as pq
 
     p = tmp_path / "u.parquet"
@@ -376,13 +374,11 @@ def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, mo
 
 
 def test_train_submit_records_the_source_and_counts_locally_from_a_second_read(tmp_path, client, monkeypatch, tiny_model):
-    import httpx
-
     import trainer_client.eagle3.run as R
     from trainer_client.eagle3 import vocab as V
     from trainer_client.eagle3.config import TrainConfig
 
-    monkeypatch.setattr(httpx, "Client", lambda **kw: contextlib.nullcontext(client))
+    monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: None)  # counted here instead
     p = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(5)])
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "run"), device="cpu")

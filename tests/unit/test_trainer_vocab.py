@@ -56,7 +56,7 @@ def test_counts_file_round_trip_and_formats(tmp_path):
 
 
 def test_local_tokenisation_matches_the_sidecars(tiny_model):
-    from server.schemas import JobOptions, SampleIn
+    from connector.contract.rest import JobOptions, SampleIn
     from server.tokenization import Tokenizer
 
     samples = [
@@ -74,7 +74,7 @@ def test_local_tokenisation_matches_the_sidecars(tiny_model):
 def test_local_tokenisation_of_dataset_rows_with_the_jobs_template_matches_the_sidecars(tiny_model):
     """Rows as datasets ship them (extra keys, content parts, tool calls) and a job's own
     template and kwargs: the trainer's local counts see the sidecar's ids and masks."""
-    from server.schemas import JobOptions, SampleIn
+    from connector.contract.rest import JobOptions, SampleIn
     from server.tokenization import Tokenizer
     from tests.unit.test_sidecar_data_rows import PARTS, TOOL_CHAT, TOOLS, TOOLS_TEMPLATE
 

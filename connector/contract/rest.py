@@ -1,4 +1,14 @@
-"""REST request and response bodies (the sidecar's public API, as OpenAPI shows it)."""
+"""The sidecar's REST API: every request and response body, as OpenAPI shows it.
+
+One module for both sides: the routes in ``server/routers/`` declare these models as their
+``response_model``, and the one client (``connector/contract/rest_client.py``) parses every answer
+with the same models, so a field renamed here breaks the client's tests, not a user's run.
+Imports pydantic only (a validator loads jinja2 and the chat-template code when it needs them),
+so the trainer and the CLI read the contract without FastAPI.
+
+Where a route's JSON has a key only sometimes (``/readyz``'s ``problems``, ``/v1/stats``'s sample
+size before it is known), the model leaves it out when unset: the wire stays as it was.
+"""
 
 from __future__ import annotations
 
@@ -250,3 +260,78 @@ class Overview(BaseModel):
     spool: SpoolUsage
     trainers: list[TrainerInfo]
     vllm_down_since_s: float | None
+
+
+class Health(BaseModel):
+    """``GET /healthz``: the process answers (no check of vLLM, the spool or the ledger)."""
+
+    ok: bool
+
+
+class Readiness(BaseModel):
+    """``GET /readyz``: 200 when ready, 503 when not; what is wrong only to holders of the token."""
+
+    ready: bool
+    problems: list[str] | None = Field(default=None, description="what is wrong (only with the token)")
+
+
+class JobBrief(BaseModel):
+    """One job in ``GET /v1/jobs``."""
+
+    job_id: str
+    done: bool
+    counts: dict[str, int]
+    compacted: bool
+
+
+class JobCancelled(BaseModel):
+    """``DELETE /v1/jobs/{id}``: what cancelling took back."""
+
+    job_id: str
+    cancelled: bool
+    aborted_requests: int = Field(description="requests to vLLM aborted")
+    removed_files: int = Field(description="sample files removed from the spool")
+    counts: dict[str, int]
+
+
+class SampleSize(BaseModel):
+    """Bytes a sample takes on the spool, once known (from the model's config or the first notice)."""
+
+    known: bool
+    source: str | None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    dtype_size: int | None = None
+    scale_bytes: int | None = None
+    bytes_per_position: int | None = None
+
+
+class EngineInfo(BaseModel):
+    """One vLLM engine as the submitter sees it."""
+
+    url: str
+    up: bool
+    model: str | None
+    max_model_len: int | None
+    in_flight: int
+    requests: int
+    failures: int
+    down_for_s: float | None
+
+
+class Stats(BaseModel):
+    """``GET /v1/stats``: the sidecar's counters, for diagnosis (``/v1/overview`` is the summary)."""
+
+    reserved_bytes: int
+    budget_bytes: int
+    sample_size: SampleSize
+    engine_max_model_len: int | None
+    spool_file_bytes: int
+    ready: int
+    vllm_down_since_s: float | None
+    engines: list[EngineInfo]
+    notices: dict[str, int]
+    delivery: dict[str, int]
+    submitter: dict[str, int]
+    states: dict[str, int]
+    in_flight: int
