@@ -7,16 +7,17 @@ writes only ``hs-…`` names (:func:`file_name_for_request`), under a hidden tem
 first (:func:`tmp_name_for`); the sidecar, the trainer and ``hsstream up`` delete no other name,
 and blind clean-ups run only in a marked spool (:func:`claim_spool`).
 
-The lock (:class:`WriteLock` is the writer's half): clients of vLLM's ``ExampleHiddenStatesConnector`` get the file's path in the response before
-the file exists, and wait on ``<path>.lock``: vLLM's ``load_hidden_states`` takes a shared
-flock (it sleeps while the writer holds the exclusive one), hs-connectors' ``FileTransfer``
-polls for an exclusive one and then removes the lock. So the lock must exist, exclusively
-held, before the path is returned, and only the writing process can hold it: vLLM's worker
-(TP rank 0) creates it on the first step that schedules the request, which always precedes
-the step whose output finishes the request. It is released (the descriptor closed) after
-the atomic rename, and left for the reader to remove with the file, as the Example
-connector does; when no file will come it is removed first, then released, so a waiting
-reader wakes to a missing file instead of waiting forever, and nothing is left behind.
+The lock (:class:`WriteLock` is the writer's half): clients of vLLM's
+``ExampleHiddenStatesConnector`` get the file's path in the response before the file exists,
+and wait on ``<path>.lock``: vLLM's ``load_hidden_states`` takes a shared flock (it sleeps
+while the writer holds the exclusive one), hs-connectors' ``FileTransfer`` polls for an
+exclusive one and then removes the lock. So the lock must exist, exclusively held, before the
+path is returned, and only the writing process can hold it: vLLM's worker (TP rank 0) creates
+it on the first step that schedules the request, which always precedes the step whose output
+finishes the request. It is released (the descriptor closed) after the atomic rename, and left
+for the reader to remove with the file, as the Example connector does; when no file will come
+it is removed first, then released, so a waiting reader wakes to a missing file instead of
+waiting forever, and nothing is left behind.
 """
 
 from __future__ import annotations
