@@ -127,23 +127,3 @@ def status(job_id: str | None, url: str | None) -> int:
             return _exit_code(e)
         print(json.dumps(body, indent=1))
         return 0
-
-
-
-
-class UploadError(RuntimeError):
-    """The sidecar refused an upload (code 1), could not be reached (3), or the source failed (2)."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def stream_upload(c, samples: Iterable[dict], options: str | dict = "{}", *, filename: str = "samples.jsonl") -> dict:  # noqa: ANN001
-    """The trainer's upload through an ``httpx.Client`` it made (kept until it uses SidecarClient)."""
-    try:
-        return SidecarClient(http=c, token="").upload(samples, options, filename=filename).model_dump()
-    except SidecarError as e:
-        raise UploadError(str(e) if e.unreachable else f"job refused: {e}", _exit_code(e)) from e
-    except Exception as e:
-        raise UploadError(f"{e} (nothing was queued)", 2) from e

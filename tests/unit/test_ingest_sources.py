@@ -5,7 +5,6 @@ and the upload body made on the fly (a source consumed as the body is, memory fl
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
 import tracemalloc
@@ -348,12 +347,10 @@ def test_json_array_reader_reads_items_across_window_edges(tmp_path):
 
 
 def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, monkeypatch):
-    import httpx
-
     import trainer_client.eagle3.run as R
     from hsstream.cli import submit_source
 
-    monkeypatch.setattr(httpx, "Client", lambda **kw: contextlib.nullcontext(client))
+    monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
     import pyarrow.parquet as pq
 
     p = tmp_path / "u.parquet"
@@ -377,13 +374,11 @@ def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, mo
 
 
 def test_train_submit_records_the_source_and_counts_locally_from_a_second_read(tmp_path, client, monkeypatch, tiny_model):
-    import httpx
-
     import trainer_client.eagle3.run as R
     from trainer_client.eagle3 import vocab as V
     from trainer_client.eagle3.config import TrainConfig
 
-    monkeypatch.setattr(httpx, "Client", lambda **kw: contextlib.nullcontext(client))
+    monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: None)  # counted here instead
     p = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(5)])
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "run"), device="cpu")

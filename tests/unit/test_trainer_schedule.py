@@ -13,18 +13,12 @@ import json
 import httpx
 import pytest
 
+from connector.contract.rest import JobStatus
+from connector.contract.rest_client import SidecarClient
 from trainer_client.eagle3 import run as R
 from trainer_client.eagle3 import vocab as V
 from trainer_client.eagle3.config import TrainConfig
 from trainer_client.eagle3.step import lr_lambda
-
-
-class _Resp:
-    def __init__(self, body: dict, status: int = 200) -> None:
-        self.status_code, self._body, self.text = status, body, json.dumps(body)
-
-    def json(self) -> dict:
-        return self._body
 
 
 @pytest.fixture
@@ -40,11 +34,16 @@ def captured(monkeypatch):
         sizes["j-sub"] = n * (options or {}).get("epochs", 1)  # the sidecar's num_samples
         return "j-sub"
 
-    def fake_get(url, **kw):  # noqa: ANN001, ANN003, ANN202
-        job = url.rstrip("/").rsplit("/", 1)[-1]
+    def sidecar(request: httpx.Request) -> httpx.Response:  # GET /v1/jobs/{id}, as the contract has it
+        if got.get("gone"):
+            raise httpx.ConnectError("gone", request=request)
+        job = request.url.path.rstrip("/").rsplit("/", 1)[-1]
         if job not in sizes:
-            return _Resp({"detail": "no such job"}, 404)
-        return _Resp({"job_id": job, "done": False, "counts": {"queued": sizes[job]}, "num_samples": sizes[job]})
+            return httpx.Response(404, json={"detail": "no such job"})
+        return httpx.Response(200, json=JobStatus(
+            job_id=job, done=False, counts={"queued": sizes[job]}, num_samples=sizes[job], tokens_consumed=0,
+            bytes_consumed=0, elapsed_s=1.0, tokens_per_s=0.0, errors=[], errors_total=0, errors_offset=0,
+        ).model_dump(mode="json"))  # fmt: skip
 
     class FakeTrainer:
         def __init__(self, cfg, counts, **kw) -> None:  # noqa: ANN001, ANN003
@@ -76,7 +75,8 @@ def captured(monkeypatch):
     import trainer_client.stream as S
 
     monkeypatch.setattr(R, "submit_job", fake_submit)
-    monkeypatch.setattr(httpx, "get", fake_get)
+    monkeypatch.setattr(SidecarClient, "http_factory",
+                        lambda **kw: httpx.Client(transport=httpx.MockTransport(sidecar), base_url=kw["base_url"]))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: {1: 1})
     monkeypatch.setattr(R, "Eagle3OnlineTrainer", FakeTrainer)
     monkeypatch.setattr(S, "HiddenStateStream", FakeStream)
@@ -109,12 +109,8 @@ def test_followed_jobs_sizes_come_from_the_sidecar_and_the_length_is_kept_on_res
     _run(tmp_path, _cfg(tmp_path, samples_per_step=4), jobs=["j1", "j2"])
     assert captured["cfg"].schedule_steps == 10  # (30 + 10) / 4
     # the restarted run follows the same jobs; its schedule must not change, even if the sidecar is gone
-    httpx_get = httpx.get
-    try:
-        httpx.get = lambda *a, **kw: (_ for _ in ()).throw(httpx.ConnectError("gone"))  # noqa: ARG005
-        _run(tmp_path, _cfg(tmp_path, samples_per_step=4), jobs=["j1", "j2"])
-    finally:
-        httpx.get = httpx_get
+    captured["gone"] = True
+    _run(tmp_path, _cfg(tmp_path, samples_per_step=4), jobs=["j1", "j2"])
     assert captured["cfg"].schedule_steps == 10
 
 

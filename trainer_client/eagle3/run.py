@@ -17,8 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from connector.contract.rest_client import SidecarClient, SidecarError
 from trainer_client.eagle3 import vocab as V
 from trainer_client.eagle3.config import resolve_device
 from trainer_client.eagle3.distributed import World
@@ -28,10 +27,6 @@ log = logging.getLogger("hsstream.eagle3")
 
 JOBS_FILE = "jobs.json"
 COUNTS_FILE = "token_counts.json"
-
-
-def _headers(token: str | None) -> dict[str, str]:
-    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def read_samples(path: str | Path, **source: Any) -> Iterator[dict]:
@@ -66,15 +61,13 @@ def submit_job(api: str, samples: Iterable[dict], options: dict | None = None, t
     """One job, uploaded as JSONL made on the fly (``hsstream submit``'s path: the samples are
     never held together); ``options.epochs`` makes the sidecar stream every sample once per
     epoch (new keys)."""
-    from hsstream.rest_client import UploadError, stream_upload
-
-    with httpx.Client(base_url=api.rstrip("/"), headers=_headers(token), timeout=600) as c:
+    with SidecarClient(api, token=token, timeout=600) as c:
         try:
-            return stream_upload(c, samples, options or {}, filename=filename)["job_id"]
-        except UploadError as e:
-            if e.code == 2:
-                raise ValueError(str(e)) from e
+            return c.upload(samples, options or {}, filename=filename).job_id
+        except SidecarError as e:
             raise RuntimeError(f"the sidecar refused the job: {str(e)[:500]}") from e
+        except Exception as e:  # the source broke while it was read (the client took back what got queued)
+            raise ValueError(f"{e} (nothing was queued)") from e
 
 
 def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa: ANN201
@@ -83,15 +76,17 @@ def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa:
     The sidecar ends a job only when every sample is acknowledged; a trainer deferring acks
     to checkpoints asks this after each step and checkpoints as soon as it holds the tail.
     """
-    client = httpx.Client(timeout=10, headers=_headers(token))
+    client = SidecarClient(api, token=token, timeout=10)
 
     def probe(_pending: int) -> bool:
         left = 0
         for j in jobs:
-            r = client.get(f"{api.rstrip('/')}/v1/jobs/{j}")
-            if r.status_code != 200:
+            try:
+                c = client.job(j).counts
+            except SidecarError as e:
+                if e.unreachable:
+                    raise
                 return False
-            c = r.json()["counts"]
             left += c.get("queued", 0) + c.get("submitted", 0) + c.get("ready", 0)
         return left == 0
 
@@ -105,16 +100,13 @@ def jobs_samples_total(api: str | None, jobs: list[str], token: str | None = Non
     if not api:
         return None
     total = 0
-    for j in jobs:
-        try:
-            r = httpx.get(f"{api.rstrip('/')}/v1/jobs/{j}", headers=_headers(token), timeout=30)
-        except httpx.HTTPError as e:
-            log.warning("job %s: its size is unknown (%s)", j, e)
-            return None
-        if r.status_code != 200:
-            log.warning("job %s: its size is unknown (%s: %s)", j, r.status_code, r.text[:200])
-            return None
-        total += int(r.json()["num_samples"])
+    with SidecarClient(api, token=token, timeout=30) as c:
+        for j in jobs:
+            try:
+                total += c.job(j).num_samples
+            except SidecarError as e:
+                log.warning("job %s: its size is unknown (%s)", j, str(e)[:200])
+                return None
     return total
 
 
@@ -233,7 +225,7 @@ def run_train(
                 )  # fmt: skip
                 total = recorded_samples_total(cfg, api, jobs, api_token)
                 got: object = {"jobs": jobs, "counts": counts, "samples_total": total}
-            except (ValueError, RuntimeError, OSError, httpx.HTTPError) as e:
+            except (ValueError, RuntimeError, OSError, SidecarError) as e:
                 world.broadcast(("error", f"{type(e).__name__}: {e}"))  # the other ranks stop with it
                 raise
             world.broadcast(got)

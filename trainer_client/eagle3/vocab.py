@@ -64,20 +64,17 @@ def save_token_counts(counts: dict[int, int], path: str | Path) -> None:
 
 def token_counts_from_sidecar(api: str, job_ids: list[str], token: str | None = None) -> dict[int, int] | None:
     """Counts from the sidecar's ``GET /v1/jobs/{id}/token_counts``; None while it has no such endpoint."""
-    import httpx
+    from connector.contract.rest_client import SidecarClient, SidecarError
 
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     total: Counter[int] = Counter()
-    for job in job_ids:
-        r = httpx.get(f"{api.rstrip('/')}/v1/jobs/{job}/token_counts", headers=headers, timeout=30)
-        if r.status_code in (404, 405):
-            return None
-        r.raise_for_status()
-        body = r.json()
-        counts = body.get("counts", body) if isinstance(body, dict) else None
-        if not isinstance(counts, dict):
-            raise ValueError(f"unexpected token_counts answer for job {job}: {str(body)[:200]}")
-        total.update({int(k): int(v) for k, v in counts.items()})
+    with SidecarClient(api, token=token, timeout=30) as c:
+        for job in job_ids:
+            try:
+                total.update(c.token_counts(job).counts)
+            except SidecarError as e:
+                if e.status in (404, 405):
+                    return None
+                raise
     return dict(total)
 
 
