@@ -25,11 +25,11 @@ from pathlib import Path
 import zmq
 
 from connector import protocol as P
+from connector.contract.rest import TrainerInfo
 from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
 from server.ledger import Ledger, SampleRow, State
 from server.notices import prepare_ipc
-from connector.contract.rest import TrainerInfo
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from connector.contract.rest import JobSummary, Overview, Rates, SpoolUsage
 from server.dependencies import Services
 from server.ledger import State
-from connector.contract.rest import JobSummary, Overview, Rates, SpoolUsage
 
 MAX_JOBS = 20
 

@@ -13,9 +13,9 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from connector.contract.rest import JobOptions, SampleIn
 from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 from server.model_shape import too_long_reason
-from connector.contract.rest import JobOptions, SampleIn
 
 __all__ = ["SampleRefused", "Tokenized", "Tokenizer"]
 log = logging.getLogger("hsstream.sidecar")

@@ -12,9 +12,9 @@ import json
 import pytest
 
 from connector import protocol as P
+from connector.contract.rest import JobOptions, SampleIn
 from server.ledger import Ledger, NewSample, State
 from server.model_shape import SampleSizer, Shape, read_config, shape_from_config
-from connector.contract.rest import JobOptions, SampleIn
 from server.submitter import Submitter
 from server.vllm_http import Reply
 from tests.unit.fake_vllm_http import FakeHttp, Request, reply

@@ -63,9 +63,11 @@ def submit_job(api: str, samples: Iterable[dict], options: dict | None = None, t
     epoch (new keys)."""
     with SidecarClient(api, token=token, timeout=600) as c:
         try:
-            return c.upload(samples, options or {}, filename=filename).job_id  # the source's ValueError as it is
+            return c.upload(samples, options or {}, filename=filename).job_id
         except SidecarError as e:
             raise RuntimeError(f"the sidecar refused the job: {str(e)[:500]}") from e
+        except Exception as e:  # the source broke while it was read (the client took back what got queued)
+            raise ValueError(f"{e} (nothing was queued)") from e
 
 
 def drained_probe(api: str, jobs: list[str], token: str | None = None):  # noqa: ANN201
