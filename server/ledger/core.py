@@ -206,6 +206,9 @@ class LedgerCore:
         Only samples that were in flight are read; the rest stay in SQLite."""
         stats = Counter()
         with self._lock:
+            with self._tx():  # staged rows are a job's whose admission never ended: its client never got the id
+                if n := self._db.execute("DELETE FROM staged_samples").rowcount:
+                    stats["staged_samples_dropped"] = n
             for jid, created, finished, tok, nb, meta in self._db.execute(
                 "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs "
                 "WHERE summary IS NULL ORDER BY created"
