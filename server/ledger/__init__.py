@@ -36,7 +36,7 @@ ring the delivery thread's doorbell when they made samples READY (wired in ``ser
 """
 
 from server.ledger.budget import SpoolBudget
-from server.ledger.core import ADMITTING, Listener
+from server.ledger.core import ADMITTING, GROUP_MAX, Listener
 from server.ledger.facade import Ledger
 from server.ledger.jobs import ADD_BATCH
 from server.ledger.read_models import JobFigures, Snapshot
@@ -45,6 +45,6 @@ from server.ledger.states import IN_FLIGHT, TERMINAL, TRANSITIONS, IllegalTransi
 from server.ledger.store import SCHEMA_VERSION
 
 __all__ = [
-    "ADD_BATCH", "ADMITTING", "IN_FLIGHT", "SCHEMA_VERSION", "TERMINAL", "TRANSITIONS", "IllegalTransition", "Job",
+    "ADD_BATCH", "ADMITTING", "GROUP_MAX", "IN_FLIGHT", "SCHEMA_VERSION", "TERMINAL", "TRANSITIONS", "IllegalTransition", "Job",
     "JobFigures", "Ledger", "Listener", "NewSample", "NoticeOutcome", "SampleRow", "Snapshot", "SpoolBudget", "State",
 ]  # fmt: skip

@@ -22,6 +22,10 @@ from server.ledger.rows import Job, SampleRow
 from server.ledger.states import IN_FLIGHT, State, check_transition
 from server.ledger.store import COLS, Store, row_to_sample
 
+#: Most messages a thread applies in one :meth:`LedgerCore.group` (the notices read together, a
+#: trainer socket's messages of one poll): the lock is held from the first to the commit, so this
+#: bounds how long any other thread waits for it.
+GROUP_MAX = 256
 #: In a job's meta while its rows are being written: a job still so marked at restart is dropped.
 ADMITTING = "admitting"
 
