@@ -28,7 +28,7 @@ from connector import protocol as P
 from connector.contract.rest import TrainerInfo
 from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
-from server.ledger import Ledger, SampleRow, State
+from server.ledger import GROUP_MAX, Ledger, SampleRow, State
 from server.notices import prepare_ipc
 from server.socket_thread import SocketThread
 
@@ -36,8 +36,6 @@ log = logging.getLogger("hsstream.sidecar")
 
 Lease = tuple[P.SampleKey, str]  # a key and the lease token a trainer names it with
 
-#: Most trainer messages applied in one ledger transaction (the lock is held meanwhile).
-BATCH = 256
 #: The delivery thread's longest sleep; heartbeats and lost trainers are looked at this often.
 #: New READY samples and trainer messages wake it at once.
 POLL_MS = 20
@@ -220,7 +218,7 @@ class DeliveryService(SocketThread):
                     more = True
                     while more:
                         batch = []
-                        while len(batch) < BATCH:
+                        while len(batch) < GROUP_MAX:
                             try:
                                 batch.append(sock.recv_multipart(zmq.NOBLOCK))
                             except zmq.Again:

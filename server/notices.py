@@ -4,7 +4,7 @@ A notice is input from another process: it is decoded strictly and its file name
 against the spool before anything is touched. A notice naming a path outside the spool is
 refused and logged; its "file" is left alone, since it is not ours.
 
-The notices that have arrived together (up to ``BATCH``) go into the ledger as one group: one
+The notices that have arrived together (up to ``GROUP_MAX``) go into the ledger as one group: one
 commit for all of them, and the files of refused ones deleted only after it. A notice that made
 its sample READY wakes the delivery thread (``wake_delivery``), which offers the sample to the
 trainers as soon as the group's commit releases the ledger's lock.
@@ -21,13 +21,10 @@ from pathlib import Path
 import zmq
 
 from connector import protocol as P
-from server.ledger import Ledger, NoticeOutcome
+from server.ledger import GROUP_MAX, Ledger, NoticeOutcome
 from server.socket_thread import SocketThread
 
 log = logging.getLogger("hsstream.sidecar")
-
-#: Most notices applied in one ledger transaction (the lock is held meanwhile).
-BATCH = 256
 
 
 def prepare_ipc(endpoint: str) -> None:
@@ -78,7 +75,7 @@ class NoticeReceiver(SocketThread):
                 if sock.poll(200):
                     raws = [sock.recv()]
                     arrived = time.time()
-                    while len(raws) < BATCH:
+                    while len(raws) < GROUP_MAX:
                         try:
                             raws.append(sock.recv(zmq.NOBLOCK))
                         except zmq.Again:

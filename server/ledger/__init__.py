@@ -21,7 +21,9 @@ Where each part is (``Ledger`` combines them; each module reads on its own):
 ``budget.py``                     ``SpoolBudget``: reserved spool bytes and the watermarks
 ``core.py``                       the shared state and lock, writing a sample through
                                   (``_save``), the moves every side uses, ``recover``
-``jobs.py``                       ``add_job``, ``cancel_job``, ``compact`` (chunked)
+``jobs.py``                       ``begin_job`` → ``JobWriter`` (samples staged a batch at a
+                                  time, then queued whole), ``add_job``, ``cancel_job``,
+                                  ``compact`` (all chunked)
 ``submission.py``                 vLLM side: ``next_to_submit``, ``requeue``, ``on_notice``,
                                   ``set_generated``, timeouts
 ``leases.py``                     trainer side: ``lease_many``, ``holds``, ``received``,
@@ -36,15 +38,15 @@ ring the delivery thread's doorbell when they made samples READY (wired in ``ser
 """
 
 from server.ledger.budget import SpoolBudget
-from server.ledger.core import ADMITTING, Listener
+from server.ledger.core import ADMITTING, GROUP_MAX, Listener
 from server.ledger.facade import Ledger
-from server.ledger.jobs import ADD_BATCH
+from server.ledger.jobs import ADD_BATCH, JobWriter
 from server.ledger.read_models import JobFigures, Snapshot
 from server.ledger.rows import Job, NewSample, SampleRow
 from server.ledger.states import IN_FLIGHT, TERMINAL, TRANSITIONS, IllegalTransition, NoticeOutcome, State
 from server.ledger.store import SCHEMA_VERSION
 
 __all__ = [
-    "ADD_BATCH", "ADMITTING", "IN_FLIGHT", "SCHEMA_VERSION", "TERMINAL", "TRANSITIONS", "IllegalTransition", "Job",
+    "ADD_BATCH", "ADMITTING", "GROUP_MAX", "IN_FLIGHT", "SCHEMA_VERSION", "TERMINAL", "TRANSITIONS", "IllegalTransition", "Job", "JobWriter",
     "JobFigures", "Ledger", "Listener", "NewSample", "NoticeOutcome", "SampleRow", "Snapshot", "SpoolBudget", "State",
 ]  # fmt: skip

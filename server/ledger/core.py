@@ -22,6 +22,10 @@ from server.ledger.rows import Job, SampleRow
 from server.ledger.states import IN_FLIGHT, State, check_transition
 from server.ledger.store import COLS, Store, row_to_sample
 
+#: Most messages a thread applies in one :meth:`LedgerCore.group` (the notices read together, a
+#: trainer socket's messages of one poll): the lock is held from the first to the commit, so this
+#: bounds how long any other thread waits for it.
+GROUP_MAX = 256
 #: In a job's meta while its rows are being written: a job still so marked at restart is dropped.
 ADMITTING = "admitting"
 
@@ -206,6 +210,9 @@ class LedgerCore:
         Only samples that were in flight are read; the rest stay in SQLite."""
         stats = Counter()
         with self._lock:
+            with self._tx():  # staged rows are a job's whose admission never ended: its client never got the id
+                if n := self._db.execute("DELETE FROM staged_samples").rowcount:
+                    stats["staged_samples_dropped"] = n
             for jid, created, finished, tok, nb, meta in self._db.execute(
                 "SELECT job_id, created, finished, tokens_consumed, bytes_consumed, meta FROM jobs "
                 "WHERE summary IS NULL ORDER BY created"

@@ -1,8 +1,8 @@
-"""A job's life in the ledger: admitted (its rows written), cancelled, compacted.
+"""A job's life in the ledger: admitted (staged, then queued), cancelled, compacted.
 
 Each of these touches rows in proportion to the job's size, so each works a chunk at a time
 with the lock released between chunks: a big job never holds up the notice and delivery
-threads or a status read for long.
+threads or a status read for long, and admitting one holds a chunk in memory, not the job.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import json
 import random
 import time
 import uuid
+from array import array
+from collections.abc import Iterable
+from itertools import islice
 
 from server.ledger.core import ADMITTING, LedgerCore
 from server.ledger.rows import Job, NewSample
@@ -21,57 +24,107 @@ from server.ledger.store import pack
 ADD_BATCH = 2000
 
 
-class Jobs(LedgerCore):
-    def add_job(
-        self, samples: list[NewSample], *, epochs: int = 1, seed: int = 0, meta: dict | None = None,
-        sampling: dict | None = None, batch: int = ADD_BATCH,
-    ) -> Job:  # fmt: skip
-        """Queue a job. Each epoch submits the data again in a seeded shuffle (hidden states are
-        regenerated, never stored), so epoch e of sample i has its own key (job, i, e).
+class JobWriter:
+    """A job being admitted (:meth:`Jobs.begin_job`). Its samples go into ``staged_samples`` a
+    chunk at a time as they come (:meth:`stage`), so memory holds one chunk, not the job; the
+    job does not exist for anyone else yet. :meth:`commit` creates it and makes the samples
+    QUEUED, epoch by epoch in the seeded shuffles, a batch per transaction; :meth:`drop` forgets
+    them. From the commit's start to its end the job is ``admitting`` (never done), and marked so
+    on disk: a sidecar killed meanwhile drops it, and any staged rows, on restart (its client
+    never got the id)."""
 
-        Rows go in ``batch`` at a time, each batch its own transaction with the lock released
-        after it; its first samples may be submitted while the rest are written. Until the last
-        batch the job is ``admitting`` (never done), and marked so on disk: a sidecar killed
-        meanwhile drops it on restart (its client never got the id)."""
-        job_id = uuid.uuid4().hex[:16]
-        job = Job(job_id, sampling=sampling, admitting=True)
-        meta = {**(meta or {}), "sampling": sampling}
-        with self._lock, self._tx():
-            self._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",
-                             (job_id, job.created, json.dumps({**meta, ADMITTING: True})))  # fmt: skip
-            self.jobs[job_id] = job
-        packed = [(pack(n.token_ids), pack(n.loss_mask)) for n in samples]
+    def __init__(self, led: Jobs, job: Job) -> None:
+        self._led = led
+        self.job = job
+        self.n = 0  # samples staged
+
+    def stage(self, samples: Iterable[NewSample]) -> None:
+        """Stage a chunk (one transaction: keep it to a batch or so, the lock is held)."""
+        led, i0 = self._led, self.n
+        rows = [(self.job.job_id, i0 + k, pack(n.token_ids), pack(n.loss_mask), n.label, n.expected_bytes,
+                 len(n.token_ids)) for k, n in enumerate(samples)]  # fmt: skip
+        if not rows:
+            return
+        with led._lock, led._tx():  # noqa: SLF001
+            led._db.executemany("INSERT INTO staged_samples (job_id, idx, token_ids, loss_mask, label, "  # noqa: SLF001
+                                "expected_bytes, prompt_len) VALUES (?,?,?,?,?,?,?)", rows)  # fmt: skip
+        self.n += len(rows)
+        time.sleep(0)  # let a thread waiting for the lock have it before the next chunk
+
+    def commit(self, *, epochs: int = 1, seed: int = 0, meta: dict | None = None, batch: int = ADD_BATCH) -> Job:
+        """Queue the staged samples, ``epochs`` times: each epoch submits them again in a seeded
+        shuffle, so epoch e of sample i has its own key (job, i, e). Its first samples may be
+        submitted while the rest are written; the staged rows go with the last epoch's."""
+        led, job, jid = self._led, self.job, self.job.job_id
+        meta = {**(meta or {}), "sampling": job.sampling}
+        with led._lock, led._tx():  # noqa: SLF001
+            led._db.execute("INSERT INTO jobs (job_id, created, meta) VALUES (?, ?, ?)",  # noqa: SLF001
+                            (jid, job.created, json.dumps({**meta, ADMITTING: True})))  # fmt: skip
+            led.jobs[jid] = job
+        move = ("INSERT INTO samples (job_id, epoch, idx, ord, token_ids, loss_mask, label, expected_bytes, state, "
+                "attempt, notice, on_disk_bytes, errors, prompt_len, qpos) "
+                "SELECT job_id, ?, idx, ?, token_ids, loss_mask, label, expected_bytes, ?, 0, NULL, 0, NULL, "
+                "prompt_len, ? FROM staged_samples WHERE job_id=? AND idx=?")  # fmt: skip
         order = 0
         for ep in range(epochs):
-            idxs = list(range(len(samples)))
+            idxs = array("I", range(self.n))  # 4 bytes a sample, whatever the job's size
             if epochs > 1 or seed:
                 random.Random(seed * 1_000_003 + ep).shuffle(idxs)
-            for lo in range(0, len(idxs), batch):
+            for lo in range(0, self.n, batch):
                 part = idxs[lo : lo + batch]
-                with self._lock:
-                    with self._tx():
-                        q0 = self._qhi + 1
-                        self._db.executemany(
-                            "INSERT INTO samples (job_id, epoch, idx, ord, token_ids, loss_mask, label, "
-                            "expected_bytes, state, attempt, notice, on_disk_bytes, errors, prompt_len, qpos) "
-                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                            ((job_id, ep, i, order + k, *packed[i], samples[i].label, samples[i].expected_bytes,
-                              State.queued.value, 0, None, 0, None, len(samples[i].token_ids), q0 + k)
-                             for k, i in enumerate(part)),
-                        )  # fmt: skip
-                    self._qhi += len(part)
+                with led._lock:  # noqa: SLF001
+                    with led._tx():  # noqa: SLF001
+                        q0 = led._qhi + 1  # noqa: SLF001
+                        led._db.executemany(move, ((ep, order + k, State.queued.value, q0 + k, jid, i)  # noqa: SLF001
+                                                   for k, i in enumerate(part)))  # fmt: skip
+                        if ep == epochs - 1:
+                            led._db.executemany("DELETE FROM staged_samples WHERE job_id=? AND idx=?",  # noqa: SLF001
+                                                ((jid, i) for i in part))  # fmt: skip
+                    led._qhi += len(part)  # noqa: SLF001
                     order += len(part)
                     job.num_samples = order
                     job.state_counts[State.queued.value] += len(part)
-                    self._tell(State.queued, None, len(part), 0)
+                    led._tell(State.queued, None, len(part), 0)  # noqa: SLF001
                 time.sleep(0)  # let a thread waiting for the lock have it before the next batch
-        with self._lock, self._tx():
-            self._db.execute("UPDATE jobs SET meta=? WHERE job_id=?", (json.dumps(meta), job_id))
+        with led._lock, led._tx():  # noqa: SLF001
+            if epochs < 1:  # nothing was queued: the staged rows go here
+                led._db.execute("DELETE FROM staged_samples WHERE job_id=?", (jid,))  # noqa: SLF001
+            led._db.execute("UPDATE jobs SET meta=? WHERE job_id=?", (json.dumps(meta), jid))  # noqa: SLF001
             job.admitting = False
             if job.done:  # every sample already finished (cancelled) while the rest went in
                 job.finished = job.finished or time.time()
-                self._store.save_job(job)
+                led._store.save_job(job)  # noqa: SLF001
         return job
+
+    def drop(self, chunk: int = 5000) -> None:
+        """Forget the staged samples (before :meth:`commit`), a chunk at a time."""
+        led, jid = self._led, self.job.job_id
+        for lo in range(0, self.n, chunk):
+            with led._lock, led._tx():  # noqa: SLF001
+                led._db.execute("DELETE FROM staged_samples WHERE job_id=? AND idx>=? AND idx<?",  # noqa: SLF001
+                                (jid, lo, lo + chunk))  # fmt: skip
+        self.n = 0
+
+
+class Jobs(LedgerCore):
+    def begin_job(self, *, sampling: dict | None = None) -> JobWriter:
+        """A job to admit: stage its samples, then commit it (see :class:`JobWriter`)."""
+        return JobWriter(self, Job(uuid.uuid4().hex[:16], sampling=sampling, admitting=True))
+
+    def add_job(
+        self, samples: Iterable[NewSample], *, epochs: int = 1, seed: int = 0, meta: dict | None = None,
+        sampling: dict | None = None, batch: int = ADD_BATCH,
+    ) -> Job:  # fmt: skip
+        """Queue a job (:meth:`begin_job`, its samples staged ``batch`` at a time, commit)."""
+        w = self.begin_job(sampling=sampling)
+        it = iter(samples)
+        while True:
+            chunk = list(islice(it, batch))
+            if not chunk:
+                break
+            w.stage(chunk)
+            del chunk  # before the next is made: one chunk in memory at a time
+        return w.commit(epochs=epochs, seed=seed, meta=meta, batch=batch)
 
     def cancel_job(self, job_id: str, chunk: int = 5000) -> list[str]:
         """Cancel every unfinished sample; returns spool files to delete. Samples in flight in

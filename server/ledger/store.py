@@ -32,6 +32,9 @@ CREATE TABLE IF NOT EXISTS samples (
   job_id TEXT, epoch INTEGER, idx INTEGER, ord INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT,
   expected_bytes INTEGER, state TEXT, attempt INTEGER, notice TEXT, on_disk_bytes INTEGER, errors TEXT,
   prompt_len INTEGER, qpos INTEGER, lease_token TEXT, PRIMARY KEY (job_id, epoch, idx));
+CREATE TABLE IF NOT EXISTS staged_samples (
+  job_id TEXT, idx INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT, expected_bytes INTEGER,
+  prompt_len INTEGER, PRIMARY KEY (job_id, idx));
 """
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS samples_queue ON samples(qpos) WHERE state = 'queued';
@@ -64,9 +67,16 @@ def _to_v2(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE samples ADD COLUMN lease_token TEXT")
 
 
+def _to_v3(db: sqlite3.Connection) -> None:
+    """The staging table a job's samples are written to as they are admitted, a chunk at a
+    time, before any of them is a sample (``server/ledger/jobs.py``)."""
+    db.execute("CREATE TABLE staged_samples (job_id TEXT, idx INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT, "
+               "expected_bytes INTEGER, prompt_len INTEGER, PRIMARY KEY (job_id, idx))")  # fmt: skip
+
+
 #: ``_MIGRATIONS[v]`` brings a file of schema version ``v`` (``PRAGMA user_version``) to ``v + 1``.
 #: Append only: a released step never changes, since files it already upgraded exist.
-_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1, _to_v2)
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1, _to_v2, _to_v3)
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
@@ -28,45 +29,63 @@ from connector.contract.settings import Settings
 from server.admission import check_job_size, too_many_samples
 from server.content_type import expects
 from server.dependencies import Services, ServicesDep, job_or_404, require_token
-from server.ledger import Job, NewSample
+from server.ledger import ADD_BATCH, Job, NewSample
 from server.model_shape import over_budget_reason
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
 JobDep = Annotated[Job, Depends(job_or_404)]
 
 
-def admit(svc: Services, samples: list[SampleIn], opt: JobOptions) -> JobCreated:
+def admit(svc: Services, samples: Iterable[SampleIn], opt: JobOptions,
+          after_read: Callable[[], None] | None = None) -> JobCreated:  # fmt: skip
     """Tokenise, size against the spool budget, and queue what passes (or nothing, per ``on_invalid``).
-    On the admission thread (``server/admission.py``), never the event loop."""
+    On the admission thread (``server/admission.py``), never the event loop. The rows are staged
+    in the ledger a batch at a time as they are tokenised, so memory holds a batch, not the job;
+    until the job is queued whole (``JobWriter.commit``) nothing of it is submitted, and a job
+    refused on the way is dropped. ``after_read``: called once ``samples`` is exhausted, before
+    the job's own checks; what it raises refuses the job."""
     s = svc.settings
-    rows, bad = [], []
-    for i, smp in enumerate(samples):
-        try:
-            t = svc.tokenizer(smp, opt)
-        except SampleRefused as e:
-            bad.append({"index": i, "id": smp.id, "reason": str(e)})
-            continue
-        n_pos = len(t.token_ids) + (opt.sampling.max_tokens if opt.mode == "regenerate" else 0)
-        nbytes = svc.sizer.file_bytes(n_pos) or 0  # unknown yet: priced by the first notice (see Submitter)
-        if nbytes > s.spool_budget_bytes:
-            bad.append({"index": i, "id": smp.id, "reason": over_budget_reason(nbytes, s.spool_budget_bytes)})
-            continue
-        rows.append(NewSample(t.token_ids, t.loss_mask, t.label, nbytes))
-    if bad and opt.on_invalid == "reject":
-        raise HTTPException(422, {"message": f"{len(bad)} invalid sample(s); nothing was queued", "samples": bad})
-    if not rows:
-        raise HTTPException(422, {"message": "no valid sample in the job", "samples": bad})
     sampling = opt.sampling.model_dump() if opt.mode == "regenerate" else None
-    warnings = ignored_keys_warnings(samples)
-    created = svc.ledger.add_job(rows, epochs=opt.epochs, seed=opt.seed, sampling=sampling,
-                                 meta={"options": opt.model_dump(), "rejected": bad, "warnings": warnings})  # fmt: skip
+    job = svc.ledger.begin_job(sampling=sampling)
+    bad: list[dict] = []
+    ignored: Counter[str] = Counter()
+    try:
+        chunk: list[NewSample] = []
+        for i, smp in enumerate(samples):
+            ignored.update(smp.ignored_keys)
+            try:
+                t = svc.tokenizer(smp, opt)
+            except SampleRefused as e:
+                bad.append({"index": i, "id": smp.id, "reason": str(e)})
+                continue
+            n_pos = len(t.token_ids) + (opt.sampling.max_tokens if opt.mode == "regenerate" else 0)
+            nbytes = svc.sizer.file_bytes(n_pos) or 0  # unknown yet: priced by the first notice (see Submitter)
+            if nbytes > s.spool_budget_bytes:
+                bad.append({"index": i, "id": smp.id, "reason": over_budget_reason(nbytes, s.spool_budget_bytes)})
+                continue
+            chunk.append(NewSample(t.token_ids, t.loss_mask, t.label, nbytes))
+            if len(chunk) >= ADD_BATCH:
+                job.stage(chunk)
+                chunk = []
+        job.stage(chunk)
+        if after_read is not None:
+            after_read()
+        if bad and opt.on_invalid == "reject":
+            raise HTTPException(422, {"message": f"{len(bad)} invalid sample(s); nothing was queued", "samples": bad})
+        if not job.n:
+            raise HTTPException(422, {"message": "no valid sample in the job", "samples": bad})
+    except BaseException:
+        job.drop()
+        raise
+    warnings = ignored_keys_warnings(ignored)
+    created = job.commit(epochs=opt.epochs, seed=opt.seed,
+                         meta={"options": opt.model_dump(), "rejected": bad, "warnings": warnings})  # fmt: skip
     return JobCreated(job_id=created.job_id, num_samples=created.num_samples, num_failed_at_submission=len(bad),
                       warnings=warnings)  # fmt: skip
 
 
-def ignored_keys_warnings(samples: list[SampleIn]) -> list[str]:
+def ignored_keys_warnings(seen: Counter[str]) -> list[str]:
     """One line per sample key that was ignored, with the number of samples that had it."""
-    seen: Counter[str] = Counter(k for smp in samples for k in smp.ignored_keys)
     out = [f"ignored key {k[:80]!r} in {n} sample(s): not a sample field (id, prompt, messages, conversations, "
            "token_ids, tools)" for k, n in sorted(seen.items())[:20]]  # fmt: skip
     if len(seen) > 20:
@@ -85,7 +104,7 @@ async def create_job(job: JobIn, svc: ServicesDep) -> JobCreated:
 
 @router.post("/upload", response_model=JobCreated, dependencies=[Depends(expects("multipart/form-data"))])
 async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: str = Form("{}")) -> JobCreated:  # noqa: B008
-    """The same records as ``POST /v1/jobs``, one JSON object per line."""
+    """The same records as ``POST /v1/jobs``, one JSON object per line, admitted as they are read."""
     try:
         opt = JobOptions.model_validate_json(options)
     except ValidationError as e:
@@ -93,36 +112,52 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
         errors = json.loads(e.json(include_input=False, include_url=False))
         raise HTTPException(422, {"message": "bad options", "errors": errors}) from e
     await file.seek(0)
-    samples = await svc.admitter.run(read_jsonl, file, svc.settings)
-    check_job_size(len(samples), opt.epochs, svc.settings)
     await svc.submitter.probe_engine()
-    created = await svc.admitter.run(admit, svc, samples, opt)
+    records = JsonlRecords(file, svc.settings, opt.epochs)
+    created = await svc.admitter.run(admit, svc, records, opt, records.check)
     svc.submitter.wake()
     return created
 
 
-def read_jsonl(file: UploadFile, s: Settings) -> list[SampleIn]:
-    """An upload's records (on the admission thread: a big file takes a while to parse). The form
-    parser spooled the file to disk as it arrived; it is read a line at a time, not whole, and
-    no further than the job's sample limit (utf-8-sig: a leading BOM, as some editors write, is
-    not part of the first line)."""
-    samples, bad = [], []
-    lines = io.TextIOWrapper(file.file, encoding="utf-8-sig", errors="replace", newline=None)
-    for ln, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if len(samples) + len(bad) >= s.max_job_samples:
-            raise too_many_samples(None, s)
-        try:
-            samples.append(SampleIn.model_validate_json(line))
-        except ValidationError as e:
-            bad.append({"line": ln, "reason": "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
-                                                        for x in e.errors())})  # fmt: skip
-    if bad:
-        raise HTTPException(422, {"message": f"{len(bad)} bad line(s) in {file.filename}", "lines": bad[:100]})
-    if not samples:
-        raise HTTPException(422, {"message": f"{file.filename} holds no records"})
-    return samples
+class JsonlRecords:
+    """An upload's records, read a line at a time as admission asks for them (on the admission
+    thread). The form parser spooled the file to disk as it arrived. Reading stops at the job's
+    sample limit (413); every line is read otherwise, so :meth:`check` can list all the bad ones,
+    but records past the row limit (samples x epochs) are only counted, not handed on: the job
+    is refused anyway, by :meth:`check`. utf-8-sig: a leading BOM, as some editors write, is not
+    part of the first line."""
+
+    def __init__(self, file: UploadFile, s: Settings, epochs: int) -> None:
+        self.file, self.s, self.epochs = file, s, epochs
+        self.count = 0
+        self.bad: list[dict] = []
+
+    def __iter__(self) -> Iterator[SampleIn]:
+        s = self.s
+        lines = io.TextIOWrapper(self.file.file, encoding="utf-8-sig", errors="replace", newline=None)
+        for ln, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if self.count + len(self.bad) >= s.max_job_samples:
+                raise too_many_samples(None, s)
+            try:
+                smp = SampleIn.model_validate_json(line)
+            except ValidationError as e:
+                self.bad.append({"line": ln, "reason": "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}"
+                                                                 for x in e.errors())})  # fmt: skip
+                continue
+            self.count += 1
+            if not self.bad and self.count * self.epochs <= s.max_job_rows:
+                yield smp
+
+    def check(self) -> None:
+        """Once read: 422 for bad lines or no record, 413 for a job over the row limit."""
+        if self.bad:
+            raise HTTPException(422, {"message": f"{len(self.bad)} bad line(s) in {self.file.filename}",
+                                      "lines": self.bad[:100]})  # fmt: skip
+        if not self.count:
+            raise HTTPException(422, {"message": f"{self.file.filename} holds no records"})
+        check_job_size(self.count, self.epochs, self.s)
 
 
 @router.get("", response_model=list[JobBrief])

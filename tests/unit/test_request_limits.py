@@ -49,3 +49,27 @@ def test_an_upload_stops_reading_at_the_sample_limit(client):
     r = client.post("/v1/jobs/upload", files={"file": ("a.jsonl", lines.encode()[: len(lines) // 10])},
                     data={"options": json.dumps({"epochs": 5})})  # fmt: skip
     assert r.status_code == 413 and "HSSTREAM_MAX_JOB_ROWS" in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize("case", ["too many samples", "too many rows", "a bad line last", "no record"])
+def test_a_refused_upload_leaves_no_job_and_no_staged_row(client, case, monkeypatch):
+    """Records are staged as they are read (2 at a time here, so some are before the refusal);
+    a job refused on the way is dropped whole: no job, no row (the answers are the ones a whole
+    read gave)."""
+    from server.routers import jobs
+
+    monkeypatch.setattr(jobs, "ADD_BATCH", 2)
+    line = json.dumps({"token_ids": [1, 2]}) + "\n"
+    body, opts, want = {
+        "too many samples": (line * 50, {}, (413, "more than 5 samples")),
+        "too many rows": (line * 5, {"epochs": 5}, (413, "5 samples x 5 epochs = 25 rows")),
+        "a bad line last": (line * 4 + "{oops\n", {}, (422, "1 bad line(s)")),
+        "no record": ("\n\n", {}, (422, "holds no records")),
+    }[case]
+    r = client.post("/v1/jobs/upload", files={"file": ("a.jsonl", body.encode())}, data={"options": json.dumps(opts)})
+    assert r.status_code == want[0] and want[1] in r.text, r.text
+    led = client.app.state.services.ledger
+    assert led.job_ids() == [] and not led.jobs
+    assert led._db.execute("SELECT count(*) FROM staged_samples").fetchone()[0] == 0
+    r = client.post("/v1/jobs/upload", files={"file": ("a.jsonl", (line * 5).encode())})  # and the next one is fine
+    assert r.status_code == 200 and r.json()["num_samples"] == 5, r.text
