@@ -238,6 +238,10 @@ class LedgerCore:
             rows = self._db.execute(
                 f"SELECT {COLS} FROM samples WHERE state IN ('submitted', 'ready', 'leased') ORDER BY job_id, ord"
             ).fetchall()
+            # The listeners (the submitter's SUBMITTED count, the metrics) start from the recovered
+            # state and never heard the moves that led to the rows read here: the moves recovery
+            # makes are not told to them, or a SUBMITTED → QUEUED would count below zero.
+            self._deferred = []
             with self._tx():
                 for s in map(row_to_sample, rows):
                     if s.state == State.submitted:
@@ -258,5 +262,8 @@ class LedgerCore:
                         self._enqueue(s, front=True)
                         stats["regenerate"] += 1
                     self._save(s)
+            self._deferred = None
+            # a row read as READY and kept READY is no move, so _save counted none of them
+            self._n_ready = sum(1 for dq in self._ready.values() for x in dq if x.state == State.ready)
         return dict(stats)
 
