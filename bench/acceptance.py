@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hsstream import pretrain_verifier as PV
     from hsstream.demo import Stack
-    from trainer_client.eagle3 import model as M
-    from trainer_client.eagle3 import vocab as V
+    from trainer_client.drafts import eagle3 as E3
+    from trainer_client.train import checkpoints as M
+    from trainer_client.train import vocab as V
 
     t_all = time.perf_counter()
     wd = Path(a.workdir or tempfile.mkdtemp(prefix="hsstream-acceptance-"))
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- untrained draft: same architecture, same maps ----------------------------------------
     maps = torch.load(run_dir / "vocab_maps.pt", weights_only=True)
-    untrained = M.build_draft(
+    untrained = E3.build_draft(
         verifier, LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"], d2t=maps["d2t"], seed=1
     )
     untrained_dir = wd / "untrained-draft"

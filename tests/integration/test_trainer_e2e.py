@@ -44,9 +44,9 @@ from tests.integration.conftest import start_stack, stop_stack, submit
 from trainer_client import HiddenStateStream
 from trainer_client.dataset import HiddenStateDataset, make_loader
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
-from trainer_client.eagle3.run import drained_probe
-from trainer_client.eagle3.trainer import KEYS_LOG
-from trainer_client.eagle3.vocab import count_tokens
+from trainer_client.train.run import drained_probe
+from trainer_client.train.trainer import KEYS_LOG
+from trainer_client.train.vocab import count_tokens
 
 LAYERS = [2, 6, 9, 12]
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ def _train_cmd(stack, verifier, out, job) -> list[str]:
 
 
 def test_sigkill_after_checkpoint_then_resume_trains_each_sample_once(stack, verifier, tmp_path):
-    from trainer_client.eagle3.model import latest_checkpoint, load_state
+    from trainer_client.train.checkpoints import latest_checkpoint, load_state
 
     n = 40
     wins = windows(verifier, n, 48, seed=777)
@@ -281,7 +281,7 @@ def test_two_gloo_ranks_get_disjoint_samples_and_stop_together(stack, verifier):
 
 def test_hsstream_train_nproc_2_gloo_ranks_disjoint_one_writer_acks_once_stop_together(stack, verifier, tmp_path):
     """``hsstream train --nproc 2``: torchrun, two gloo ranks, each with its own stream."""
-    from trainer_client.eagle3.checkpointing import CKPT_LOG
+    from trainer_client.train.checkpointing import CKPT_LOG
 
     n = 24
     job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 40, seed=2024)])
@@ -329,7 +329,7 @@ def test_hsstream_train_from_a_config_file_decays_over_the_job_and_ends_with_a_d
 
     import yaml
 
-    from trainer_client.eagle3 import model as M
+    from trainer_client.train import checkpoints as M
 
     n = 16
     job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 32, seed=4242)])

@@ -41,3 +41,37 @@ def test_the_data_sources_reader_imports_nothing_of_the_sidecar():
             "print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in ('server', 'pyarrow', 'datasets')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr[-2000:]  # pyarrow / datasets: when used
+
+
+def _imports(path):  # noqa: ANN001, ANN202
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def test_the_generic_trainer_imports_no_draft_by_name():
+    """trainer_client/train/ knows no algorithm: drafts come from the registry by the run's name,
+    never from an import of trainer_client.drafts.<draft> or of speculators' models."""
+    from pathlib import Path
+
+    import trainer_client.drafts as D
+
+    root = Path(__file__).resolve().parents[2] / "trainer_client" / "train"
+    drafts = {m.split(":")[0] for m in D.REGISTRY.values()}
+    bad = {}
+    for f in sorted(root.glob("*.py")):
+        hits = [m for m in _imports(f) if m in drafts or any(m.startswith(d + ".") for d in drafts)
+                or m.startswith("speculators.models") or m.startswith("trainer_client.eagle3")]  # fmt: skip
+        if hits:
+            bad[f.name] = hits
+    assert not bad, bad
+    code = ("import sys\nimport trainer_client.train.trainer, trainer_client.train.run, trainer_client.train.step\n"
+            "print(sorted(m for m in sys.modules if m.startswith('trainer_client.drafts.') and m != 'trainer_client.drafts.base'))")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr[-2000:])

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from hsstream import train_config as TC
 from hsstream.cli import app
-from trainer_client.eagle3.config import TrainConfig
+from trainer_client.train.config import TrainConfig
 
 #: Every TrainConfig field at a value that is not its default (out_dir: the test's tmp dir).
 NON_DEFAULT = {
@@ -26,7 +26,8 @@ NON_DEFAULT = {
     "clock_origin": 1234.5, "keep_checkpoints": 5, "eval_every": 6, "eval_samples": 4, "eval_ids": ("a", "b c"),
     "log_every": 3, "seed": 42, "train_lm_head": True, "control": "swap-hidden", "tensorboard": False, "logger": "none",
     "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5,
-    "draft_attn_impl": "eager", "extra": {"note": "x"},
+    "draft_attn_impl": "eager", "extra": {"note": "x"}, "draft": "dflash", "mask_token_id": 7, "block_size": 5,
+    "num_depths": 3, "max_anchors": 17, "num_draft_layers": 2,
 }  # fmt: skip
 RUN = {"jobs": ["j1", "j2"], "submit": "data.jsonl", "epochs": 3, "loss_mask": "all", "api": "http://h:1",
        "endpoint": "tcp://h:2", "spool": "/s", "token_counts": "tc.json", "timeout": 9.0}  # fmt: skip
@@ -36,7 +37,7 @@ RUN = {"jobs": ["j1", "j2"], "submit": "data.jsonl", "epochs": 3, "loss_mask": "
 def train(monkeypatch):
     """``hsstream train ARGS`` → (exit code, output, the cfg and run_train's keyword arguments)."""
     import hsstream.launch
-    import trainer_client.eagle3.run as R
+    import trainer_client.train.run as R
 
     got: dict = {}
 

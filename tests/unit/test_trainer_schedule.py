@@ -13,10 +13,10 @@ import json
 import httpx
 import pytest
 
-from trainer_client.eagle3 import run as R
-from trainer_client.eagle3 import vocab as V
-from trainer_client.eagle3.config import TrainConfig
-from trainer_client.eagle3.step import lr_lambda
+from trainer_client.train import run as R
+from trainer_client.train import vocab as V
+from trainer_client.train.config import TrainConfig
+from trainer_client.train.step import lr_lambda
 
 
 class _Resp:
@@ -78,7 +78,7 @@ def captured(monkeypatch):
     monkeypatch.setattr(R, "submit_job", fake_submit)
     monkeypatch.setattr(httpx, "get", fake_get)
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: {1: 1})
-    monkeypatch.setattr(R, "Eagle3OnlineTrainer", FakeTrainer)
+    monkeypatch.setattr(R, "OnlineTrainer", FakeTrainer)
     monkeypatch.setattr(S, "HiddenStateStream", FakeStream)
     got["submitted"] = submitted
     return got

@@ -19,12 +19,12 @@ from typing import Any
 
 import httpx
 
-from trainer_client.eagle3 import vocab as V
-from trainer_client.eagle3.config import resolve_device
-from trainer_client.eagle3.distributed import World
-from trainer_client.eagle3.trainer import Eagle3OnlineTrainer, TrainConfig, TrainResult
+from trainer_client.train import vocab as V
+from trainer_client.train.config import resolve_device
+from trainer_client.train.distributed import World
+from trainer_client.train.trainer import OnlineTrainer, TrainConfig, TrainResult
 
-log = logging.getLogger("hsstream.eagle3")
+log = logging.getLogger("hsstream.train")
 
 JOBS_FILE = "jobs.json"
 COUNTS_FILE = "token_counts.json"
@@ -218,7 +218,7 @@ def run_train(
     credit: int = 8,
     submit_source: dict | None = None,
 ) -> TrainResult:
-    from trainer_client.eagle3.loggers import names as logger_names
+    from trainer_client.train.loggers import names as logger_names
     from trainer_client.stream import HiddenStateStream
 
     logger_names(cfg.logger, tensorboard=cfg.tensorboard)  # a logger asked for but missing: before any job is submitted
@@ -245,7 +245,7 @@ def run_train(
         plan_schedule(cfg, got["samples_total"], world.size)  # type: ignore[index]
         cfg.extra = {**cfg.extra, "jobs": jobs}
         probe = drained_probe(api, jobs, api_token) if api and world.is_writer else None
-        trainer = Eagle3OnlineTrainer(cfg, counts, drained=probe, world=world)
+        trainer = OnlineTrainer(cfg, counts, drained=probe, world=world)
         trainer.prepare()  # before the stream: slow, and a silent stream would lose its leases
         with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s,
                                credit=credit, **trainer.stream_options()) as s:  # fmt: skip
