@@ -371,11 +371,13 @@ def submit_source(run: dict, seed: int) -> dict:
 
 @app.command("eval")
 def eval_(
-    draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/)"),
+    draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/): "
+                                        "Eagle-3, P-EAGLE or DFlash"),
     model: str = typer.Option(None, "--model", help="verifier checkpoint (default HSSTREAM_MODEL)"),
     prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
                                           "(default: the 32 prompts bench/acceptance.py measures on)"),
-    num_speculative_tokens: int = typer.Option(3, min=1, help="draft tokens a step"),
+    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
+                                                           "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),

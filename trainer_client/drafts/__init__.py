@@ -15,6 +15,8 @@ from trainer_client.drafts.base import Draft, DraftConfigError, MissingLayersErr
 #: name → "module:class"
 REGISTRY: dict[str, str] = {
     "eagle3": "trainer_client.drafts.eagle3:Eagle3",
+    "dflash": "trainer_client.drafts.dflash:DFlash",
+    "peagle": "trainer_client.drafts.peagle:PEagle",
 }
 
 

@@ -90,6 +90,12 @@ def check_sample(draft: str, sample: Sample, hidden_size: int) -> None:
     ids = getattr(sample, "token_ids", None)
     if hs is None or ids is None or hs.dim() != 3:
         raise MissingLayersError(f"{draft}: sample {sample.key} lacks token ids or [tokens, layers, hidden] states")
+    ids_l = list(sample.layer_ids)
+    if len(ids_l) != hs.shape[1] or len(set(ids_l)) != len(ids_l):
+        raise MissingLayersError(
+            f"{draft}: sample {sample.key} names layers {ids_l} for {hs.shape[1]} hidden-state slices: each slice "
+            f"needs its own distinct layer id, in the order of the slices (the stream's layer_ids)"
+        )
     if hs.shape[-1] != hidden_size:
         raise MissingLayersError(f"{draft}: sample {sample.key} has hidden size {hs.shape[-1]}, the verifier {hidden_size}")
 
@@ -228,6 +234,8 @@ class Draft:
     """
 
     name: ClassVar[str]
+    #: how messages name it
+    label: ClassVar[str]
     #: vLLM's ``--speculative-config`` ``method`` that serves this draft's checkpoints
     method: ClassVar[str]
     #: the speculators ``speculators_model_type`` its checkpoints carry
@@ -257,14 +265,15 @@ class Draft:
         n = self.num_hidden_layers
         ids = sorted(requested) if requested else self.default_layers()
         if not ids or not all(0 <= i < n for i in ids) or len(set(ids)) != len(ids):
-            raise MissingLayersError(f"{self.name} takes distinct aux layers below N={n}, got {ids}")
+            raise MissingLayersError(f"{self.label} takes distinct aux layers below N={n}, got {ids}")
         if self.aux_count is not None and len(ids) != self.aux_count:
-            raise MissingLayersError(f"{self.name} takes {self.aux_count} aux layers below N={n}, got {ids}")
+            many = _WORDS.get(self.aux_count, str(self.aux_count))
+            raise MissingLayersError(f"{self.label} takes {many} aux layers below N={n}, got {ids}")
         return ids
 
     def check(self, sample: Sample, aux_layer_ids: list[int]) -> None:
-        check_sample(self.name, sample, self.hidden_size)
-        check_layers(self.name, sample, aux_layer_ids, self.num_hidden_layers, count=self.aux_count)
+        check_sample(self.label, sample, self.hidden_size)
+        check_layers(self.label, sample, aux_layer_ids, self.num_hidden_layers, count=self.aux_count)
 
     # -- batches ----------------------------------------------------------------------------------
     shifted: ClassVar[bool] = True
@@ -296,7 +305,7 @@ class Draft:
 
     def load_weights(self, model: torch.nn.Module, draft_dir: Path) -> None:
         """Trained weights from a saved ``draft/`` into a freshly built draft (verifier parts stay)."""
-        load_draft_weights(self.name, model, draft_dir)
+        load_draft_weights(self.label, model, draft_dir)
 
     # -- serving ----------------------------------------------------------------------------------
     def speculative_config(self, draft_dir: str | Path) -> dict:

@@ -97,6 +97,7 @@ def load_weights(model, ckpt: Path) -> None:  # noqa: ANN001
 
 
 class Eagle3(Draft):
+    label = "Eagle-3"
     name = "eagle3"
     method = "eagle3"
     speculators_type = "eagle3"
