@@ -133,6 +133,9 @@ def test_no_mask_token_stops_the_run_naming_the_draft(tiny_model, samples, tmp_p
         OnlineTrainer(cfg(tiny_model, tmp_path / "m", draft=draft, mask_token_id=None), None)
     with pytest.raises(DraftConfigError, match=rf"^{label}: --mask-token-id 4096 is outside"):
         OnlineTrainer(cfg(tiny_model, tmp_path / "n", draft=draft, mask_token_id=4096), None)
+    # the pad token's row is zero (nn.Embedding's padding_idx): every drafted position would be blind
+    with pytest.raises(DraftConfigError, match=rf"^{label}: mask token 509's embedding row in the verifier is all zeros"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "z", draft=draft, mask_token_id=509), counts_of(samples)).prepare()
 
 
 @pytest.mark.parametrize("draft", ["eagle3", "dflash", "peagle"])

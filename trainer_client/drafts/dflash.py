@@ -68,6 +68,19 @@ def mask_token(draft: str, verifier: str, vocab_size: int, given: int | None) ->
     )
 
 
+def check_mask_embedding(draft: str, model, mask_token_id: int) -> None:  # noqa: ANN001
+    """A mask token whose embedding row is zero (a padding row: ``nn.Embedding(padding_idx=...)``
+    leaves it zero and training never moves it) makes every drafted position's query zero after
+    the norm: the draft cannot attend to anything and learns only the unigram. Refused."""
+    row = model.embed_tokens.weight[int(mask_token_id)]
+    if not bool(row.detach().abs().sum() > 0):
+        raise DraftConfigError(
+            f"{draft}: mask token {mask_token_id}'s embedding row in the verifier is all zeros (a padding token?): "
+            f"the drafted positions would carry no signal; pass another --mask-token-id (a token with a trained or "
+            f"initialised embedding that the data never holds)"
+        )
+
+
 class DFlash(Draft):
     label = "DFlash"
     name = "dflash"
@@ -107,6 +120,9 @@ class DFlash(Draft):
                 draft_attn_impl=cfg.draft_attn_impl,
             )  # fmt: skip
         model = model.float()
+        check_mask_embedding(self.label, model, self.mask_token_id)
+        if not getattr(model, "use_draft_vocab", True):  # full vocabulary: lm_head is the verifier's, never saved
+            model.lm_head.weight.requires_grad_(False)
         for name in self.frozen:
             for p in getattr(model, name).parameters():
                 p.requires_grad_(False)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from trainer_client.drafts.base import Draft, DraftConfigError
-from trainer_client.drafts.dflash import ATTN_IMPLS, mask_token
+from trainer_client.drafts.dflash import ATTN_IMPLS, check_mask_embedding, mask_token
 from trainer_client.drafts.eagle3 import freeze_verifier_parts, layer_config
 
 
@@ -58,7 +58,9 @@ class PEagle(Draft):
                 target_layer_ids=list(aux_layer_ids), draft_vocab_size=draft_vocab_size, norm_before_residual=True,
                 mask_token_id=self.mask_token_id, num_depths=self.positions(), draft_attn_impl=cfg.draft_attn_impl,
             )  # fmt: skip
-        return freeze_verifier_parts(model, cfg.train_lm_head)
+        model = freeze_verifier_parts(model, cfg.train_lm_head)
+        check_mask_embedding(self.label, model, self.mask_token_id)
+        return model
 
     def forward(self, model, batch):  # noqa: ANN001, ANN201
         k = self.positions()

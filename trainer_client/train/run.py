@@ -222,6 +222,13 @@ def run_train(
     from trainer_client.stream import HiddenStateStream
 
     logger_names(cfg.logger, tensorboard=cfg.tensorboard)  # a logger asked for but missing: before any job is submitted
+    from trainer_client import drafts as D
+    from trainer_client.train.checkpoints import verifier_text_config
+
+    try:  # an unknown draft, or one missing its mask token: also before any job is submitted
+        draft = D.get(cfg.draft)(cfg, verifier_text_config(cfg.verifier))
+    except OSError as e:
+        raise ValueError(f"--model {cfg.verifier}: no verifier config ({e.strerror or e})") from e
     n = World.env_size()
     world = World.from_env(resolve_device(cfg.device, local_rank=World.env_local_rank(), world_size=n))
     try:
@@ -245,7 +252,7 @@ def run_train(
         plan_schedule(cfg, got["samples_total"], world.size)  # type: ignore[index]
         cfg.extra = {**cfg.extra, "jobs": jobs}
         probe = drained_probe(api, jobs, api_token) if api and world.is_writer else None
-        trainer = OnlineTrainer(cfg, counts, drained=probe, world=world)
+        trainer = OnlineTrainer(cfg, counts, drained=probe, world=world, draft=draft)
         trainer.prepare()  # before the stream: slow, and a silent stream would lose its leases
         with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s,
                                credit=credit, **trainer.stream_options()) as s:  # fmt: skip
