@@ -78,7 +78,7 @@ SPECULATORS_NAMES: dict[str, str] = {
 
 #: speculators' ``run.yaml`` group blocks: their keys are read as if at the top level.
 SPECULATORS_GROUPS = frozenset({"verifier", "draft", "data", "generation", "loss", "optimizer", "scheduler",
-                                "trainer", "logging"})  # fmt: skip
+                                "trainer", "logging", "dflash", "peagle"})  # fmt: skip
 
 #: Values speculators spells differently.
 VALUE_ALIASES: dict[str, dict[object, object]] = {"schedule": {"none": "constant"}}

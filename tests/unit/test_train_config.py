@@ -177,6 +177,23 @@ def test_speculators_names_and_run_yaml_layout_are_understood(train, tmp_path):
     assert (c.out_dir, c.max_steps, c.log_every, c.seed, got["epochs"]) == (str(tmp_path / "r"), 600, 2, 7, 4)
 
 
+def test_the_draft_and_its_settings_in_our_layout_and_in_speculators(train, tmp_path):
+    code, output, got = train("--config", _write(tmp_path / "a.yaml", {"verifier": "/m", "out_dir": str(tmp_path / "a"),
+                                                                       "draft": "peagle", "mask_token_id": 5}))  # fmt: skip
+    assert code == 0, output
+    assert (got["cfg"].draft, got["cfg"].mask_token_id) == ("peagle", 5)
+    run_yaml = {"train": {
+        "speculator_type": "dflash", "verifier": {"verifier_name_or_path": "/m"},
+        "draft": {"mask_token_id": 7, "num_layers": 2}, "data": {"max_anchors": 9},
+        "dflash": {"block_size": 6}, "peagle": {"num_depths": 2}, "trainer": {"save_path": str(tmp_path / "r")},
+    }}  # fmt: skip
+    code, output, got = train("--config", _write(tmp_path / "run.yaml", run_yaml), "--block-size", "5")
+    assert code == 0, output
+    c = got["cfg"]
+    assert (c.draft, c.mask_token_id, c.num_draft_layers, c.max_anchors, c.block_size, c.num_depths) == \
+        ("dflash", 7, 2, 9, 5, 2)  # fmt: skip
+
+
 def test_speculators_flag_names_work_beside_ours(train, tmp_path):
     code, output, got = train(
         "--verifier-name-or-path", "/m", "--save-path", str(tmp_path / "r"), "--max-steps", "5", "--lr", "0.2",
