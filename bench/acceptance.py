@@ -164,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     from hsstream import pretrain_verifier as PV
     from hsstream.demo import Stack
     from trainer_client.drafts import eagle3 as E3
-    from trainer_client.train import checkpoints as M
     from trainer_client.train import vocab as V
 
     t_all = time.perf_counter()

@@ -226,7 +226,6 @@ def run_trainer(spec: dict, workdir: Path, name: str) -> dict:
 
 
 def checkpoints_of(run_dir: Path, t0: float) -> list[dict]:
-    from trainer_client.drafts import eagle3 as E3
     from trainer_client.train import checkpoints as M
 
     out = []
@@ -500,7 +499,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trainer_client.drafts import eagle3 as E3
-    from trainer_client.train import checkpoints as M
 
     eval_prompts = PV.held_out_prompts(a.eval_prompts)
     run0 = wd / "offline" / "run"

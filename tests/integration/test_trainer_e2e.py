@@ -358,3 +358,34 @@ def test_hsstream_train_from_a_config_file_decays_over_the_job_and_ends_with_a_d
     assert json.loads(shlex.split(line)[4])["model"] == str(final.resolve())
     assert job_counts(stack, job)["consumed"] == n
     assert stack.spool_files() == []
+
+
+@pytest.mark.parametrize("draft", ["dflash", "peagle"])
+def test_each_parallel_draft_trains_from_the_stream_and_its_checkpoint_serves_in_vllm(stack, verifier, tmp_path, draft):
+    """``hsstream train --draft X`` from the real stream for a few steps; vLLM's CPU build then
+    loads the final checkpoint with the speculative config the run printed and drafts with it.
+    Without a mask token the same command stops at once (exit 2), naming the draft."""
+    from hsstream.evaluate import run_serving
+
+    out = tmp_path / draft
+    base = [sys.executable, "-m", "hsstream", "train", "--model", verifier, "--draft", draft, "--out", str(out / "x"),
+            "--job", "none", "--no-progress"]  # fmt: skip
+    p = subprocess.run(base, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    label = {"dflash": "DFlash", "peagle": "P-EAGLE"}[draft]
+    assert p.returncode == 2 and f"{label} needs a mask token" in p.stderr and "--mask-token-id" in p.stderr, p.stderr[-2000:]
+    n = 16
+    job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 48, seed=77)])
+    cmd = [*_train_cmd(stack, verifier, out, job), "--draft", draft, "--mask-token-id", "1", "--steps", str(n)]
+    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout[p.stdout.index("{") :])
+    assert res["draft"] == draft and res["steps"] == n and res["samples"] == n
+    spec = res["speculative_config"]
+    assert spec["model"] == str((out / "final").resolve()) and json.dumps(spec) in res["serve"].replace("'", "")
+    conf = json.loads((out / "final" / "config.json").read_text())
+    assert conf["speculators_model_type"] == draft and conf["mask_token_id"] == 1
+    served = run_serving(verifier, spec["model"], ["Alice lives in the", "1, 2, 3,"], 8, [0.0], tmp_path, f"serve-{draft}",
+                         spec_tokens=spec["num_speculative_tokens"], per_request=True, spec=spec)  # fmt: skip
+    v = served["0.0"]
+    assert v["generated_tokens"] == 16 and v["vllm_metrics"]["drafts"] > 0, v
+    assert len(v["vllm_metrics"]["acceptance_per_position"]) == spec["num_speculative_tokens"]
