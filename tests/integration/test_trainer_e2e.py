@@ -1,4 +1,4 @@
-"""The Eagle-3 trainer and the dataset wrapper on the real stack (vLLM CPU build + sidecar + ZeroMQ).
+"""The trainer (Eagle-3, and the parallel drafts) and the dataset wrapper on the real stack (vLLM CPU build + sidecar + ZeroMQ).
 
 One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
 
@@ -18,6 +18,9 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
   samples, each trained and acknowledged once by the rank that got it, only after a checkpoint
   that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool;
 * ``make demo`` again: bench/acceptance.py's training step twice in the same workdir.
+* ``hsstream train --draft dflash|peagle`` for a few steps from the stream, its final checkpoint
+  served by vLLM's CPU build with the speculative config the run printed (and the command
+  stopping at once, naming the draft, without a mask token).
 * ``hsstream train --config FILE`` (speculators' layout, a flag overriding it) without
   ``--steps``: the cosine LR decays over the job's samples to its floor, and the run ends with
   ``OUT/final``, ``OUT/latest`` and the ``vllm serve`` line.

@@ -225,10 +225,13 @@ def run_train(
     from trainer_client import drafts as D
     from trainer_client.train.checkpoints import verifier_text_config
 
-    try:  # an unknown draft, or one missing its mask token: also before any job is submitted
-        draft = D.get(cfg.draft)(cfg, verifier_text_config(cfg.verifier))
-    except OSError as e:
-        raise ValueError(f"--model {cfg.verifier}: no verifier config ({e.strerror or e})") from e
+    kind = D.get(cfg.draft)  # an unknown draft, or one missing its mask token: also before any job is submitted
+    draft = None
+    if kind.needs_mask_token:
+        try:
+            draft = kind(cfg, verifier_text_config(cfg.verifier))
+        except OSError as e:
+            raise ValueError(f"--model {cfg.verifier}: no verifier config ({e.strerror or e})") from e
     n = World.env_size()
     world = World.from_env(resolve_device(cfg.device, local_rank=World.env_local_rank(), world_size=n))
     try:
