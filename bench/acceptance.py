@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The whole loop, measured: hidden states streamed from vLLM train an Eagle-3 draft that vLLM serves.
+"""The whole loop, measured: hidden states streamed from vLLM train a draft that vLLM serves.
 
 1. The tiny verifier, briefly pre-trained on a structured corpus (hsstream/pretrain_verifier.py,
    cached) so that it does not fall into single-token loops; its greedy repeat fraction is
@@ -20,7 +20,17 @@
 Writes bench/results/acceptance_cpu.json (and $OUT/ if set) and exits non-zero if a target
 (trained ≥ 0.7 at T=0 and ≥ 0.3 at T=1, each ≥ 0.15 above untrained) is missed.
 
+``--draft peagle|dflash`` trains that draft instead (the same stack, layers and data) and writes
+bench/results/acceptance_<draft>_cpu.json: per temperature acceptance per position, the mean
+acceptance length (tokens per verifier step) and tokens/s with and without the draft, trained
+and untrained, and the trainer's speed; its targets: trained mean acceptance length at T=0
+≥ 1.5 and ≥ 0.4 above the untrained draft's. The mask token is the verifier's ``<|im_start|>``
+(no training document holds it) unless ``--mask-token-id`` says otherwise: the tiny verifier
+declares no mask token, has no spare embedding row, and its pad token's row is zero (docs/trainer.md,
+"Drafts").
+
     python bench/acceptance.py                                  # ~10 min on 2 busy cores
+    python bench/acceptance.py --draft dflash --steps 800       # DFlash (block of 4: 3 drafted tokens)
     python bench/acceptance.py --train-samples 400 --steps 400  # shorter training
     python bench/acceptance.py --payload-dtype fp8_e4m3 --seed 1 --no-untrained  # one arm of fp8_acceptance.py
 """
@@ -43,6 +53,8 @@ sys.path.insert(0, str(ROOT))
 from hsstream.evaluate import SPEC_TOKENS, run_serving  # noqa: E402  (bench/online_vs_offline.py imports run_serving from here)
 
 TARGETS = {"t0_min": 0.7, "t1_min": 0.3, "margin_min": 0.15}
+#: the parallel drafts' targets: mean acceptance length (tokens per verifier step) at T=0
+MAL_TARGETS = {"t0_mal_min": 1.5, "t0_mal_margin_min": 0.4}
 LAYERS = [2, 6, 9, 12]
 RUN_DIR_NAME = "draft-run"  # under --workdir: replaced by each run (train_draft)
 
@@ -78,7 +90,8 @@ def submit(api: str, samples: list[dict], options: dict) -> str:
 
 
 def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_vocab_size: int, steps: int,  # noqa: ANN001
-                lr: float, seed: int, checkpoint_every: int = 200) -> tuple[list[str], subprocess.CompletedProcess, float]:
+                lr: float, seed: int, checkpoint_every: int = 200,
+                extra: list[str] | None = None) -> tuple[list[str], subprocess.CompletedProcess, float]:  # fmt: skip
     """``hsstream train`` on ``jobs`` from ``stack``'s stream into WORKDIR/draft-run: the command,
     its finished process (stdout: the run's JSON summary; stderr also in WORKDIR/train.log) and
     its wall time.
@@ -98,7 +111,7 @@ def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_v
         *[x for j in jobs for x in ("--job", j)], "--api", stack.api,
         "--endpoint", stack.delivery_endpoint, "--spool", str(stack.spool),
         "--draft-vocab-size", str(draft_vocab_size), "--steps", str(steps), "--lr", str(lr),
-        "--checkpoint-every", str(checkpoint_every), "--no-progress", "--seed", str(seed),
+        "--checkpoint-every", str(checkpoint_every), "--no-progress", "--seed", str(seed), *(extra or []),
     ]  # fmt: skip
     log("training: " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
@@ -132,15 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None,
                     help="logs, drafts and serving results (default: a new temp dir); may be reused: its "
                          f"{RUN_DIR_NAME}/ is replaced by each run")  # fmt: skip
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "acceptance_cpu.json"))
+    ap.add_argument("--draft", choices=("eagle3", "peagle", "dflash"), default="eagle3")
+    ap.add_argument("--mask-token-id", type=int, default=None, help="peagle/dflash (default: the verifier's <|im_start|>)")
+    ap.add_argument("--block-size", type=int, default=4, help="dflash: tokens per block (block_size - 1 drafted)")
+    ap.add_argument("--num-depths", type=int, default=3, help="peagle: tokens drafted in parallel")
+    ap.add_argument("--out", default=None, help="default bench/results/acceptance_cpu.json (Eagle-3), "
+                                                "acceptance_<draft>_cpu.json for the others")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.out is None:
+        name = "acceptance_cpu.json" if a.draft == "eagle3" else f"acceptance_{a.draft}_cpu.json"
+        a.out = str(ROOT / "bench" / "results" / name)
+    if a.draft != "eagle3":
+        return parallel_draft(a, argv)
 
     import torch
 
     from hsstream import pretrain_verifier as PV
     from hsstream.demo import Stack
-    from trainer_client.eagle3 import model as M
-    from trainer_client.eagle3 import vocab as V
+    from trainer_client.drafts import eagle3 as E3
+    from trainer_client.train import vocab as V
 
     t_all = time.perf_counter()
     wd = Path(a.workdir or tempfile.mkdtemp(prefix="hsstream-acceptance-"))
@@ -204,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- untrained draft: same architecture, same maps ----------------------------------------
     maps = torch.load(run_dir / "vocab_maps.pt", weights_only=True)
-    untrained = M.build_draft(
+    untrained = E3.build_draft(
         verifier, LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"], d2t=maps["d2t"], seed=1
     )
     untrained_dir = wd / "untrained-draft"
@@ -270,6 +293,131 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'no CPU fix':<12}{'':>8}{rate('trained_without_cpu_fix', '1.0'):>8.3f}")
     print(f"training: {train['steps']} steps, {train['samples']} samples, {train['tokens']} tokens, {t_train:.0f} s; "
           f"total {result['wall_s']['total']:.0f} s -> {a.out}")  # fmt: skip
+    return verdict(checks)
+
+
+def mask_token_id(verifier: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    from transformers import AutoTokenizer
+
+    return int(AutoTokenizer.from_pretrained(verifier).convert_tokens_to_ids("<|im_start|>"))
+
+
+def stream_and_train(a, verifier: str, wd: Path, extra: list[str]) -> tuple:  # noqa: ANN001
+    """The stack streams the training documents; ``hsstream train`` trains on them."""
+    from hsstream import pretrain_verifier as PV
+    from hsstream.demo import Stack
+
+    stack = Stack(verifier, LAYERS, wd)
+    t0 = time.perf_counter()
+    try:
+        stack.start()
+        t_stack = time.perf_counter() - t0
+        log(f"stack up in {t_stack:.0f} s (vLLM CPU build + sidecar), spool {stack.spool}")
+        docs = PV.corpus_documents(a.train_samples, PV.SEED_DRAFT_TRAIN)
+        opts = {"loss_mask": "all"}
+        jobs = [submit(stack.api, [{"prompt": d} for d in docs], opts)]
+        cmd, p, t_train = train_draft(verifier, stack, jobs, wd, draft_vocab_size=a.draft_vocab_size, steps=a.steps,
+                                      lr=a.lr, seed=a.seed, extra=extra)  # fmt: skip
+        if p.returncode != 0:
+            raise RuntimeError(f"training failed ({p.returncode}):\n" + "\n".join(p.stderr.splitlines()[-30:]))
+        train = json.loads(p.stdout[p.stdout.index("{") :])
+    finally:
+        stack.stop()
+        stack.remove_spool()
+    return cmd, train, t_train, t_stack, [{"samples": len(docs), "options": opts}]
+
+
+def parallel_draft(a, argv) -> int:  # noqa: ANN001, C901
+    """P-EAGLE or DFlash through the same loop as Eagle-3; see the module docstring."""
+    import torch
+
+    from hsstream import evaluate as E
+    from hsstream import pretrain_verifier as PV
+    from trainer_client import drafts as D
+    from trainer_client.train.checkpoints import verifier_text_config
+    from trainer_client.train.config import TrainConfig
+
+    t_all = time.perf_counter()
+    wd = Path(a.workdir or tempfile.mkdtemp(prefix=f"hsstream-acceptance-{a.draft}-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    log(f"workdir {wd}")
+    verifier = str(PV.pretrained_verifier())
+    mask = mask_token_id(verifier, a.mask_token_id)
+    extra = ["--draft", a.draft, "--mask-token-id", str(mask), "--block-size", str(a.block_size),
+             "--num-depths", str(a.num_depths)]  # fmt: skip
+    cmd, train, t_train, t_stack, job_specs = stream_and_train(a, verifier, wd, extra)
+    draft = train["final_dir"]
+    log(f"trained {train['steps']} steps on {train['samples']} samples ({train['tokens']} tokens) in "
+        f"{train['wall_s']:.0f} s; in-run top-1 per position {[round(x, 3) for x in train['top1']]}")  # fmt: skip
+
+    # the untrained draft: same architecture, maps and mask token
+    maps = torch.load(wd / RUN_DIR_NAME / "vocab_maps.pt", weights_only=True)
+    tc = TrainConfig(verifier=verifier, out_dir=str(wd / "untrained"), draft=a.draft, mask_token_id=mask,
+                     block_size=a.block_size, num_depths=a.num_depths)  # fmt: skip
+    plug = D.get(a.draft)(tc, verifier_text_config(verifier))
+    untrained = plug.build(LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"], d2t=maps["d2t"],
+                           seed=1)  # fmt: skip
+    untrained_dir = wd / "untrained-draft"
+    untrained.save_pretrained(untrained_dir)
+
+    prompts = PV.held_out_prompts(a.eval_prompts)
+    temps = [0.0, 1.0]
+    serving: dict = {}
+    for name, d in (("trained", draft), ("untrained", str(untrained_dir))):
+        spec = E.speculative_config(d)
+        log(f"serving the verifier with the {name} draft: {json.dumps({k: v for k, v in spec.items() if k != 'model'})}")
+        serving[name] = E.run_serving(verifier, spec["model"], prompts, a.max_tokens, temps, wd, name,
+                                      spec_tokens=spec["num_speculative_tokens"], per_request=True, spec=spec)  # fmt: skip
+        serving[name]["speculative_config"] = spec
+    log("serving the verifier alone (tokens/s without a draft)")
+    serving["no_draft"] = E.run_serving(verifier, None, prompts, a.max_tokens, temps, wd, "no-draft", per_request=True)
+
+    def fig(name: str, t: str) -> dict:
+        v = serving[name][t]["vllm_metrics"]
+        return {"acceptance_rate": v["acceptance_rate"], "mean_acceptance_length": v["mean_acceptance_length"],
+                "acceptance_per_position": v["acceptance_per_position"],
+                "tokens_per_s": serving[name][t]["tokens_per_s"],
+                "ours_mean_acceptance_length": serving[name][t]["ours"]["mean_acceptance_length"]}  # fmt: skip
+
+    acc = {name: {f"T{t[0]}": fig(name, t) for t in ("0.0", "1.0")} for name in ("trained", "untrained")}
+    for t in ("0.0", "1.0"):
+        acc.setdefault("no_draft", {})[f"T{t[0]}"] = {"tokens_per_s": serving["no_draft"][t]["tokens_per_s"]}
+    tr0, un0 = acc["trained"]["T0"]["mean_acceptance_length"], acc["untrained"]["T0"]["mean_acceptance_length"]
+    checks = {"trained_t0_mean_acceptance_length_ge_1.5": tr0 >= MAL_TARGETS["t0_mal_min"],
+              "margin_t0_mean_acceptance_length_ge_0.4": tr0 - un0 >= MAL_TARGETS["t0_mal_margin_min"]}  # fmt: skip
+    wall = float(train["wall_s"]) or float("nan")
+    result = {
+        "benchmark": f"{a.draft}_acceptance_cpu",
+        "draft": a.draft,
+        "command": "python bench/acceptance.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "train_command": "hsstream " + " ".join(cmd[3:]),
+        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
+        "verifier": verifier,
+        "mask_token_id": mask,
+        "training": {**train, "train_wall_s": round(t_train, 1), "stack_start_s": round(t_stack, 1), "jobs": job_specs,
+                     "draft_vocab_size": maps["draft_vocab_size"]},  # fmt: skip
+        "trainer_speed_cpu": {"samples_per_s": round(train["samples"] / wall, 2),
+                              "tokens_per_s": round(train["tokens"] / wall, 1), "wall_s": wall,
+                              "wait_s": train["wait_s"], "threads": 1},  # fmt: skip
+        "in_run_top1_per_position": train["top1"],
+        "serving": {"prompts": len(prompts), "max_tokens": a.max_tokens, **serving},
+        "acceptance": acc,
+        "targets": MAL_TARGETS,
+        "checks": checks,
+        "passed": all(checks.values()),
+        "wall_s": {"total": round(time.perf_counter() - t_all, 1)},
+    }
+    write_result(result, a.out)
+    if os.environ.get("OUT"):
+        shutil.copy(a.out, Path(os.environ["OUT"]) / Path(a.out).name)
+    print(f"\n{a.draft:<12}{'MAL T=0':>9}{'MAL T=1':>9}{'tok/s T=0':>11}")
+    for name in ("trained", "untrained"):
+        print(f"{name:<12}{acc[name]['T0']['mean_acceptance_length']:>9.3f}{acc[name]['T1']['mean_acceptance_length']:>9.3f}"
+              f"{acc[name]['T0']['tokens_per_s']:>11.1f}")  # fmt: skip
+    print(f"{'no draft':<12}{'':>9}{'':>9}{acc['no_draft']['T0']['tokens_per_s']:>11.1f}")
+    print(f"training: {train['steps']} steps, {result['trainer_speed_cpu']} -> {a.out}")
     return verdict(checks)
 
 

@@ -391,7 +391,7 @@ def consume_deliver(spec: dict) -> dict:
 def train_config(spec: dict):  # noqa: ANN201
     """The trainer's configuration for the benchmark: the one place that knows TrainConfig's
     fields (the trainer API is being extended with ``device``/precision; set what exists)."""
-    from trainer_client.eagle3.trainer import TrainConfig
+    from trainer_client.train.trainer import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
     kw = dict(verifier=spec["model"], out_dir=spec["train_out"], draft_vocab_size=spec["draft_vocab"],
@@ -438,12 +438,12 @@ class _TimedStream:
 def consume_train(spec: dict) -> dict:
     """(c): Eagle-3 training on this GPU, fed by the stream."""
     from trainer_client import HiddenStateStream
-    from trainer_client.eagle3 import vocab as V
-    from trainer_client.eagle3.run import drained_probe
-    from trainer_client.eagle3.trainer import Eagle3OnlineTrainer
+    from trainer_client.train import vocab as V
+    from trainer_client.train.run import drained_probe
+    from trainer_client.eagle3 import Eagle3OnlineTrainer
 
-    from trainer_client.eagle3.config import resolve_device
-    from trainer_client.eagle3.distributed import World
+    from trainer_client.train.config import resolve_device
+    from trainer_client.train.distributed import World
 
     world = None
     if World.env_size() > 1:  # a rank under torchrun (--trainer-nproc): cuda:LOCAL_RANK, gloo on CPU
@@ -1045,7 +1045,7 @@ def main() -> int:  # noqa: C901
             Path("/dev/shm/hsstream-warm").unlink(missing_ok=True)
         o.prompts = prompts(args.samples, args.prompt_len, shape["vocab_size"], 0)
         o.warm_prompts = prompts(args.warmup, args.prompt_len, shape["vocab_size"], 1)
-        from trainer_client.eagle3 import vocab as V
+        from trainer_client.train import vocab as V
 
         V.save_token_counts(V.count_tokens(o.prompts), o.work / "token_counts.json")
         plain_rate = None

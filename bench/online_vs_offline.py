@@ -157,7 +157,7 @@ class Tap:
         self.inner, self.rows = inner, rows
 
     def __iter__(self):  # noqa: ANN204
-        from trainer_client.eagle3.trainer import token_digest
+        from trainer_client.train.trainer import token_digest
 
         for s in self.inner:
             self.rows.append((s.key.job, s.key.epoch, s.key.index, token_digest(s.token_ids), s.label,
@@ -170,8 +170,8 @@ class Tap:
 
 def train_child(spec: dict) -> dict:
     from connector import protocol as P
-    from trainer_client.eagle3 import vocab as V
-    from trainer_client.eagle3.trainer import Eagle3OnlineTrainer, TrainConfig
+    from trainer_client.train import vocab as V
+    from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
     from trainer_client.stream import HiddenStateStream, read_hidden_states
 
     cfg = TrainConfig(**spec["cfg"])
@@ -190,7 +190,7 @@ def train_child(spec: dict) -> dict:
         trainer = Eagle3OnlineTrainer(cfg, counts)
         res = trainer.train(Tap(from_disk(), rows))
     else:
-        from trainer_client.eagle3.run import drained_probe
+        from trainer_client.train.run import drained_probe
 
         trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained_probe(spec["api"], spec["jobs"]))
         with HiddenStateStream(spec["endpoint"], jobs=spec["jobs"], spool_dir=spec["spool"], ack="manual",
@@ -226,7 +226,7 @@ def run_trainer(spec: dict, workdir: Path, name: str) -> dict:
 
 
 def checkpoints_of(run_dir: Path, t0: float) -> list[dict]:
-    from trainer_client.eagle3 import model as M
+    from trainer_client.train import checkpoints as M
 
     out = []
     for step, path in M.list_checkpoints(run_dir):
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hsstream import launch
     from hsstream import pretrain_verifier as PV
-    from trainer_client.eagle3 import vocab as V
+    from trainer_client.train import vocab as V
 
     t_all = time.perf_counter()
     wd = Path(a.workdir or tempfile.mkdtemp(prefix="hsstream-ovo-"))
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     bind = launch.cpu_env().get("VLLM_CPU_OMP_THREADS_BIND", "n/a") if launch.is_cpu_build() else "cuda"
     import torch
 
-    from trainer_client.eagle3.trainer import token_digest
+    from trainer_client.train.trainer import token_digest
 
     regen_samples = [x for part, _ in regen_jobs for x in part]
     regen_ids = V.tokenize_samples(verifier, regen_samples, "all", mode="regenerate")  # as the sidecar does
@@ -498,12 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     # -- serve: the untrained draft once, then each arm's checkpoints ---------------------------
     import torch
 
-    from trainer_client.eagle3 import model as M
+    from trainer_client.drafts import eagle3 as E3
 
     eval_prompts = PV.held_out_prompts(a.eval_prompts)
     run0 = wd / "offline" / "run"
     maps = torch.load(run0 / "vocab_maps.pt", weights_only=True)
-    untrained = M.build_draft(verifier, LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"],
+    untrained = E3.build_draft(verifier, LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"],
                               d2t=maps["d2t"], seed=0)  # fmt: skip
     untrained.save_pretrained(wd / "untrained-draft")
     for arm in ARMS[1:]:  # same maps in every arm (one token-count file): checked, not assumed

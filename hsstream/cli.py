@@ -242,9 +242,15 @@ def train(
     endpoint: str = typer.Option(None, help="delivery endpoint (default HSSTREAM_DELIVERY_ENDPOINT)"),
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
     token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
+    draft: str = typer.Option("eagle3", "--draft", "--speculator-type", help="the draft to train: eagle3, peagle or dflash"),
+    mask_token_id: int = typer.Option(None, help="peagle/dflash: the mask token id (default: the verifier tokenizer's mask token)"),
+    block_size: int = typer.Option(4, min=2, help="dflash: tokens per block (drafts block_size - 1 a step)"),
+    num_depths: int = typer.Option(4, min=1, help="peagle: tokens drafted in parallel a step"),
+    max_anchors: int = typer.Option(256, min=1, help="peagle/dflash: anchors sampled per packed row"),
+    num_draft_layers: int = typer.Option(1, "--num-draft-layers", "--num-layers", min=1, help="dflash: draft decoder layers"),
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
     aux_layers: str = typer.Option(None, "--aux-layers", "--target-layer-ids",
-                                   help="three aux layer ids, comma-separated (default 2, N//2, N-3)"),
+                                   help="aux layer ids, comma-separated (default 2, N//2, N-3; Eagle-3 and P-EAGLE take three)"),
     steps: int = typer.Option(None, "--steps", "--max-steps", help="stop after this many steps (default: when the jobs are complete)"),
     samples_per_step: int = typer.Option(1, help="samples per optimiser step"),
     max_tokens_per_step: int = typer.Option(4096, "--max-tokens-per-step", "--total-seq-len",
@@ -282,7 +288,7 @@ def train(
     logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
 ) -> None:
-    """Train an Eagle-3 draft online from the stream.
+    """Train a draft (Eagle-3, P-EAGLE, DFlash) online from the stream.
 
     Speculators' format; checkpoints, resumes from --out, ends with OUT/final and the
     `vllm serve` line. Settings from --config FILE, flags winning."""
@@ -299,7 +305,7 @@ def train(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from e
     if nproc > 1 and "WORLD_SIZE" not in os.environ and not dump_config:
-        from trainer_client.eagle3.distributed import torchrun_argv
+        from trainer_client.train.distributed import torchrun_argv
 
         args = torchrun_argv(nproc, sys.argv[1:])
         typer.echo(f"hsstream train: {nproc} ranks: {' '.join(args[:6])} ...", err=True)
@@ -332,9 +338,9 @@ def train(
         return
     cfg.extra = {**cfg.extra, "argv": sys.argv, **({"config": os.path.abspath(config)} if config else {})}
 
-    from trainer_client.eagle3 import MissingLayersError
-    from trainer_client.eagle3.config import DeviceError
-    from trainer_client.eagle3.run import run_train
+    from trainer_client.drafts.base import MissingLayersError
+    from trainer_client.train.config import DeviceError
+    from trainer_client.train.run import run_train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -365,11 +371,13 @@ def submit_source(run: dict, seed: int) -> dict:
 
 @app.command("eval")
 def eval_(
-    draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/)"),
+    draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/): "
+                                        "Eagle-3, P-EAGLE or DFlash"),
     model: str = typer.Option(None, "--model", help="verifier checkpoint (default HSSTREAM_MODEL)"),
     prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
                                           "(default: the 32 prompts bench/acceptance.py measures on)"),
-    num_speculative_tokens: int = typer.Option(3, min=1, help="draft tokens a step"),
+    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
+                                                           "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),

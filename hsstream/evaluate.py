@@ -1,4 +1,4 @@
-"""Serve the verifier with an Eagle-3 draft in vLLM and measure acceptance (``hsstream eval``).
+"""Serve the verifier with a draft (Eagle-3, P-EAGLE, DFlash) in vLLM and measure acceptance (``hsstream eval``).
 
 One vLLM engine per child process (its memory goes back when the child exits); the child runs
 ``python -m hsstream.evaluate --serve-child IN OUT``. bench/acceptance.py serves through here too.
@@ -29,7 +29,39 @@ SPEC_TOKENS = 3
 
 
 class DraftError(ValueError):
-    """The draft directory is not a draft vLLM can serve as Eagle-3."""
+    """The draft directory is not a draft vLLM can serve (Eagle-3, P-EAGLE, DFlash)."""
+
+
+#: speculators_model_type → what vLLM 0.32's --speculative-config takes for it (its speculators
+#: loader maps peagle to eagle3 with parallel drafting, dflash to the dflash method).
+SERVED = {"eagle3": {"method": "eagle3"}, "peagle": {"method": "eagle3", "parallel_drafting": True},
+          "dflash": {"method": "dflash"}}  # fmt: skip
+
+
+def draft_type(c: dict) -> str | None:
+    t = c.get("speculators_model_type")
+    if t in SERVED:
+        return t
+    return "eagle3" if "eagle3" in json.dumps(c.get("architectures", "")).lower() else None
+
+
+def speculative_config(draft: str | Path, num_speculative_tokens: int | None = None) -> dict:
+    """vLLM's ``--speculative-config`` for the draft in ``draft`` (checked first): its method from
+    the checkpoint, its draft tokens a step given or the checkpoint's (Eagle-3: 3, its TTT
+    default; P-EAGLE: its parallel tokens; DFlash: block_size - 1)."""
+    d = check_draft_dir(draft)
+    c = json.loads((d / "config.json").read_text())
+    t = draft_type(c)
+    n = num_speculative_tokens
+    if n is None:
+        if t == "dflash":
+            n = int(c.get("block_size", 8)) - (0 if c.get("sample_from_anchor") else 1)
+        elif t == "peagle":
+            props = (c.get("speculators_config") or {}).get("proposal_methods") or [{}]
+            n = int(props[0].get("speculative_tokens") or SPEC_TOKENS)
+        else:
+            n = SPEC_TOKENS
+    return {**SERVED[t], "model": str(d), "num_speculative_tokens": int(n)}  # type: ignore[index]
 
 
 def check_draft_dir(draft: str | Path) -> Path:
@@ -45,9 +77,9 @@ def check_draft_dir(draft: str | Path) -> Path:
         c = json.loads(cfg.read_text())
     except ValueError as e:
         raise DraftError(f"--draft {draft}: config.json is not JSON ({e})") from e
-    if c.get("speculators_model_type") != "eagle3" and "eagle3" not in json.dumps(c.get("architectures", "")).lower():
-        raise DraftError(f"--draft {draft}: config.json is not an Eagle-3 draft's (speculators_model_type "
-                         f"{c.get('speculators_model_type')!r})")  # fmt: skip
+    if draft_type(c) is None:
+        raise DraftError(f"--draft {draft}: config.json is not an Eagle-3 draft's, nor a P-EAGLE or DFlash one's "
+                         f"(speculators_model_type {c.get('speculators_model_type')!r})")  # fmt: skip
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         raise DraftError(f"--draft {draft}: no weights (*.safetensors)")
     return d.resolve()
@@ -100,14 +132,17 @@ def summarise(drafts: float, drafted: float, accepted: float, per_pos: list[floa
 
 
 def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
-                      spec_tokens: int = SPEC_TOKENS, per_request: bool = False, max_model_len: int = 1024) -> dict:  # fmt: skip
+                      spec_tokens: int = SPEC_TOKENS, per_request: bool = False, max_model_len: int = 1024,
+                      spec: dict | None = None) -> dict:  # fmt: skip
     """Acceptance of ``draft`` under ``verifier`` in vLLM, per temperature (child-process body).
 
     ``per_request`` adds each temperature's ``ours`` (from the requests' own records) and
     ``vllm_metrics`` (from the counters) figures, and ``tokens_per_s``."""
     from vllm import LLM, SamplingParams
 
-    spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": spec_tokens} if draft else None
+    if draft and spec is None:
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": spec_tokens}
+    spec = {**spec, "model": draft, "num_speculative_tokens": spec_tokens} if draft else None
     extra = {"per_request_spec_decode_metrics": "detailed"} if per_request and draft else {}
     llm = LLM(
         model=verifier, speculative_config=spec, disable_log_stats=False, max_model_len=max_model_len, enforce_eager=True,
@@ -164,14 +199,16 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_
 
 def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
                 workdir: Path, name: str, fix: bool = True, *, spec_tokens: int = SPEC_TOKENS,
-                per_request: bool = False, max_model_len: int = 1024, timeout_s: float = 1800) -> dict:  # fmt: skip
+                per_request: bool = False, max_model_len: int = 1024, timeout_s: float = 1800,
+                spec: dict | None = None) -> dict:  # fmt: skip
     """:func:`serve_and_measure` in a child process (log: WORKDIR/NAME.log); raises RuntimeError
     with the log's tail if the child fails."""
     from hsstream import launch
 
     workdir = Path(workdir)
     spec = {"verifier": verifier, "draft": draft, "prompts": prompts, "max_tokens": max_tokens, "temps": temps,
-            "spec_tokens": spec_tokens, "per_request": per_request, "max_model_len": max_model_len}  # fmt: skip
+            "spec_tokens": spec_tokens, "per_request": per_request, "max_model_len": max_model_len,
+            **({"spec": spec} if spec else {})}  # fmt: skip
     (workdir / f"{name}.in.json").write_text(json.dumps(spec))
     env = launch.child_env({"HSSTREAM_VLLM_CPU_FIX": "1" if fix else "0"})
     logf = workdir / f"{name}.log"
@@ -214,15 +251,17 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def evaluate(verifier: str, draft: str, prompts: list[str], *, max_tokens: int = 64, temps: list[float] | None = None,
-             spec_tokens: int = SPEC_TOKENS, baseline: bool = True, workdir: Path, max_model_len: int = 1024) -> dict:  # fmt: skip
+             spec_tokens: int | None = None, baseline: bool = True, workdir: Path, max_model_len: int = 1024) -> dict:  # fmt: skip
     """``hsstream eval``'s result: per temperature our figures, vLLM's counters' and tokens/s with
-    and without the draft."""
+    and without the draft. ``spec_tokens`` None: the draft's own (see :func:`speculative_config`)."""
     temps = temps or [0.0]
-    d = str(check_draft_dir(draft))
-    res = {"verifier": verifier, "draft": d, "num_speculative_tokens": spec_tokens, "prompts": len(prompts),
-           "max_tokens": max_tokens, "temperatures": {}}  # fmt: skip
+    spec = speculative_config(draft, spec_tokens)
+    d, spec_tokens = spec["model"], spec["num_speculative_tokens"]
+    res = {"verifier": verifier, "draft": d, "method": spec["method"], "speculative_config": spec,
+           "num_speculative_tokens": spec_tokens, "prompts": len(prompts), "max_tokens": max_tokens,
+           "temperatures": {}}  # fmt: skip
     with_draft = run_serving(verifier, d, prompts, max_tokens, temps, workdir, "with-draft", spec_tokens=spec_tokens,
-                             per_request=True, max_model_len=max_model_len)  # fmt: skip
+                             per_request=True, max_model_len=max_model_len, spec=spec)  # fmt: skip
     without = (run_serving(verifier, None, prompts, max_tokens, temps, workdir, "without-draft", per_request=True,
                            max_model_len=max_model_len) if baseline else None)  # fmt: skip
     for t in temps:
@@ -290,7 +329,7 @@ def _main(argv: list[str]) -> int:
         spec = json.loads(Path(argv[1]).read_text())
         res = serve_and_measure(spec["verifier"], spec["draft"], spec["prompts"], spec["max_tokens"], spec["temps"],
                                 spec.get("spec_tokens", SPEC_TOKENS), spec.get("per_request", False),
-                                spec.get("max_model_len", 1024))  # fmt: skip
+                                spec.get("max_model_len", 1024), spec.get("spec"))  # fmt: skip
         Path(argv[2]).write_text(json.dumps(res))
         return 0
     print("usage: python -m hsstream.evaluate --serve-child IN OUT (hsstream eval is the command)", file=sys.stderr)

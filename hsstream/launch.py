@@ -54,6 +54,11 @@ class VllmOptions:
     shutdown_timeout_s: int = 15
     #: False: plain vLLM (no extraction method, no connector), the baseline benchmarks compare with.
     extraction: bool = True
+    #: a trained draft to serve (a speculators-format dir: Eagle-3, P-EAGLE or DFlash), with
+    #: extraction off: its --speculative-config comes from the checkpoint (hsstream/evaluate.py's
+    #: speculative_config: the method, P-EAGLE's parallel drafting, DFlash's block)
+    draft: str | None = None
+    num_speculative_tokens: int | None = None
     extra: list[str] = field(default_factory=list)
 
 
@@ -87,6 +92,12 @@ def vllm_args(o: VllmOptions) -> list[str]:
     if o.extraction:
         spec, kvt = extraction_configs(o)
         args += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kvt)]
+    if o.draft:
+        if o.extraction:
+            raise ValueError("a served draft and hidden-state extraction both take --speculative-config: pick one")
+        from hsstream.evaluate import speculative_config
+
+        args += ["--speculative-config", json.dumps(speculative_config(o.draft, o.num_speculative_tokens))]
     # Prefix caching is off unless asked for: see docs/prefix-caching.md.
     args.append("--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching")
     args += ["--shutdown-timeout", str(o.shutdown_timeout_s)]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch comes with it: loaded only once settings are checked, not to read a file
-    from trainer_client.eagle3.config import TrainConfig
+    from trainer_client.train.config import TrainConfig
 
 
 class ConfigFileError(ValueError):
@@ -70,13 +70,15 @@ SPECULATORS_NAMES: dict[str, str] = {
     "scheduler_total_steps": "schedule_steps",
     "total_seq_len": "max_tokens_per_step",
     "log_freq": "log_every",
+    "speculator_type": "draft",
+    "num_layers": "num_draft_layers",
     # same name in both: max_steps, lr, weight_decay, ttt_steps, ttt_step_loss_decay,
-    # draft_vocab_size, draft_attn_impl, seed, epochs
+    # draft_vocab_size, draft_attn_impl, seed, epochs, mask_token_id, block_size, num_depths, max_anchors
 }
 
 #: speculators' ``run.yaml`` group blocks: their keys are read as if at the top level.
 SPECULATORS_GROUPS = frozenset({"verifier", "draft", "data", "generation", "loss", "optimizer", "scheduler",
-                                "trainer", "logging"})  # fmt: skip
+                                "trainer", "logging", "dflash", "peagle"})  # fmt: skip
 
 #: Values speculators spells differently.
 VALUE_ALIASES: dict[str, dict[object, object]] = {"schedule": {"none": "constant"}}
@@ -84,7 +86,7 @@ VALUE_ALIASES: dict[str, dict[object, object]] = {"schedule": {"none": "constant
 @functools.cache
 def fields() -> dict[str, object]:
     """``TrainConfig``'s fields and their types."""
-    from trainer_client.eagle3.config import TrainConfig
+    from trainer_client.train.config import TrainConfig
 
     return typing.get_type_hints(TrainConfig)
 
@@ -241,7 +243,7 @@ def merge(defaults: dict, file: dict, given: dict) -> tuple[TrainConfig, dict]:
         raise ConfigFileError("; ".join(missing))
     if v.get("schedule", "cosine") not in SCHEDULES:
         raise ConfigFileError(f"schedule {v['schedule']!r}: use one of {', '.join(SCHEDULES)}")
-    from trainer_client.eagle3.config import TrainConfig
+    from trainer_client.train.config import TrainConfig
 
     cfg = TrainConfig(**{k: v[k] for k in fields() if k in v})
     return cfg, {k: v[k] for k in RUN_KEYS if k in v}

@@ -35,7 +35,7 @@ def train_draft_from_hf(verifier: str, out: Path, *, samples: int, steps: int, s
     from hsstream.pretrain_verifier import SEED_DRAFT_TRAIN, corpus_documents
     from hsstream.tiny_model import hf_hidden_states
     from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
-    from trainer_client.eagle3.vocab import count_tokens
+    from trainer_client.train.vocab import count_tokens
     from trainer_client.stream import Sample
 
     tok = AutoTokenizer.from_pretrained(verifier)

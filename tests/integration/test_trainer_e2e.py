@@ -1,4 +1,4 @@
-"""The Eagle-3 trainer and the dataset wrapper on the real stack (vLLM CPU build + sidecar + ZeroMQ).
+"""The trainer (Eagle-3, and the parallel drafts) and the dataset wrapper on the real stack (vLLM CPU build + sidecar + ZeroMQ).
 
 One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
 
@@ -18,6 +18,9 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
   samples, each trained and acknowledged once by the rank that got it, only after a checkpoint
   that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool;
 * ``make demo`` again: bench/acceptance.py's training step twice in the same workdir.
+* ``hsstream train --draft dflash|peagle`` for a few steps from the stream, its final checkpoint
+  served by vLLM's CPU build with the speculative config the run printed (and the command
+  stopping at once, naming the draft, without a mask token).
 * ``hsstream train --config FILE`` (speculators' layout, a flag overriding it) without
   ``--steps``: the cosine LR decays over the job's samples to its floor, and the run ends with
   ``OUT/final``, ``OUT/latest`` and the ``vllm serve`` line.
@@ -44,9 +47,9 @@ from tests.integration.conftest import start_stack, stop_stack, submit
 from trainer_client import HiddenStateStream
 from trainer_client.dataset import HiddenStateDataset, make_loader
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
-from trainer_client.eagle3.run import drained_probe
-from trainer_client.eagle3.trainer import KEYS_LOG
-from trainer_client.eagle3.vocab import count_tokens
+from trainer_client.train.run import drained_probe
+from trainer_client.train.trainer import KEYS_LOG
+from trainer_client.train.vocab import count_tokens
 
 LAYERS = [2, 6, 9, 12]
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +136,7 @@ def _train_cmd(stack, verifier, out, job) -> list[str]:
 
 
 def test_sigkill_after_checkpoint_then_resume_trains_each_sample_once(stack, verifier, tmp_path):
-    from trainer_client.eagle3.model import latest_checkpoint, load_state
+    from trainer_client.train.checkpoints import latest_checkpoint, load_state
 
     n = 40
     wins = windows(verifier, n, 48, seed=777)
@@ -281,7 +284,7 @@ def test_two_gloo_ranks_get_disjoint_samples_and_stop_together(stack, verifier):
 
 def test_hsstream_train_nproc_2_gloo_ranks_disjoint_one_writer_acks_once_stop_together(stack, verifier, tmp_path):
     """``hsstream train --nproc 2``: torchrun, two gloo ranks, each with its own stream."""
-    from trainer_client.eagle3.checkpointing import CKPT_LOG
+    from trainer_client.train.checkpointing import CKPT_LOG
 
     n = 24
     job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 40, seed=2024)])
@@ -329,7 +332,7 @@ def test_hsstream_train_from_a_config_file_decays_over_the_job_and_ends_with_a_d
 
     import yaml
 
-    from trainer_client.eagle3 import model as M
+    from trainer_client.train import checkpoints as M
 
     n = 16
     job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 32, seed=4242)])
@@ -358,3 +361,34 @@ def test_hsstream_train_from_a_config_file_decays_over_the_job_and_ends_with_a_d
     assert json.loads(shlex.split(line)[4])["model"] == str(final.resolve())
     assert job_counts(stack, job)["consumed"] == n
     assert stack.spool_files() == []
+
+
+@pytest.mark.parametrize("draft", ["dflash", "peagle"])
+def test_each_parallel_draft_trains_from_the_stream_and_its_checkpoint_serves_in_vllm(stack, verifier, tmp_path, draft):
+    """``hsstream train --draft X`` from the real stream for a few steps; vLLM's CPU build then
+    loads the final checkpoint with the speculative config the run printed and drafts with it.
+    Without a mask token the same command stops at once (exit 2), naming the draft."""
+    from hsstream.evaluate import run_serving
+
+    out = tmp_path / draft
+    base = [sys.executable, "-m", "hsstream", "train", "--model", verifier, "--draft", draft, "--out", str(out / "x"),
+            "--job", "none", "--no-progress"]  # fmt: skip
+    p = subprocess.run(base, cwd=str(ROOT), capture_output=True, text=True, timeout=300)
+    label = {"dflash": "DFlash", "peagle": "P-EAGLE"}[draft]
+    assert p.returncode == 2 and f"{label} needs a mask token" in p.stderr and "--mask-token-id" in p.stderr, p.stderr[-2000:]
+    n = 16
+    job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 48, seed=77)])
+    cmd = [*_train_cmd(stack, verifier, out, job), "--draft", draft, "--mask-token-id", "1", "--steps", str(n)]
+    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout[p.stdout.index("{") :])
+    assert res["draft"] == draft and res["steps"] == n and res["samples"] == n
+    spec = res["speculative_config"]
+    assert spec["model"] == str((out / "final").resolve()) and json.dumps(spec) in res["serve"].replace("'", "")
+    conf = json.loads((out / "final" / "config.json").read_text())
+    assert conf["speculators_model_type"] == draft and conf["mask_token_id"] == 1
+    served = run_serving(verifier, spec["model"], ["Alice lives in the", "1, 2, 3,"], 8, [0.0], tmp_path, f"serve-{draft}",
+                         spec_tokens=spec["num_speculative_tokens"], per_request=True, spec=spec)  # fmt: skip
+    v = served["0.0"]
+    assert v["generated_tokens"] == 16 and v["vllm_metrics"]["drafts"] > 0, v
+    assert len(v["vllm_metrics"]["acceptance_per_position"]) == spec["num_speculative_tokens"]

@@ -101,8 +101,7 @@ def test_contracts_import_without_torch_vllm_or_fastapi():
 #: The trainer's known upward imports, each to go when its work lands (the REST client moving
 #: into the contracts, the tiny verifier into test/dev support); nothing may join them.
 TRAINER_UPWARD_KNOWN = {
-    "trainer_client/eagle3/gpu_smoke.py": {"hsstream.tiny_model"},
-    "trainer_client/eagle3/run.py": {"hsstream", "hsstream.data_sources", "hsstream.rest_client"},
+    "trainer_client/train/run.py": {"hsstream", "hsstream.data_sources"},
 }
 
 
@@ -115,3 +114,25 @@ def test_the_trainer_never_imports_the_sidecar_or_the_cli():
             found[str(p.relative_to(ROOT))] = up
     extra = {k: v - TRAINER_UPWARD_KNOWN.get(k, set()) for k, v in found.items()}
     assert {k: v for k, v in extra.items() if v} == {}, "trainer_client imports server or hsstream"
+
+
+def test_the_generic_trainer_imports_no_draft_by_name():
+    """trainer_client/train/ knows no algorithm: drafts come from the registry by the run's name,
+    never from an import of trainer_client.drafts.<draft> or of speculators' models."""
+    from pathlib import Path
+
+    import trainer_client.drafts as D
+
+    root = Path(__file__).resolve().parents[2] / "trainer_client" / "train"
+    drafts = {m.split(":")[0] for m in D.REGISTRY.values()}
+    bad = {}
+    for f in sorted(root.glob("*.py")):
+        hits = [m for m in _imports(f) if m in drafts or any(m.startswith(d + ".") for d in drafts)
+                or m.startswith("speculators.models") or m.startswith("trainer_client.eagle3")]  # fmt: skip
+        if hits:
+            bad[f.name] = hits
+    assert not bad, bad
+    code = ("import sys\nimport trainer_client.train.trainer, trainer_client.train.run, trainer_client.train.step\n"
+            "print(sorted(m for m in sys.modules if m.startswith('trainer_client.drafts.') and m != 'trainer_client.drafts.base'))")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr[-2000:])

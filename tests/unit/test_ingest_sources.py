@@ -347,7 +347,7 @@ def test_json_array_reader_reads_items_across_window_edges(tmp_path):
 
 
 def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, monkeypatch):
-    import trainer_client.eagle3.run as R
+    import trainer_client.train.run as R
     from hsstream.cli import submit_source
 
     monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
@@ -374,9 +374,9 @@ def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, mo
 
 
 def test_train_submit_records_the_source_and_counts_locally_from_a_second_read(tmp_path, client, monkeypatch, tiny_model):
-    import trainer_client.eagle3.run as R
-    from trainer_client.eagle3 import vocab as V
-    from trainer_client.eagle3.config import TrainConfig
+    import trainer_client.train.run as R
+    from trainer_client.train import vocab as V
+    from trainer_client.train.config import TrainConfig
 
     monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: None)  # counted here instead

@@ -83,3 +83,23 @@ def test_parallel_args_split_gpus_into_tp_groups(gpus, tp, want):
 def test_parallel_args_refuse_an_uneven_split():
     with pytest.raises(ValueError, match="3 GPU"):
         launch.parallel_args(3, 2)
+
+
+@pytest.mark.parametrize("kind, want", [
+    ("eagle3", {"method": "eagle3", "num_speculative_tokens": 3}),
+    ("peagle", {"method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": 4}),
+    ("dflash", {"method": "dflash", "num_speculative_tokens": 5}),
+])  # fmt: skip
+def test_a_served_draft_gets_its_methods_speculative_config(model_dir, tmp_path, kind, want):
+    d = tmp_path / kind
+    d.mkdir()
+    conf = {"speculators_model_type": kind, "block_size": 6,
+            "speculators_config": {"proposal_methods": [{"speculative_tokens": 4}]}}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(conf))
+    (d / "model.safetensors").write_bytes(b"")
+    o = launch.VllmOptions(model=model_dir, layer_ids=[], spool_dir="", notice_endpoint="", extraction=False, draft=str(d))
+    args = launch.vllm_args(o)
+    assert "--kv-transfer-config" not in args
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {**want, "model": str(d.resolve())}
+    with pytest.raises(ValueError, match="pick one"):
+        launch.vllm_args(opts(model_dir, [2, 6, 9]).__class__(**{**opts(model_dir, [2, 6, 9]).__dict__, "draft": str(d)}))

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from hsstream import train_config as TC
 from hsstream.cli import app
-from trainer_client.eagle3.config import TrainConfig
+from trainer_client.train.config import TrainConfig
 
 #: Every TrainConfig field at a value that is not its default (out_dir: the test's tmp dir).
 NON_DEFAULT = {
@@ -26,7 +26,8 @@ NON_DEFAULT = {
     "clock_origin": 1234.5, "keep_checkpoints": 5, "eval_every": 6, "eval_samples": 4, "eval_ids": ("a", "b c"),
     "log_every": 3, "seed": 42, "train_lm_head": True, "control": "swap-hidden", "tensorboard": False, "logger": "none",
     "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5,
-    "draft_attn_impl": "eager", "extra": {"note": "x"},
+    "draft_attn_impl": "eager", "extra": {"note": "x"}, "draft": "dflash", "mask_token_id": 7, "block_size": 5,
+    "num_depths": 3, "max_anchors": 17, "num_draft_layers": 2,
 }  # fmt: skip
 RUN = {"jobs": ["j1", "j2"], "submit": "data.jsonl", "epochs": 3, "loss_mask": "all", "api": "http://h:1",
        "endpoint": "tcp://h:2", "spool": "/s", "token_counts": "tc.json", "timeout": 9.0}  # fmt: skip
@@ -36,7 +37,7 @@ RUN = {"jobs": ["j1", "j2"], "submit": "data.jsonl", "epochs": 3, "loss_mask": "
 def train(monkeypatch):
     """``hsstream train ARGS`` → (exit code, output, the cfg and run_train's keyword arguments)."""
     import hsstream.launch
-    import trainer_client.eagle3.run as R
+    import trainer_client.train.run as R
 
     got: dict = {}
 
@@ -174,6 +175,23 @@ def test_speculators_names_and_run_yaml_layout_are_understood(train, tmp_path):
     assert (c.ttt_steps, c.ttt_step_loss_decay, c.lr, c.weight_decay) == (2, 0.9, 3e-4, 0.05)
     assert (c.schedule, c.warmup_steps, c.schedule_steps) == ("constant", 5, 500)
     assert (c.out_dir, c.max_steps, c.log_every, c.seed, got["epochs"]) == (str(tmp_path / "r"), 600, 2, 7, 4)
+
+
+def test_the_draft_and_its_settings_in_our_layout_and_in_speculators(train, tmp_path):
+    code, output, got = train("--config", _write(tmp_path / "a.yaml", {"verifier": "/m", "out_dir": str(tmp_path / "a"),
+                                                                       "draft": "peagle", "mask_token_id": 5}))  # fmt: skip
+    assert code == 0, output
+    assert (got["cfg"].draft, got["cfg"].mask_token_id) == ("peagle", 5)
+    run_yaml = {"train": {
+        "speculator_type": "dflash", "verifier": {"verifier_name_or_path": "/m"},
+        "draft": {"mask_token_id": 7, "num_layers": 2}, "data": {"max_anchors": 9},
+        "dflash": {"block_size": 6}, "peagle": {"num_depths": 2}, "trainer": {"save_path": str(tmp_path / "r")},
+    }}  # fmt: skip
+    code, output, got = train("--config", _write(tmp_path / "run.yaml", run_yaml), "--block-size", "5")
+    assert code == 0, output
+    c = got["cfg"]
+    assert (c.draft, c.mask_token_id, c.num_draft_layers, c.max_anchors, c.block_size, c.num_depths) == \
+        ("dflash", 7, 2, 9, 5, 2)  # fmt: skip
 
 
 def test_speculators_flag_names_work_beside_ours(train, tmp_path):

@@ -5,7 +5,7 @@
   step (with one TTT step the loss is then exactly the token-weighted mean over both);
 * ranks with unequal data (one runs dry, idle yields on the way) step together to the end,
   keep identical weights, rank 0 alone writes checkpoints and each rank acknowledges each of
-  its samples once: ``trainer_client.eagle3.gpu_smoke`` on CPU, the same check the GPU host runs.
+  its samples once: ``bench.gpu_smoke`` on CPU, the same check the GPU host runs.
 
 The same with real streams from a real sidecar and vLLM: tests/integration/test_trainer_e2e.py.
 """
@@ -51,8 +51,8 @@ def _grad_rank(rank: int, verifier: str, out: str, port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))  # fmt: skip
     from trainer_client.eagle3 import Eagle3OnlineTrainer
-    from trainer_client.eagle3.distributed import World
-    from trainer_client.eagle3.gpu_smoke import MemoryStream
+    from trainer_client.train.distributed import World
+    from bench.gpu_smoke import MemoryStream
 
     world = World.from_env(torch.device("cpu"))
     try:
@@ -72,7 +72,7 @@ def _port() -> int:
 
 def test_two_ranks_gradient_is_the_token_weighted_gradient_of_both_samples(tiny_model, tmp_path):
     from trainer_client.eagle3 import Eagle3OnlineTrainer
-    from trainer_client.eagle3.gpu_smoke import MemoryStream
+    from bench.gpu_smoke import MemoryStream
 
     out = tmp_path / "ddp"
     mp.spawn(_grad_rank, args=(tiny_model, str(out), _port()), nprocs=2, join=True)
@@ -87,13 +87,13 @@ def test_two_ranks_gradient_is_the_token_weighted_gradient_of_both_samples(tiny_
     err = float((g0 - ref).abs().max() / ref.abs().max())
     assert err < 1e-4, err
     # and an unweighted mean of the two ranks' gradients would not pass
-    from trainer_client.eagle3.checkpointing import CKPT_LOG
+    from trainer_client.train.checkpointing import CKPT_LOG
 
     saves = [line for line in (out / CKPT_LOG).read_text().splitlines() if '"save"' in line]
     assert len(saves) == 1 and '"rank": 0' in saves[0]
 
 
 def test_ranks_with_unequal_data_stop_together_with_one_writer_and_identical_weights():
-    from trainer_client.eagle3.gpu_smoke import main
+    from bench.gpu_smoke import main
 
     assert main(["--device", "cpu", "--nproc", "2", "--steps", "24", "--checkpoint-every", "10"]) == 0

@@ -1,6 +1,6 @@
 """The trainer's device path on a CPU machine: device choice, prefetching, the CUDA copy protocol.
 
-The CUDA calls themselves (``CudaOps``) need a GPU (``python -m trainer_client.eagle3.gpu_smoke``
+The CUDA calls themselves (``CudaOps``) need a GPU (``python -m bench.gpu_smoke``
 on one); here a recording stand-in takes their place, so the order the data path relies on is
 checked: copies and packing on the side stream, then the event; the compute side waits for the
 event before it gets the tensors, and every tensor is handed over to the compute stream.
@@ -15,9 +15,9 @@ import torch
 
 from tests.unit.test_trainer_loop import ListStream, cfg, counts_of, samples  # noqa: F401 - fixture
 from trainer_client.eagle3 import Eagle3OnlineTrainer
-from trainer_client.eagle3.config import DeviceError, resolve_autocast, resolve_device
-from trainer_client.eagle3.data_path import BatchSource, DeviceCopier, Prefetcher
-from trainer_client.eagle3.features import pack
+from trainer_client.train.config import DeviceError, resolve_autocast, resolve_device
+from trainer_client.train.data_path import BatchSource, DeviceCopier, Prefetcher
+from trainer_client.drafts.eagle3 import pack
 
 
 def test_device_auto_is_cpu_without_cuda_and_cuda_is_refused_clearly():

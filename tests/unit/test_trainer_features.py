@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from connector import protocol as P
-from trainer_client.eagle3.features import MissingLayersError, eagle3_layers, features, pack, swap_aux
+from trainer_client.drafts.eagle3 import MissingLayersError, eagle3_layers, features, pack, swap_aux
 from trainer_client.stream import Sample
 
 N, H = 12, 4

@@ -16,7 +16,7 @@ import torch
 from connector import protocol as P
 from hsstream.tiny_model import hf_hidden_states
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
-from trainer_client.eagle3 import model as M
+from trainer_client.train import checkpoints as M
 from trainer_client.stream import Sample
 
 LAYERS = [2, 6, 9, 12]

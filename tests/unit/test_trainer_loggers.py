@@ -19,7 +19,7 @@ from connector import protocol as P
 from hsstream.cli import app
 from hsstream.tiny_model import hf_hidden_states
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
-from trainer_client.eagle3 import loggers as L
+from trainer_client.train import loggers as L
 from trainer_client.stream import Sample
 
 

@@ -17,8 +17,9 @@ from safetensors import safe_open
 from connector import protocol as P
 from hsstream.tiny_model import hf_hidden_states
 from trainer_client.eagle3 import Eagle3OnlineTrainer, MissingLayersError, TrainConfig, latest_checkpoint, latest_draft
-from trainer_client.eagle3 import model as M
-from trainer_client.eagle3.trainer import KEYS_LOG
+from trainer_client.drafts import eagle3 as E3
+from trainer_client.train import checkpoints as M
+from trainer_client.train.trainer import KEYS_LOG
 from trainer_client.stream import Sample
 
 LAYERS = [2, 6, 9, 12]
@@ -150,8 +151,8 @@ def test_resume_continues_and_skips_what_the_weights_already_hold(tiny_model, sa
     ck = latest_checkpoint(out)
     assert ck is not None and ck.name == "step-00000006"
     # what resume loads is exactly what the first run had trained
-    fresh = M.build_draft(tiny_model, [2, 6, 9], draft_vocab_size=128, t2d=first.model.t2d, d2t=first.model.d2t)
-    M.load_weights(fresh, ck)
+    fresh = E3.build_draft(tiny_model, [2, 6, 9], draft_vocab_size=128, t2d=first.model.t2d, d2t=first.model.d2t)
+    E3.load_weights(fresh, ck)
     for k, v in first.model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
     # Pretend the ack after step-6 never reached the sidecar: samples 4, 5 come back, then new ones.
@@ -219,7 +220,7 @@ def test_eval_every_holds_out_measures_and_keeps_leases(tiny_model, samples, tmp
     # the figure is the final weights' (as saved) on exactly the held-out samples
     fresh = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "fresh", eval_every=1, eval_samples=3), counts_of(samples))
     fresh.prepare()
-    M.load_weights(fresh.model, latest_checkpoint(out))
+    E3.load_weights(fresh.model, latest_checkpoint(out))
     for s in samples[:3]:
         fresh._hold_out(s, str(s.key))
     again_eval = fresh.evaluate()
@@ -264,7 +265,7 @@ def test_eval_settings_are_checked(tiny_model, tmp_path):
 
 def test_checkpoint_every_s_checkpoints_on_the_wall_clock(tiny_model, samples, tmp_path, monkeypatch):
     """Checkpoints at each multiple of S seconds after the clock origin (runs compared at equal wall-clock)."""
-    import trainer_client.eagle3.trainer as T
+    import trainer_client.train.trainer as T
 
     now = [1000.0]
     monkeypatch.setattr(T.time, "time", lambda: now[0])

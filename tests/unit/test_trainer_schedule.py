@@ -15,10 +15,10 @@ import pytest
 
 from connector.contract.rest import JobStatus
 from connector.contract.rest_client import SidecarClient
-from trainer_client.eagle3 import run as R
-from trainer_client.eagle3 import vocab as V
-from trainer_client.eagle3.config import TrainConfig
-from trainer_client.eagle3.step import lr_lambda
+from trainer_client.train import run as R
+from trainer_client.train import vocab as V
+from trainer_client.train.config import TrainConfig
+from trainer_client.train.step import lr_lambda
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def captured(monkeypatch):
     monkeypatch.setattr(SidecarClient, "http_factory",
                         lambda **kw: httpx.Client(transport=httpx.MockTransport(sidecar), base_url=kw["base_url"]))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: {1: 1})
-    monkeypatch.setattr(R, "Eagle3OnlineTrainer", FakeTrainer)
+    monkeypatch.setattr(R, "OnlineTrainer", FakeTrainer)
     monkeypatch.setattr(S, "HiddenStateStream", FakeStream)
     got["submitted"] = submitted
     return got

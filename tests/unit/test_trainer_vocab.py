@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from trainer_client.eagle3 import vocab as V
+from trainer_client.train import vocab as V
 
 
 def test_counts_only_loss_carrying_tokens():

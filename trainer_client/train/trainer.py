@@ -1,9 +1,9 @@
-"""Online Eagle-3 training from a :class:`~trainer_client.HiddenStateStream`.
+"""Online draft training from a :class:`~trainer_client.HiddenStateStream`, for any draft.
 
-Each step takes fresh samples from the stream (never stored, never revisited), packs them
-into one row, and runs speculators' Eagle-3 forward with test-time training (TTT) steps:
-targets are the frozen verifier's softmax(lm_head(norm(layer N))) over the draft vocabulary,
-the loss a KL divergence masked by the loss mask.
+Each step takes fresh samples from the stream (never stored, never revisited), has the draft
+plug-in (``trainer_client/drafts/``, chosen by ``TrainConfig.draft``) pack them into one row,
+and runs its forward: the loss and the per-position top-1 come from the plug-in, whose targets
+are the frozen verifier's distribution at layer N. This module knows no algorithm.
 
 This module is the loop; its pieces live beside it, as in speculators' trainer/checkpointer
 split: the data path (``data_path.py``: fetch, prefetch, host→device), the step (``step.py``),
@@ -31,24 +31,25 @@ from pathlib import Path
 
 import torch
 
-from trainer_client.eagle3 import loggers as L
-from trainer_client.eagle3 import model as M
-from trainer_client.eagle3.checkpointing import CKPT_LOG, CheckpointPolicy, append_line
-from trainer_client.eagle3.config import TrainConfig, TrainResult, resolve_autocast, resolve_device
-from trainer_client.eagle3.data_path import BatchSource, DeviceCopier, Prefetcher, device_ops
-from trainer_client.eagle3.distributed import World
-from trainer_client.eagle3.features import Features, MissingLayersError, eagle3_layers, features, pack
-from trainer_client.eagle3.step import DraftStep, lr_lambda
+from trainer_client import drafts as D
+from trainer_client.drafts.base import Draft, Features
+from trainer_client.train import checkpoints as M
+from trainer_client.train import loggers as L
+from trainer_client.train.checkpointing import CKPT_LOG, CheckpointPolicy, append_line
+from trainer_client.train.config import TrainConfig, TrainResult, resolve_autocast, resolve_device
+from trainer_client.train.data_path import BatchSource, DeviceCopier, Prefetcher, device_ops
+from trainer_client.train.distributed import World
 from trainer_client.stream import Sample
+from trainer_client.train.step import DraftStep, lr_lambda
 
-log = logging.getLogger("hsstream.eagle3")
+log = logging.getLogger("hsstream.train")
 
 RUN_FILE = "run.json"
 VOCAB_FILE = "vocab_maps.pt"
 KEYS_LOG = "trained_keys.jsonl"
 METRICS_LOG = "metrics.jsonl"
 
-__all__ = ["CKPT_LOG", "KEYS_LOG", "METRICS_LOG", "Eagle3OnlineTrainer", "TrainConfig", "TrainResult", "lr_lambda",
+__all__ = ["CKPT_LOG", "KEYS_LOG", "METRICS_LOG", "OnlineTrainer", "TrainConfig", "TrainResult", "lr_lambda",
            "token_digest"]
 
 
@@ -57,8 +58,11 @@ def token_digest(token_ids: torch.Tensor) -> str:
     return hashlib.blake2b(token_ids.to(torch.int64).contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
-class Eagle3OnlineTrainer:
+class OnlineTrainer:
     """Build (or resume) a draft and train it on a stream.
+
+    ``draft``: the plug-in instance (default: ``cfg.draft`` from the registry, made from the
+    config and the verifier's config).
 
     ``token_counts`` feed the draft vocabulary maps on a fresh start (ignored on resume: the
     maps are part of the run). ``drained`` is asked before each step with the number of
@@ -77,6 +81,7 @@ class Eagle3OnlineTrainer:
         drained: Callable[[int], bool] | None = None,
         resume: bool = True,
         world: World | None = None,
+        draft: Draft | None = None,
     ) -> None:
         if cfg.eval_ids is not None:
             cfg.eval_ids = tuple(cfg.eval_ids)
@@ -96,6 +101,8 @@ class Eagle3OnlineTrainer:
         self.autocast = resolve_autocast(cfg.autocast, self.device)
         self.prefetch = cfg.prefetch if cfg.prefetch is not None else (1 if self.device.type == "cuda" else 0)
         vcfg = M.verifier_text_config(cfg.verifier)
+        self.draft = draft if draft is not None else D.get(cfg.draft)(cfg, vcfg)
+        self.k = int(self.draft.positions())  # draft positions the metrics count
         self.num_hidden_layers = int(vcfg["num_hidden_layers"])
         self.hidden_size = int(vcfg["hidden_size"])
         self.vocab_size = int(vcfg["vocab_size"])
@@ -139,8 +146,7 @@ class Eagle3OnlineTrainer:
         Done first because it is slow (speculators' import, the verifier's embeddings and
         lm_head): a stream that sat idle that long without heartbeats would be presumed dead
         by the sidecar and lose its leases. The aux layers are therefore fixed here (given,
-        restored, or Eagle-3's usual [2, N//2, N-3]) and the first sample is checked against
-        them.
+        restored, or the draft's default) and the first sample is checked against them.
         """
         if self.model is not None:
             return
@@ -156,15 +162,16 @@ class Eagle3OnlineTrainer:
         ckpt = Path(ckpt) if ckpt is not None else None
         if ckpt is not None:
             state = M.load_state(ckpt)
+            was = state.get("draft", "eagle3")
+            if was != self.draft.name:
+                raise ValueError(f"{self.out} holds a {was} run, not {self.draft.name}: use another --out")
             self.aux_layer_ids = list(state["aux_layer_ids"])
             maps = torch.load(self.out / VOCAB_FILE, weights_only=True)
             self.draft_vocab_size = int(state["draft_vocab_size"])
             t2d, d2t = maps.get("t2d"), maps.get("d2t")
         else:
-            self.aux_layer_ids = sorted(cfg.aux_layer_ids) if cfg.aux_layer_ids else [2, n // 2, n - 3]
-            if len(self.aux_layer_ids) != 3 or not all(0 <= i < n for i in self.aux_layer_ids):
-                raise MissingLayersError(f"Eagle-3 takes three aux layers below N={n}, got {self.aux_layer_ids}")
-            from trainer_client.eagle3.vocab import build_vocab_maps, coverage
+            self.aux_layer_ids = self.draft.layers(cfg.aux_layer_ids)
+            from trainer_client.train.vocab import build_vocab_maps, coverage
 
             d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
             cov = coverage(self.token_counts or {}, t2d)
@@ -175,6 +182,7 @@ class Eagle3OnlineTrainer:
                 run = {
                     "config": asdict(cfg),
                     "aux_layer_ids": self.aux_layer_ids,
+                    **self.draft.describe(),
                     "num_hidden_layers": n,
                     "draft_vocab_size": self.draft_vocab_size,
                     "vocab_coverage": cov,
@@ -185,17 +193,15 @@ class Eagle3OnlineTrainer:
                 }
                 (self.out / RUN_FILE).write_text(json.dumps(run, indent=2, default=str) + "\n")
             state = None
-        self.model = M.build_draft(
-            cfg.verifier, self.aux_layer_ids, draft_vocab_size=self.draft_vocab_size, t2d=t2d, d2t=d2t,
-            ttt_steps=cfg.ttt_steps, seed=cfg.seed, train_lm_head=cfg.train_lm_head, attn_impl=cfg.draft_attn_impl,
-        )  # fmt: skip
+        self.model = self.draft.build(self.aux_layer_ids, draft_vocab_size=self.draft_vocab_size, t2d=t2d, d2t=d2t,
+                                      seed=cfg.seed)  # fmt: skip
         if state is not None:
-            M.load_weights(self.model, ckpt)
+            self.draft.load_weights(self.model, ckpt / M.DRAFT_DIR)
         # the draft and the verifier's frozen parts (embeddings, norm, lm_head rows) on the device
         self.model.to(self.device)
         world.broadcast_module_(self.model)
         self.ops = device_ops(self.device)
-        self.stepper = DraftStep(self.model, cfg, self.device, world, self.autocast, self.ops)
+        self.stepper = DraftStep(self.model, cfg, self.device, world, self.autocast, self.ops, self.draft)
         skip: set[str] = set()
         if state is not None:
             self.stepper.optimizer.load_state_dict(state["optimizer"])
@@ -219,11 +225,7 @@ class Eagle3OnlineTrainer:
 
     def check(self, smp: Sample) -> None:
         """The stream carries what this draft trains from: layer N, its aux layers, its hidden size."""
-        eagle3_layers(smp, self.aux_layer_ids, self.num_hidden_layers)
-        if smp.hidden_states.shape[-1] != self.hidden_size:
-            raise MissingLayersError(
-                f"sample {smp.key} has hidden size {smp.hidden_states.shape[-1]}, the verifier {self.hidden_size}"
-            )
+        self.draft.check(smp, self.aux_layer_ids or [])
 
     # -- in-run evaluation ----------------------------------------------------------------------
     def _hold_out(self, smp: Sample, key: str | None = None) -> bool:  # noqa: ARG002 - key: older callers
@@ -247,14 +249,14 @@ class Eagle3OnlineTrainer:
             return True
         elif len(self.heldout) >= cfg.eval_samples or smp.token_ids.shape[0] < 2:
             return False
-        f = features(smp, self.aux_layer_ids)  # copied: the stream may hand its buffers back
+        f = self.draft.features(smp, self.aux_layer_ids or [])  # copied: the stream may hand its buffers back
         self.heldout.append(Features(str(smp.key), f.input_ids.clone(), f.aux.clone(), f.last.clone(),
                                      f.loss_mask.clone()))  # fmt: skip
         self.heldout_digests.add(dg)
         return True
 
     def evaluate(self, stream=None) -> dict:  # noqa: ANN001
-        """Top-1 per TTT step on the held-out samples (token-weighted), without a gradient, on
+        """Top-1 per draft position on the held-out samples (token-weighted), without a gradient, on
         the training device and precision.
 
         Heartbeats go out before, between samples and after, as around a checkpoint, so the
@@ -262,7 +264,7 @@ class Eagle3OnlineTrainer:
         """
         assert self.model is not None and self.stepper is not None
         keepalive = getattr(stream, "keepalive", None)
-        k = self.cfg.ttt_steps
+        k = self.k
         sums, tots, loss_sum = [0.0] * k, [0.0] * k, 0.0
         t0 = time.perf_counter()
         self.model.eval()
@@ -271,16 +273,13 @@ class Eagle3OnlineTrainer:
                 for f in self.heldout:
                     if keepalive:
                         keepalive()
-                    batch = {name: t.to(self.device) for name, t in pack([f]).items()}
+                    batch = {name: t.to(self.device) for name, t in self.draft.pack([f]).items()}
                     with self.stepper._autocast():
-                        _, loss, metrics = self.model(
-                            **batch, ttt_steps=k, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
-                            loss_config=self.stepper.loss_config,
-                        )  # fmt: skip
+                        loss, correct, counted = self.draft.forward(self.model, batch)
                     loss_sum += float(loss)
                     for i in range(k):
-                        sums[i] += float(metrics[f"full_acc_{i}_sum"])
-                        tots[i] += float(metrics[f"full_acc_{i}_total"])
+                        sums[i] += float(correct[i])
+                        tots[i] += float(counted[i])
         finally:
             self.model.train()
         if keepalive:
@@ -299,7 +298,7 @@ class Eagle3OnlineTrainer:
             metrics_log.write(json.dumps(e) + "\n")
         history.append(e)
         log.info("step %d held-out top1 %s (%d samples, %.2f s)", self.step,
-                 "/".join(f"{e[f'eval_top1_{i}']:.3f}" for i in range(self.cfg.ttt_steps)), len(self.heldout),
+                 "/".join(f"{e[f'eval_top1_{i}']:.3f}" for i in range(self.k)), len(self.heldout),
                  e["eval_s"])  # fmt: skip
         if self._metrics is not None:
             self._metrics.log({f"eval/{k.removeprefix('eval_')}": v for k, v in e.items()
@@ -317,6 +316,7 @@ class Eagle3OnlineTrainer:
             "optimizer": st.optimizer.state_dict(),
             "scheduler": st.scheduler.state_dict(),
             "aux_layer_ids": self.aux_layer_ids,
+            "draft": self.draft.name,
             "draft_vocab_size": self.draft_vocab_size,
             # Included in these weights, not yet acknowledged when they were written (all ranks).
             "unacked_keys": unacked,
@@ -343,8 +343,9 @@ class Eagle3OnlineTrainer:
         policy = self.policy
         source = BatchSource(stream, check=self.check, already_trained=policy.already_trained,
                              samples_per_step=cfg.samples_per_step, max_tokens_per_step=cfg.max_tokens_per_step,
-                             control=cfg.control, hold_out=self._hold_out)  # fmt: skip
-        copier = DeviceCopier(self.device, self.aux_layer_ids or [], self.ops)
+                             control=cfg.control, hold_out=self._hold_out,
+                             count_loss=self.draft.loss_tokens)  # fmt: skip
+        copier = DeviceCopier(self.device, self.aux_layer_ids or [], self.ops, self.draft)
         pre = Prefetcher(source, copier, self.prefetch)
         t_start = time.perf_counter()
         wait_s = 0.0
@@ -374,7 +375,7 @@ class Eagle3OnlineTrainer:
                         if cfg.progress:
                             from tqdm import tqdm
 
-                            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="eagle3", unit="step",
+                            bar = tqdm(total=cfg.max_steps, initial=self.step, desc=self.draft.name, unit="step",
                                        dynamic_ncols=True)  # fmt: skip
                 hb = st.host if st is not None else None
                 n_samples = len(hb.samples) if hb else 0
@@ -461,7 +462,7 @@ class Eagle3OnlineTrainer:
             metrics_log.write(json.dumps(m) + "\n")
             log.info(
                 "step %d loss %.4f top1 %s lr %.2e %.1f samples/s wait %.0f%%", self.step, m["loss"],
-                "/".join(f"{m[f'top1_{i}']:.2f}" for i in range(cfg.ttt_steps)), m["lr"],
+                "/".join(f"{m[f'top1_{i}']:.2f}" for i in range(self.k)), m["lr"],
                 m["samples_per_s"], 100 * m["wait_frac"],
             )  # fmt: skip
             if self._metrics is not None:
@@ -472,17 +473,18 @@ class Eagle3OnlineTrainer:
                             wait=f"{m['wait_frac']:.0%}")  # fmt: skip
 
     def _result(self, history, g_run, run, skipped, wall, wait, ckpt, last_eval=None, window: int = 50) -> TrainResult:  # noqa: ANN001
-        k = self.cfg.ttt_steps
+        k = self.k
         tail = [h for h in history if "loss" in h][-window:]
         top1 = []
         for i in range(k):
             n = sum(h[f"n_{i}"] for h in tail)
             top1.append(sum(h[f"top1_{i}"] * h[f"n_{i}"] for h in tail) / n if n else 0.0)
         loss = sum(h["loss"] for h in tail) / len(tail) if tail else float("nan")
-        final = serve = None
+        final = serve = spec = None
         if ckpt is not None and self.world.is_writer:
             final = M.publish_final(self.out, Path(ckpt))
-            serve = M.serve_command(self.cfg.verifier, final, k)
+            spec = self.draft.speculative_config(final)
+            serve = M.serve_command(self.cfg.verifier, final, spec=spec)
             log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
         ranks = self.world.gather({"rank": self.world.rank, "device": str(self.device), "samples": run["samples"],
                                    "tokens": run["tokens"], "wait_s": round(wait, 2), "pid": os.getpid()})  # fmt: skip
@@ -494,4 +496,5 @@ class Eagle3OnlineTrainer:
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
             held_out=len(self.heldout), final_dir=str(final) if final else None, serve=serve,
+            draft=self.draft.name, speculative_config=spec,
         )  # fmt: skip

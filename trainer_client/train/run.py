@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from connector.contract.rest_client import SidecarClient, SidecarError
-from trainer_client.eagle3 import vocab as V
-from trainer_client.eagle3.config import resolve_device
-from trainer_client.eagle3.distributed import World
-from trainer_client.eagle3.trainer import Eagle3OnlineTrainer, TrainConfig, TrainResult
+from trainer_client.train import vocab as V
+from trainer_client.train.config import resolve_device
+from trainer_client.train.distributed import World
+from trainer_client.train.trainer import OnlineTrainer, TrainConfig, TrainResult
 
-log = logging.getLogger("hsstream.eagle3")
+log = logging.getLogger("hsstream.train")
 
 JOBS_FILE = "jobs.json"
 COUNTS_FILE = "token_counts.json"
@@ -210,10 +210,20 @@ def run_train(
     credit: int = 8,
     submit_source: dict | None = None,
 ) -> TrainResult:
-    from trainer_client.eagle3.loggers import names as logger_names
+    from trainer_client.train.loggers import names as logger_names
     from trainer_client.stream import HiddenStateStream
 
     logger_names(cfg.logger, tensorboard=cfg.tensorboard)  # a logger asked for but missing: before any job is submitted
+    from trainer_client import drafts as D
+    from trainer_client.train.checkpoints import verifier_text_config
+
+    kind = D.get(cfg.draft)  # an unknown draft, or one missing its mask token: also before any job is submitted
+    draft = None
+    if kind.needs_mask_token:
+        try:
+            draft = kind(cfg, verifier_text_config(cfg.verifier))
+        except OSError as e:
+            raise ValueError(f"--model {cfg.verifier}: no verifier config ({e.strerror or e})") from e
     n = World.env_size()
     world = World.from_env(resolve_device(cfg.device, local_rank=World.env_local_rank(), world_size=n))
     try:
@@ -237,7 +247,7 @@ def run_train(
         plan_schedule(cfg, got["samples_total"], world.size)  # type: ignore[index]
         cfg.extra = {**cfg.extra, "jobs": jobs}
         probe = drained_probe(api, jobs, api_token) if api and world.is_writer else None
-        trainer = Eagle3OnlineTrainer(cfg, counts, drained=probe, world=world)
+        trainer = OnlineTrainer(cfg, counts, drained=probe, world=world, draft=draft)
         trainer.prepare()  # before the stream: slow, and a silent stream would lose its leases
         with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s,
                                credit=credit, **trainer.stream_options()) as s:  # fmt: skip

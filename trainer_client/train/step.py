@@ -1,4 +1,4 @@
-"""One optimizer step of the draft: forward (speculators' Eagle-3 with TTT), backward, update.
+"""One optimizer step of the draft: forward (the draft plug-in's loss), backward, update.
 
 Split in two so the host can do the data path while the device computes: :meth:`DraftStep.launch`
 queues the step (on CUDA everything up to the optimizer update is asynchronous) and
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer_client.eagle3.config import TrainConfig
-from trainer_client.eagle3.data_path import CudaOps
-from trainer_client.eagle3.distributed import World
+from trainer_client.train.config import TrainConfig
+from trainer_client.train.data_path import CudaOps
+from trainer_client.train.distributed import World
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -56,15 +56,14 @@ class DraftStep:
     """Owns the draft's optimizer and schedule; runs steps on ``device``."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, device: torch.device, world: World,
-                 autocast: torch.dtype | None, ops: CudaOps | None) -> None:  # fmt: skip
+                 autocast: torch.dtype | None, ops: CudaOps | None, draft) -> None:  # noqa: ANN001  # fmt: skip
         self.model, self.cfg, self.device, self.world, self.ops = model, cfg, device, world, ops
+        self.draft = draft
+        self.k = int(draft.positions())
         self.autocast = autocast
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        from speculators.losses import resolve_loss_config
-
-        self.loss_config = resolve_loss_config("kl_div", "eager")
         self.step = 0
 
     def _autocast(self):  # noqa: ANN202
@@ -74,7 +73,7 @@ class DraftStep:
 
     def launch(self, batch: dict[str, torch.Tensor] | None, loss_tokens: int = 0, global_loss_tokens: int = 0) -> Launched:
         """Queue one step. ``batch`` None: this rank has nothing this step (several ranks only)."""
-        k = self.cfg.ttt_steps
+        k = self.k
         t0 = time.perf_counter()
         timers = (self.ops.timer(),) if self.ops is not None else None
         self.model.train()
@@ -82,18 +81,15 @@ class DraftStep:
         self.optimizer.zero_grad(set_to_none=True)
         if batch is not None:
             with self._autocast():
-                _, loss, metrics = self.model(
-                    **batch, ttt_steps=k, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
-                    loss_config=self.loss_config,
-                )  # fmt: skip
+                loss, correct, counted = self.draft.forward(self.model, batch)
             if self.world.distributed:  # this rank's share of the step's loss tokens
                 loss = loss * (loss_tokens / max(1, global_loss_tokens))
             loss.backward()
             stats[0] = loss.detach().float()
             stats[2] = batch["loss_mask"].sum()
             for i in range(k):
-                stats[3 + 2 * i] = metrics[f"full_acc_{i}_sum"].float()
-                stats[4 + 2 * i] = metrics[f"full_acc_{i}_total"].float()
+                stats[3 + 2 * i] = torch.as_tensor(correct[i]).float()
+                stats[4 + 2 * i] = torch.as_tensor(counted[i]).float()
         elif not self.world.distributed:
             raise ValueError("a step without a batch only makes sense with several ranks")
         if self.world.distributed:
@@ -126,7 +122,7 @@ class DraftStep:
             device_s = self.ops.elapsed_s(*h.timers)
         else:
             device_s = time.perf_counter() - h.t0
-        k = self.cfg.ttt_steps
+        k = self.k
         out = {"step": self.step, "loss": vals[0], "grad_norm": vals[1], "lr": h.lr, "tokens": int(vals[2])}
         for i in range(k):
             tot = vals[4 + 2 * i]

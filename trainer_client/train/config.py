@@ -18,7 +18,9 @@ import torch
 class TrainConfig:
     verifier: str
     out_dir: str
-    aux_layer_ids: list[int] | None = None  # None: Eagle-3's usual [2, N//2, N-3]
+    # Which draft to train: a name in trainer_client.drafts.REGISTRY (eagle3, peagle, dflash).
+    draft: str = "eagle3"
+    aux_layer_ids: list[int] | None = None  # None: the draft's default (Eagle-3's usual [2, N//2, N-3])
     draft_vocab_size: int | None = None  # None: min(32000, verifier vocabulary)
     ttt_steps: int = 3
     ttt_step_loss_decay: float = 1.0
@@ -68,6 +70,13 @@ class TrainConfig:
     # job's tail and ranks keep joining collectives (HiddenStateStream(idle_s=...)).
     idle_s: float = 0.2
     draft_attn_impl: str = "sdpa"  # speculators' "simple_flex_attention" is faster on GPU, no backward on CPU
+    # Parallel drafts (P-EAGLE, DFlash): the token id their mask positions carry. None: the
+    # verifier tokenizer's mask token, else an error naming the draft (trainer_client/drafts/).
+    mask_token_id: int | None = None
+    block_size: int = 4  # DFlash: tokens per block (the anchor + block_size - 1 drafted)
+    num_depths: int = 4  # P-EAGLE: tokens drafted in parallel per verifier step
+    max_anchors: int = 256  # DFlash / P-EAGLE: anchors sampled per packed row
+    num_draft_layers: int = 1  # DFlash: decoder layers of the draft
     extra: dict = field(default_factory=dict)  # recorded in run.json (job ids, command line, ...)
 
 
@@ -81,7 +90,7 @@ class TrainResult:
     wait_s: float  # this rank: time the device had no step because no batch was ready
     final_checkpoint: str | None
     draft_dir: str | None
-    top1: list[float]  # per TTT step, token-weighted over the last ``window`` steps
+    top1: list[float]  # per draft position (Eagle-3: TTT step), token-weighted over the last ``window`` steps
     loss: float
     window: int
     device: str = "cpu"
@@ -93,6 +102,8 @@ class TrainResult:
     held_out: int = 0  # samples held out for it (their repeats in later epochs are not trained either)
     final_dir: str | None = None  # OUT/final: the last checkpoint's draft, kept whatever rotation does
     serve: str | None = None  # the `vllm serve` line that serves the verifier with final_dir
+    draft: str = "eagle3"
+    speculative_config: dict | None = None  # what vLLM's --speculative-config takes for final_dir
 
     def summary(self) -> dict:
         d = asdict(self)

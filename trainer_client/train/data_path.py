@@ -3,10 +3,11 @@
 Three pieces, each replaceable on its own:
 
 * :class:`BatchSource` takes samples from the stream on the loop's own thread (the stream's
-  rule: one thread owns its socket), checks each against the draft, leaves out what the
+  rule: one thread owns its socket), checks each against the draft (the plug-in's ``check``), leaves out what the
   weights already hold and applies the negative control. An idle yield of the stream (``None``)
   ends a batch early, so the loop can checkpoint or join the other ranks instead of blocking.
-* :class:`DeviceCopier` turns a batch into the step's tensors on the device. On CUDA the
+* :class:`DeviceCopier` turns a batch into the step's tensors on the device (the draft plug-in
+  selects the layers and packs the row: ``features``, ``pack``). On CUDA the
   sample tensors (pinned by the stream) are copied with ``non_blocking=True`` on a side stream,
   the layer selection and packing run there too, and an event marks the batch ready; the step
   makes the compute stream wait for that event (not the host) and hands the tensors over with
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connector import protocol as P
-from trainer_client.eagle3.features import Features, features, loss_tokens, pack, swap_aux
+from trainer_client.drafts.base import Features, features, loss_tokens, pack, swap_aux
 from trainer_client.stream import Sample
 
 
@@ -52,7 +53,9 @@ class BatchSource:
 
     def __init__(self, stream: Iterable[Sample | None], *, check: Callable[[Sample], None],
                  already_trained: Callable[[str], bool], samples_per_step: int, max_tokens_per_step: int,
-                 control: str = "none", hold_out: Callable[[Sample], bool] | None = None) -> None:  # fmt: skip
+                 control: str = "none", hold_out: Callable[[Sample], bool] | None = None,
+                 count_loss: Callable[[Sample], int] = loss_tokens) -> None:  # fmt: skip
+        self.count_loss = count_loss  # the loss-carrying positions of a sample, as its draft packs it
         self._it: Iterator[Sample | None] = iter(stream)
         self.check = check
         self.already_trained = already_trained
@@ -99,9 +102,9 @@ class BatchSource:
                 t = min(t, int(donor.token_ids.shape[0]))
                 smp_cut = Sample(smp.key, smp.token_ids[:t], smp.hidden_states[:t], smp.layer_ids,
                                  smp.num_hidden_layers, smp.loss_mask[:t] if smp.loss_mask is not None else None)  # fmt: skip
-                b.loss_tokens += loss_tokens(smp_cut)
+                b.loss_tokens += self.count_loss(smp_cut)
             else:
-                b.loss_tokens += loss_tokens(smp)
+                b.loss_tokens += self.count_loss(smp)
             b.tokens += t
         return b if b.yielded else None
 
@@ -168,7 +171,11 @@ class Staged:
 class DeviceCopier:
     """Host batches → the step's packed tensors on the device (see the module docstring)."""
 
-    def __init__(self, device: torch.device, aux_layer_ids: list[int], ops: CudaOps | None = None) -> None:
+    def __init__(self, device: torch.device, aux_layer_ids: list[int], ops: CudaOps | None = None,
+                 draft=None) -> None:  # noqa: ANN001  # fmt: skip
+        """``draft``: the plug-in whose ``features`` and ``pack`` make the step's tensors (None: the
+        shared shifted packing, as Eagle-3 and P-EAGLE take it)."""
+        self._feat, self._pack = (features, pack) if draft is None else (draft.features, draft.pack)
         self.device = device
         self.aux_layer_ids = aux_layer_ids
         self.ops = ops
@@ -177,9 +184,9 @@ class DeviceCopier:
     def _features(self, b: HostBatch, dtype: torch.dtype | None, to) -> list[Features]:  # noqa: ANN001
         out = []
         for smp, donor in zip(b.samples, b.donors, strict=True):
-            f = features(smp, self.aux_layer_ids, dtype=dtype, to=to)
+            f = self._feat(smp, self.aux_layer_ids, dtype=dtype, to=to)
             if donor is not None:
-                f = swap_aux(f, features(donor, self.aux_layer_ids, dtype=dtype, to=to))
+                f = swap_aux(f, self._feat(donor, self.aux_layer_ids, dtype=dtype, to=to))
             out.append(f)
         return out
 
@@ -188,10 +195,10 @@ class DeviceCopier:
             return Staged(b, None, 0)
         if self.ops is None:  # CPU: float32, as the trainer always did
             feats = self._features(b, torch.float32, None)
-            return Staged(b, pack(feats), sum(f.num_tokens for f in feats))
+            return Staged(b, self._pack(feats), sum(f.num_tokens for f in feats))
         with self.ops.side():
             feats = self._features(b, None, self.ops.to_device)
-            tensors = pack(feats)
+            tensors = self._pack(feats)
             ev = self.ops.record()
         self.staged += 1
         return Staged(b, tensors, sum(f.num_tokens for f in feats), ev)

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer_client.eagle3.config import TrainConfig
+from trainer_client.train.config import TrainConfig
 
 #: logger name → the package it needs (what ``pip install`` takes).
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}

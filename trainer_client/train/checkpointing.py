@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from connector import protocol as P
-from trainer_client.eagle3.data_path import HostBatch
-from trainer_client.eagle3.distributed import World
+from trainer_client.train.data_path import HostBatch
+from trainer_client.train.distributed import World
 
 CKPT_LOG = "checkpoint_log.jsonl"
 

@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("hsstream.eagle3")
+log = logging.getLogger("hsstream.train")
 
 
 class World:

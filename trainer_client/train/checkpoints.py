@@ -1,8 +1,8 @@
-"""The draft model (speculators' ``Eagle3DraftModel``) and checkpoints vLLM can serve.
+"""Checkpoints on disk, whatever the draft: the folders vLLM serves and the trainer resumes from.
 
-A checkpoint is a folder ``step-NNNNNNNN/`` holding ``draft/`` (``save_pretrained`` output:
-speculators' format with ``eagle_aux_hidden_state_layer_ids``, which vLLM loads as
-``speculative_config={"method": "eagle3", "model": ".../draft"}``) and ``trainer_state.pt``
+A checkpoint is a folder ``step-NNNNNNNN/`` holding ``draft/`` (the draft's ``save_pretrained``
+output: speculators' format, which vLLM loads as ``speculative_config={"method": <the draft's
+method>, "model": ".../draft"}``) and ``trainer_state.pt``
 (optimizer, schedule, step, and which samples the weights include). It is written under a
 hidden temporary name and renamed into place, so a crash mid-write leaves no checkpoint that
 looks complete; resume picks the newest complete one.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("hsstream.eagle3")
+log = logging.getLogger("hsstream.train")
 
 CKPT_DIR = "checkpoints"
 DRAFT_DIR = "draft"
@@ -39,52 +39,6 @@ _STEP_RE = re.compile(r"^step-(\d{8})$")
 def verifier_text_config(verifier_dir: str) -> dict:
     c = json.loads((Path(verifier_dir) / "config.json").read_text())
     return c.get("text_config", c)
-
-
-def build_draft(
-    verifier_dir: str,
-    aux_layer_ids: list[int],
-    *,
-    draft_vocab_size: int,
-    t2d: torch.Tensor | None,
-    d2t: torch.Tensor | None,
-    ttt_steps: int = 3,
-    seed: int = 0,
-    train_lm_head: bool = False,
-    attn_impl: str = "sdpa",
-):
-    """A fresh draft: one llama decoder layer, verifier embeddings / norm / lm_head rows frozen.
-
-    sdpa attention by default because flex attention has no backward on CPU; the first
-    argument of ``from_training_args`` is the *draft layer's* config, built from the
-    verifier's. Built on the CPU in float32 (the master weights); the trainer moves it.
-    """
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.cli import create_transformer_layer_config
-
-    layer_cfg = create_transformer_layer_config(
-        verifier_dir, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=4096, full_attention_indices=[0]
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Eagle3DraftModel.from_training_args(
-            layer_cfg,
-            t2d=t2d,
-            d2t=d2t,
-            verifier_name_or_path=verifier_dir,
-            target_layer_ids=list(aux_layer_ids),
-            draft_vocab_size=draft_vocab_size,
-            norm_before_residual=True,
-            ttt_steps=ttt_steps,
-            draft_attn_impl=attn_impl,
-        )
-    model = model.float()
-    if train_lm_head:
-        model.lm_head.weight.requires_grad_(True)
-    for name in ("embed_tokens", "verifier_lm_head", "verifier_norm"):
-        for p in getattr(model, name).parameters():
-            p.requires_grad_(False)
-    return model
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -196,24 +150,15 @@ def publish_final(out_dir: str | Path, ckpt: Path) -> Path:
     return dest
 
 
-def serve_command(verifier: str, draft_dir: str | Path, num_speculative_tokens: int) -> str:
-    """The shell line that serves the verifier with the draft, as ``bench/acceptance.py`` does
-    (``speculative_config={"method": "eagle3", "model": <draft dir>, "num_speculative_tokens": N}``)."""
-    spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()),
-            "num_speculative_tokens": num_speculative_tokens}
+def serve_command(verifier: str, draft_dir: str | Path, num_speculative_tokens: int | None = None, *,
+                  spec: dict | None = None) -> str:  # fmt: skip
+    """The shell line that serves the verifier with the draft, as ``bench/acceptance.py`` does:
+    ``spec`` is the draft's ``--speculative-config`` (``Draft.speculative_config``); without it an
+    Eagle-3 one (``{"method": "eagle3", "model": <draft dir>, "num_speculative_tokens": N}``)."""
+    if spec is None:
+        spec = {"method": "eagle3", "model": str(Path(draft_dir).resolve()),
+                "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
     return f"vllm serve {shlex.quote(str(verifier))} --speculative-config {shlex.quote(json.dumps(spec))}"
-
-
-def load_weights(model, ckpt: Path) -> None:  # noqa: ANN001
-    """Trained weights from a checkpoint into a freshly built draft (verifier parts stay as built)."""
-    from safetensors.torch import load_file
-
-    sd = load_file(str(ckpt / DRAFT_DIR / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    allowed_missing = {"verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t"}
-    bad = [k for k in missing if k not in allowed_missing]
-    if bad or unexpected:
-        raise RuntimeError(f"checkpoint {ckpt} does not match the draft: missing {bad}, unexpected {unexpected}")
 
 
 def load_state(ckpt: Path) -> dict:

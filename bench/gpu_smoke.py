@@ -1,7 +1,7 @@
 """A few training steps on a device, from an in-memory stream: does the device path work?
 
-    python -m trainer_client.eagle3.gpu_smoke                      # cuda if available, else cpu
-    python -m trainer_client.eagle3.gpu_smoke --device cuda --nproc 2   # two ranks, NCCL
+    python -m bench.gpu_smoke                      # cuda if available, else cpu
+    python -m bench.gpu_smoke --device cuda --nproc 2   # two ranks, NCCL
 
 No sidecar and no vLLM: the tiny verifier (built offline) gives the frozen parts, the samples
 are random bf16 hidden states of its shape, pinned on CUDA as the stream pins them, cycled so
@@ -58,7 +58,7 @@ class MemoryStream:
 
 
 def make_samples(verifier: str, n: int, distinct: int, rank: int, pin: bool, seed: int = 0) -> list[Sample]:
-    from trainer_client.eagle3.model import verifier_text_config
+    from trainer_client.train.checkpoints import verifier_text_config
 
     c = verifier_text_config(verifier)
     nl, h, v = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["vocab_size"])
@@ -81,11 +81,11 @@ def make_samples(verifier: str, n: int, distinct: int, rank: int, pin: bool, see
 
 def run_rank(args: argparse.Namespace, out_dir: str) -> dict:
     from hsstream.tiny_model import build_tiny_verifier
-    from trainer_client.eagle3.checkpointing import CKPT_LOG
-    from trainer_client.eagle3.config import TrainConfig, resolve_device
-    from trainer_client.eagle3.distributed import World
-    from trainer_client.eagle3.model import verifier_text_config
-    from trainer_client.eagle3.trainer import Eagle3OnlineTrainer
+    from trainer_client.train.checkpointing import CKPT_LOG
+    from trainer_client.train.config import TrainConfig, resolve_device
+    from trainer_client.train.distributed import World
+    from trainer_client.train.checkpoints import verifier_text_config
+    from trainer_client.eagle3 import Eagle3OnlineTrainer
 
     verifier = str(build_tiny_verifier())
     world = World.from_env(resolve_device(args.device, local_rank=World.env_local_rank(), world_size=World.env_size()))
