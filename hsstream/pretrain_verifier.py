@@ -114,18 +114,6 @@ def corpus_documents(n: int, seed: int) -> list[str]:
     return [document(rng) for _ in range(n)]
 
 
-def recall_documents(n: int, seed: int) -> list[str]:
-    """Documents of only the kinds whose next token is in the context, not in the last token.
-
-    Facts queried again and lists repeated: answering needs looking back (an induction step,
-    two layers deep), which the verifier's hidden states carry and a one-layer draft reading
-    tokens alone cannot redo. The negative control trains on these, where hidden states
-    matter most.
-    """
-    rng = random.Random(seed)
-    return [" ".join((_facts if rng.random() < 0.6 else _lists)(rng) for _ in range(3)) for _ in range(n)]
-
-
 #: Seeds of the disjoint document sets: pre-training the verifier, training drafts, evaluating.
 SEED_PRETRAIN = 1001
 SEED_DRAFT_TRAIN = 2002

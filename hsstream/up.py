@@ -140,10 +140,6 @@ class UpConfig:
     def engine_url(self, i: int) -> str:
         return f"http://{_url_host(self.vllm_host)}:{self.vllm_port + i}"
 
-    def engine_urls(self) -> str:
-        """HSSTREAM_VLLM_URL for the sidecar: every engine, comma-separated."""
-        return ",".join(self.engine_url(i) for i in range(self.engines))
-
     def engine_cli(self, i: int) -> list[str]:
         """``vllm_cli`` with engine ``i``'s port (our options come before any ``--``)."""
         cli = list(self.vllm_cli)
