@@ -30,12 +30,12 @@ demo: $(STAMP)
 	$(PY) bench/acceptance.py --workdir .demo/acceptance --out .demo/acceptance.json
 
 # The Mooncake Transfer Engine's library loads libibverbs.so.1 (also without RDMA hardware), and the
-# two-host test (tests/integration/test_two_hosts.py) joins network namespaces with `ip`: Debian's.
+# two-host test (tests/integration/connector/test_two_hosts.py) joins network namespaces with `ip`: Debian's.
 os-deps:
 	@{ ldconfig -p | grep -q libibverbs.so.1 && command -v ip >/dev/null; } || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 iproute2; }
 
-# tests/unit/test_deploy_compose.py validates deploy/compose.yaml with a real Compose: Debian's.
+# tests/unit/deploy/test_deploy_compose.py validates deploy/compose.yaml with a real Compose: Debian's.
 compose-tool:
 	@command -v docker-compose >/dev/null || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }

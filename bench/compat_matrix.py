@@ -13,7 +13,7 @@ Installs run without the test lock (network and disk); every vLLM run takes it. 
 installable on CPU here (its CPU torch does not resolve); it is covered on CUDA by
 ``bench/gpu_check.py`` (``bench/results/gpu_check_h200.json``): its row is built from that file
 (verdict, date, layers), and ``--cuda-row-only`` refreshes just that row after a new GPU run.
-``tests/unit/test_results_in_readme.py`` holds the README's table to this file.
+``tests/unit/project/test_results_in_readme.py`` holds the README's table to this file.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def check() -> dict:
     from safetensors.torch import load_file
 
     from hsstream.tiny_model import build_tiny_verifier
-    from tests.integration.test_dropin_clients import PlainVllm, assert_matches_hf
+    from tests.integration.trainer_client.test_dropin_clients import PlainVllm, assert_matches_hf
 
     out: dict = {"vllm": vllm.__version__, "checks": {}}
     model = str(build_tiny_verifier())

@@ -9,7 +9,7 @@ docs/benchmarks.md).
 
 The submitter sees only :class:`Reply` and the :class:`HttpError` family, so its unit tests
 fake this seam (``get``/``post_json``/``aclose``) and this module's mapping of aiohttp's errors
-is tested once, against real local servers (tests/unit/test_vllm_http.py).
+is tested once, against real local servers (tests/unit/server/test_vllm_http.py).
 """
 
 from __future__ import annotations

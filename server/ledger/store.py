@@ -3,7 +3,7 @@ codec.
 
 The schema version is SQLite's ``PRAGMA user_version``; ``_MIGRATIONS`` brings an older file to
 it one step at a time. A later change to the schema appends a step (and its test opens a file
-of the release before, ``tests/unit/test_ledger_schema.py``).
+of the release before, ``tests/unit/server/test_ledger_schema.py``).
 
 Writes go through the connection in WAL mode with ``synchronous=NORMAL``: a commit is durable
 against a killed process, which is what the ledger's recovery needs.

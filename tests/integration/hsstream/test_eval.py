@@ -1,0 +1,113 @@
+"""``hsstream eval`` on the real vLLM CPU build: our acceptance figures against vLLM's own counters.
+
+The draft is trained briefly in-process on the pre-trained tiny verifier's hidden states from
+plain HF (hsstream/tiny_model.py ``hf_hidden_states``, which the connector's output is checked
+against in test_e2e_hidden_states.py), so that it accepts a fair share of tokens without the
+stack's engine start; then one engine serves it (``--no-baseline``: the speed comparison needs
+a second engine and is not what is checked here).
+
+* our figures, from each request's per-step record (``CompletionOutput.spec_decode_metrics``),
+  equal those from vLLM's ``vllm:spec_decode_*`` counters within 0.02: acceptance rate, per
+  position, mean acceptance length;
+* a directory that is not a draft is refused at once, with a message naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LAYERS = [2, 6, 9, 12]
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def train_draft_from_hf(verifier: str, out: Path, *, samples: int, steps: int, seed: int = 0) -> Path:
+    """A draft trained for ``steps`` steps on corpus documents' HF hidden states; its final/ dir."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from connector import protocol as P
+    from hsstream.pretrain_verifier import SEED_DRAFT_TRAIN, corpus_documents
+    from hsstream.tiny_model import hf_hidden_states
+    from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
+    from trainer_client.train.vocab import count_tokens
+    from trainer_client.stream import Sample
+
+    tok = AutoTokenizer.from_pretrained(verifier)
+    docs = corpus_documents(samples, SEED_DRAFT_TRAIN)
+    rows = [tok(d, add_special_tokens=False)["input_ids"][:96] for d in docs]
+    rows = [r for r in rows if len(r) >= 8]
+
+    class Stream:
+        def __iter__(self):  # noqa: ANN204
+            rng = random.Random(seed)
+            while True:
+                for i in rng.sample(range(len(rows)), len(rows)):
+                    hs = hf_hidden_states(verifier, rows[i], LAYERS).to(torch.bfloat16)
+                    yield Sample(P.SampleKey(job="eval-test", index=i), torch.tensor(rows[i]), hs, LAYERS, 12, None)
+
+        def ack_through(self, key) -> None:  # noqa: ANN001
+            pass
+
+    cfg = TrainConfig(verifier=verifier, out_dir=str(out), draft_vocab_size=256, lr=3e-3, warmup_steps=10,
+                      max_steps=steps, checkpoint_every=10_000, progress=False, tensorboard=False, threads=1, seed=seed)  # fmt: skip
+    r = Eagle3OnlineTrainer(cfg, count_tokens(rows)).train(Stream())
+    return Path(r.final_dir)
+
+
+@pytest.fixture(scope="module")
+def verifier() -> str:
+    from hsstream.pretrain_verifier import pretrained_verifier
+
+    return str(pretrained_verifier())
+
+
+@pytest.fixture(scope="module")
+def draft(verifier, tmp_path_factory) -> Path:
+    return train_draft_from_hf(verifier, tmp_path_factory.mktemp("eval-draft"), samples=150, steps=200)
+
+
+def hsstream(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hsstream", *args], cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_eval_acceptance_is_vllms_own_within_0_02(verifier, draft, tmp_path):
+    from hsstream.evaluate import agreement
+
+    from hsstream.pretrain_verifier import held_out_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out_prompts(16)))
+    p = hsstream("eval", "--model", verifier, "--draft", str(draft), "--prompts", str(prompts), "--no-baseline",
+                 "--json", "--max-tokens", "32", "--workdir", str(tmp_path))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    v = res["temperatures"]["0.0"]
+    ours, vm = v["ours"], v["vllm_metrics"]
+    assert ours["requests_without_record"] == 0
+    assert vm["drafts"] > 50 and ours["drafts"] > 50
+    assert ours["acceptance_rate"] > 0.2, ours  # a draft that learned: the comparison is not 0 against 0
+    assert len(ours["acceptance_per_position"]) == 3
+    assert agreement(res) <= 0.02, (ours, vm)
+    assert abs(ours["mean_acceptance_length"] - vm["mean_acceptance_length"]) <= 0.02 * 3
+    # position i+1 can only be accepted after position i: a per-position list out of order is wrong
+    pp = ours["acceptance_per_position"]
+    assert pp == sorted(pp, reverse=True)
+    assert v["tokens_per_s"]["with_draft"] > 0 and v["tokens_per_s"]["without_draft"] is None
+
+
+def test_eval_refuses_a_directory_that_is_not_a_draft(verifier, draft, tmp_path):
+    p = hsstream("eval", "--model", verifier, "--draft", str(tmp_path), timeout=120)
+    assert p.returncode == 2
+    assert "no config.json, not a speculators-format draft" in p.stderr
+    run_dir = draft.parent  # a run dir: the draft is in its final/
+    p = hsstream("eval", "--model", verifier, "--draft", str(run_dir), timeout=120)
+    assert p.returncode == 2 and "its draft is in final/" in p.stderr, p.stderr
+    p = hsstream("eval", "--model", verifier, "--draft", verifier, timeout=120)  # the verifier itself
+    assert p.returncode == 2 and "not an Eagle-3 draft" in p.stderr, p.stderr

@@ -1,0 +1,216 @@
+"""README's figures against the committed result files they cite: the tested-vLLM table against
+``bench/results/compat_matrix.json`` (and 0.26's row against the GPU run it names), and the
+online-vs-offline table and note against ``bench/results/online_vs_offline_cpu.json``, and the
+online-on-GPU row against the ``online_gpu_h200x1_shared_pipelined*.json`` runs it names.
+
+A result file re-run without the README (or the other way round) fails here, with the figure
+that moved. Numbers are read from the README's tables as written there (rounded as shown).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from bench.online_vs_offline import at_time
+
+ROOT = Path(__file__).resolve().parents[3]
+README = (ROOT / "README.md").read_text()
+RESULTS = ROOT / "bench/results"
+CHECKS = ("hf_equivalence", "layer_order", "nothing_left")  # the table's columns, in order
+
+
+def section(title: str) -> str:
+    """The README text under a heading, up to the next heading of any level."""
+    m = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", README, re.M | re.S)
+    assert m, f"README has no section {title!r}"
+    return m.group(1)
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of each body row of the markdown tables in ``text``."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows[1:] if rows else rows  # the first row is the header
+
+
+# ------------------------------------------------------------------------------- vLLM versions
+
+
+def compat() -> tuple[list[dict], dict[str, list[str]]]:
+    data = json.loads((RESULTS / "compat_matrix.json").read_text())
+    readme = {r[0]: r for r in table_rows(section("Tested vLLM versions"))}
+    return data["rows"], readme
+
+
+def test_every_vllm_cpu_version_row_says_what_the_json_says():
+    rows, readme = compat()
+    cpu = [r for r in rows if "CUDA" not in r["version"]]
+    assert [r["version"] for r in cpu] == [v for v in readme if not v.startswith("0.26")]
+    for r in cpu:
+        cells = readme[r["version"]][2:5]
+        for name, cell in zip(CHECKS, cells, strict=True):
+            check = r.get("checks", {}).get(name)
+            if check and check["pass"]:
+                assert cell.startswith("pass"), f"{r['version']} {name}: README says {cell!r}, the JSON passes"
+            else:  # a failure (or a version that never ran) is stated, with its reason
+                reason = (check or r).get("reason") or ""
+                assert cell.startswith("fail") and reason[:40] in cell, f"{r['version']} {name}: {cell!r} vs {reason!r}"
+
+
+def test_the_cuda_row_is_the_gpu_run_it_names():
+    from bench.compat_matrix import cuda_row
+
+    rows, readme = compat()
+    (row,) = [r for r in rows if "CUDA" in r["version"]]
+    assert row == cuda_row(), "compat_matrix.json's CUDA row is stale: python bench/compat_matrix.py --cuda-row-only"
+    gpu = json.loads((ROOT / row["result_file"]).read_text())
+    (cells,) = [c for v, c in readme.items() if v.startswith("0.26")]
+    assert gpu["vllm"].startswith("0.26") and gpu["ok"] and cells[2].startswith("pass")
+    assert f"({gpu['when'][:10]})" in cells[1], f"README's date {cells[1]!r}, the run's {gpu['when']}"
+    assert f"[{', '.join(map(str, gpu['layers']))}]" in cells[3], f"README's layers {cells[3]!r}, the run's {gpu['layers']}"
+    assert row["result_file"] in cells[5]
+
+
+def test_pyproject_claims_no_more_vllm_than_the_table():
+    rows, _ = compat()
+    passed = [tuple(int(x) for x in r["version"].split()[0].split(".")[:2]) for r in rows if r["pass"]]
+    lo, hi = min(passed), max(passed)
+    spec = re.search(r'^gpu = \["vllm>=([\d.]+),<([\d.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert spec, "pyproject's gpu extra is no longer vllm>=A,<B"
+    assert spec.group(1) == f"{lo[0]}.{lo[1]}" and spec.group(2) == f"{hi[0]}.{hi[1] + 1}", spec.group(0)
+
+
+# ----------------------------------------------------------------------------- online vs offline
+
+
+@pytest.fixture(scope="module")
+def ovo() -> dict:
+    return json.loads((RESULTS / "online_vs_offline_cpu.json").read_text())
+
+
+def by_grid(curve: list[dict], grid_s: float) -> dict[int, dict]:
+    """The first served point in each wall-clock grid interval (a final checkpoint that falls in
+    the same interval as a grid one is not an equal-clock point)."""
+    out: dict[int, dict] = {}
+    for p in curve:
+        out.setdefault(int(p["t_s"] // grid_s), p)
+    return out
+
+
+def test_the_run_is_what_the_issue_asks(ovo):
+    arms = ovo["arms"]
+    assert arms["offline"]["samples_hash"] == arms["online"]["samples_hash"]  # same samples, recomputed here
+    assert all(len(a["curve"]) >= 4 for a in arms.values()), {k: len(a["curve"]) for k, a in arms.items()}
+    assert (RESULTS / "online_vs_offline_cpu.png").stat().st_size > 10_000
+    assert "make online-vs-offline" in section("Online vs offline on the same clock")
+
+
+def test_the_table_has_the_measured_figures(ovo):
+    arms, rows = ovo["arms"], table_rows(section("Online vs offline on the same clock"))
+    first = arms["offline"]["curve"][0]
+    assert len(rows) == 3
+    for arm, cells in zip(("offline", "online", "online_regenerated"), rows, strict=True):
+        a = arms[arm]
+        at = at_time(a["curve"], first["t_s"])  # what existed at offline's first (same tick)
+        if at is None:  # no checkpoint yet then (the regenerated arm starts training later)
+            assert cells[3].startswith("–"), (arm, cells[3])
+            at = {"T0": math.nan, "T1": math.nan}
+        final = a["curve"][-1]
+        assert cells[1] == f"{a['wall_s']:.0f} s", (arm, cells[1])
+        if not math.isnan(at["T0"]):
+            assert cells[3].startswith(f"{at['T0']:.3f} / {at['T1']:.3f}"), (arm, cells[3], at)
+        assert cells[4] == f"{final['T0']:.3f} / {final['T1']:.3f}", (arm, cells[4], final)
+    # the summary row under "Measured" says the same
+    (row,) = [ln for ln in section("Measured").splitlines() if ln.startswith("| Online vs offline")]
+    on_at = at_time(arms["online"]["curve"], first["t_s"])
+    fin = {arm: arms[arm]["curve"][-1] for arm in ("offline", "online")}
+    for want in (f"final checkpoint at {arms['offline']['wall_s']:.0f} s, online at {arms['online']['wall_s']:.0f} s",
+                 f"first checkpoint ({first['t_s']:.0f} s)",
+                 f"T=0 {on_at['T0']:.3f} vs {first['T0']:.3f}, T=1 {on_at['T1']:.3f} vs {first['T1']:.3f}",
+                 f"final T=0 {fin['offline']['T0']:.3f} offline / {fin['online']['T0']:.3f} online"):  # fmt: skip
+        assert want in row, f"README's Measured row should say {want!r}:\n{row}"
+
+
+def test_no_readme_table_is_cut_by_a_blank_line():
+    """A row after a blank line starts a new table, which needs its own header: without one,
+    markdown shows the rows as a paragraph of pipes."""
+    lines = README.splitlines()
+    cut = [i + 1 for i in range(1, len(lines) - 1)
+           if lines[i].startswith("|") and not lines[i - 1].strip() and not re.match(r"^\|[-| :]+\|$", lines[i + 1])]  # fmt: skip
+    assert cut == [], f"README lines {cut}: table rows without a header (a blank line inside a table?)"
+
+
+def test_the_note_says_who_wins_and_by_how_much(ovo):
+    note = " ".join(section("Online vs offline on the same clock").split())
+    off, on = ovo["arms"]["offline"], ovo["arms"]["online"]
+    winner = "offline" if off["wall_s"] < on["wall_s"] else "online"
+    assert f"the **{winner} path wins on wall-clock**" in note
+    assert f"it ends {abs(on['wall_s'] - off['wall_s']):.0f} s" in note
+    # at offline's first checkpoint: who is ahead, by how much
+    first = off["curve"][0]
+    on_at = at_time(on["curve"], first["t_s"])
+    lead = "online" if on_at["T0"] > first["T0"] else "offline"
+    d0, d1 = abs(on_at["T0"] - first["T0"]), abs(on_at["T1"] - first["T1"])
+    claim = f"{lead} is ahead by {d0:.3f} at T=0 and {d1:.3f} at T=1"
+    assert claim in note, f"README should say: {claim!r}"
+    # at the later wall-clock points both arms served (before offline's final checkpoint): the
+    # largest difference either way
+    grid = ovo["grid_s"]
+    g_off, g_on = by_grid(off["curve"], grid), by_grid(on["curve"], grid)
+    both = sorted(k for k in g_off if k in g_on and g_off[k]["t_s"] > first["t_s"] + 1 and g_off[k]["t_s"] < off["wall_s"])
+    assert both, "no later wall-clock point served in both arms"
+    t0 = max(abs(g_off[k]["T0"] - g_on[k]["T0"]) for k in both)
+    t1 = max(abs(g_off[k]["T1"] - g_on[k]["T1"]) for k in both)
+    points = ", ".join(f"{k * grid:.0f}" for k in both[:-1]) + f" and {both[-1] * grid:.0f} s"
+    claim = f"At the later wall-clock points both arms served ({points}), the two stay within {t0:.3f} at T=0 and {t1:.3f} at T=1"
+    assert claim in note, f"README should say: {claim!r}"
+
+
+def test_the_online_gpu_row_quotes_the_runs_it_names():
+    """The measured table's GPU row: latency, training rate and wait as the named JSON files say."""
+    row = next(line for line in README.splitlines() if line.startswith("| Online on GPU"))
+    b2k = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined_batch2k.json").read_text())["summary"]
+    b16k = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined.json").read_text())["summary"]
+    tr = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined_train_batch2k.json").read_text())["summary"]
+    m = re.search(r"p50 ([\d.]+) ms / p99 ([\d.]+) ms with 2k-token batches", row)
+    assert m and (float(m[1]), float(m[2])) == (round(b2k["latency_p50_ms"], 1), round(b2k["latency_p99_ms"], 1))
+    m = re.search(r"([\d.]+) / ([\d.]+) ms with vLLM's default 16k-token batches", row)
+    assert m and (float(m[1]), round(float(m[2]))) == (round(b16k["latency_p50_ms"], 1), round(b16k["latency_p99_ms"]))
+    m = re.search(r"floor ([\d.]+) ms", row)
+    assert m and float(m[1]) == round(b2k["floor_ms"], 1)
+    m = re.search(r"([\d.]+) samples/s overall, ([\d.]+) in steady state, waiting ([\d.]+) %", row)
+    assert m and float(m[1]) == round(tr["train_samples_per_s"], 1)
+    assert float(m[3]) == round(100 * tr["train_wait_frac"], 1)
+    assert tr["peak_spool_bytes"] <= tr["spool_budget_bytes"]  # "spool ≤ budget"
+
+
+# ------------------------------------------------------------------------------- compose smoke
+
+
+def compose_sentence(r: dict) -> str:
+    """How docs/deploy.md quotes bench/results/compose_cpu.json (make compose-smoke)."""
+    base = (f"base image `{r['base_image']}` made from Debian packages in {r['base_image_s']:.0f} s"
+            if r.get("base_image_made", r.get("base_image_s", 0) >= 1) else f"base image `{r['base_image']}` (made earlier)")
+    return (f"{base}; image built in {r['build_s']:.0f} s without cache ({r['image_bytes'] / 2**30:.2f} GiB); "
+            f"vllm-cpu healthy and the sidecar ready {r['up_s']:.0f} s after `up`; {r['samples_consumed']} samples "
+            f"consumed, the trainer's log at step {r['train_steps']} and checkpoints {', '.join(r['checkpoints'])} "
+            f"(copied out with `run … cp`); clean stop {'yes' if r['clean_stop'] else 'no'}, "
+            f"{r['spool_files_after']} files left in the spool; {r['engine']['name']} {r['engine']['server_version']}, "
+            f"docker-compose {r['engine']['compose']}, {r['date'][:10]}.")
+
+
+def test_deploy_doc_quotes_the_compose_smoke_it_names():
+    r = json.loads((RESULTS / "compose_cpu.json").read_text())
+    assert r["ok"] and not r.get("build_cached"), "the committed smoke must be a passing run built without cache"
+    for key in ("engine", "base_image", "build_s", "image_bytes", "up_s", "samples_consumed", "train_steps",
+                "clean_stop", "spool_files_after"):
+        assert key in r, key
+    doc = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    assert compose_sentence(r) in doc, f"docs/deploy.md should say:\n{compose_sentence(r)}"

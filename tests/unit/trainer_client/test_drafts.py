@@ -1,0 +1,178 @@
+"""The draft plug-ins beside Eagle-3 (P-EAGLE, DFlash) on the generic trainer, without a sidecar.
+
+Hidden states are real (plain transformers on the tiny verifier), the stream a list that
+records acknowledgements. Checked: each draft learns, its checkpoint is speculators' format
+with what vLLM's speculators loader reads for that method, a resumed run loads it, and what a
+draft lacks (a layer, a tensor, the mask token) stops the run naming the draft and the need.
+That vLLM serves these checkpoints is tests/integration/trainer_client/test_trainer_e2e.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from connector import protocol as P
+from hsstream.tiny_model import hf_hidden_states
+from trainer_client import drafts as D
+from trainer_client.drafts.base import DraftConfigError, MissingLayersError
+from trainer_client.drafts.dflash import vllm_target_layer_ids
+from trainer_client.stream import Sample
+from trainer_client.train import checkpoints as M
+from trainer_client.train.trainer import OnlineTrainer, TrainConfig
+
+LAYERS = [2, 6, 9, 12]
+MASK = 1  # the tiny verifier's tokenizer declares no mask token: the tests choose one
+
+
+class ListStream:
+    def __init__(self, samples: list[Sample]) -> None:
+        self.samples = samples
+        self.used: list[P.SampleKey] = []
+        self.acked: list[str] = []
+
+    def __iter__(self):
+        for s in self.samples:
+            self.used.append(s.key)
+            yield s
+
+    def keepalive(self) -> None:
+        pass
+
+    def ack_through(self, key: P.SampleKey) -> None:
+        i = self.used.index(key)
+        self.acked.extend(str(k) for k in self.used[: i + 1])
+        del self.used[: i + 1]
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model) -> list[Sample]:
+    rng = random.Random(0)
+    base = []
+    for i in range(6):
+        ids = [rng.randrange(0, 64) for _ in range(rng.randint(24, 40))]
+        hs = hf_hidden_states(tiny_model, ids, LAYERS).to(torch.bfloat16)
+        base.append((torch.tensor(ids), hs))
+    return [Sample(P.SampleKey(job="unit", index=i), *base[i % 6], LAYERS, 12, None) for i in range(36)]
+
+
+def cfg(tiny_model, out, **kw) -> TrainConfig:
+    base = dict(verifier=tiny_model, out_dir=str(out), draft_vocab_size=128, checkpoint_every=12, progress=False,
+                tensorboard=False, lr=3e-3, warmup_steps=2, threads=1, mask_token_id=MASK, schedule="constant")  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def counts_of(samples):
+    c: dict[int, int] = {}
+    for s in samples:
+        for t in s.token_ids.tolist():
+            c[t] = c.get(t, 0) + 1
+    return c
+
+
+def test_the_registry_names_every_draft_and_refuses_others():
+    assert D.names() == ["dflash", "eagle3", "peagle"]
+    with pytest.raises(D.UnknownDraftError, match="unknown draft 'medusa': use one of dflash, eagle3, peagle"):
+        D.get("medusa")
+
+
+@pytest.mark.parametrize("draft", ["dflash", "peagle"])
+def test_a_parallel_draft_learns_and_saves_what_vllm_serves(tiny_model, samples, tmp_path, draft):
+    out = tmp_path / draft
+    stream = ListStream(samples)
+    res = OnlineTrainer(cfg(tiny_model, out, draft=draft), counts_of(samples)).train(stream)
+    k = 3 if draft == "dflash" else 4  # block_size 4 → 3 drafted; num_depths 4
+    assert res.steps == len(samples) and len(res.top1) == k and res.draft == draft
+    losses = [h["loss"] for h in res.history]
+    assert sum(losses[-6:]) / 6 < 0.8 * sum(losses[:6]) / 6, losses
+    assert sorted(stream.acked) == sorted(str(s.key) for s in samples)
+    conf = json.loads((out / "final" / "config.json").read_text())
+    assert conf["speculators_model_type"] == draft and conf["mask_token_id"] == MASK
+    if draft == "dflash":
+        # what vLLM's update_dflash reads: our layer ids as they are; its target_layer_ids are one less
+        assert conf["aux_hidden_state_layer_ids"] == LAYERS[:3] and conf["block_size"] == 4
+        assert vllm_target_layer_ids(conf["aux_hidden_state_layer_ids"]) == [1, 5, 8]
+        assert res.speculative_config["method"] == "dflash" and res.speculative_config["num_speculative_tokens"] == 3
+    else:
+        assert conf["eagle_aux_hidden_state_layer_ids"] == LAYERS[:3]
+        assert res.speculative_config == {"method": "eagle3", "model": str((out / "final").resolve()),
+                                          "num_speculative_tokens": 4, "parallel_drafting": True}  # fmt: skip
+    assert '"method": "' in res.serve and str((out / "final").resolve()) in res.serve
+    # a resumed run rebuilds the same draft and loads exactly these weights
+    again = OnlineTrainer(cfg(tiny_model, out, draft=draft), {})
+    again.prepare()
+    first = torch.load(M.latest_checkpoint(out) / M.STATE_FILE, weights_only=True)
+    assert first["draft"] == draft and again.step == res.steps
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / "final" / "model.safetensors"))
+    sd = again.model.state_dict()
+    for name, t in saved.items():
+        assert torch.equal(sd[name].to(t.dtype), t), name
+
+
+def test_vllm_target_layer_ids_match_vllms_own_speculators_loader():
+    """Our ids into the checkpoint; vLLM's loader turns them into its DFlash target_layer_ids."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.algos import update_dflash
+
+    pre: dict = {}
+    update_dflash({"aux_hidden_state_layer_ids": [2, 6, 9], "mask_token_id": MASK, "draft_vocab_size": 128}, pre)
+    assert pre["eagle_aux_hidden_state_layer_ids"] == [2, 6, 9]  # what the verifier captures: our ids
+    assert pre["dflash_config"]["target_layer_ids"] == vllm_target_layer_ids([2, 6, 9])
+
+
+@pytest.mark.parametrize("draft", ["dflash", "peagle"])
+def test_no_mask_token_stops_the_run_naming_the_draft(tiny_model, samples, tmp_path, draft):
+    label = {"dflash": "DFlash", "peagle": "P-EAGLE"}[draft]
+    with pytest.raises(DraftConfigError, match=rf"^{label} needs a mask token.*--mask-token-id"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "m", draft=draft, mask_token_id=None), None)
+    with pytest.raises(DraftConfigError, match=rf"^{label}: --mask-token-id 4096 is outside"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "n", draft=draft, mask_token_id=4096), None)
+    # the pad token's row is zero (nn.Embedding's padding_idx): every drafted position would be blind
+    with pytest.raises(DraftConfigError, match=rf"^{label}: mask token 509's embedding row in the verifier is all zeros"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "z", draft=draft, mask_token_id=509), counts_of(samples)).prepare()
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash", "peagle"])
+def test_a_missing_layer_or_tensor_names_the_draft_and_what_it_needs(tiny_model, samples, tmp_path, draft):
+    s = samples[0]
+    no_n = Sample(s.key, s.token_ids, s.hidden_states[:, :3], LAYERS[:3], 12, None)
+    name = {"eagle3": "Eagle-3", "dflash": "DFlash", "peagle": "P-EAGLE"}[draft]
+    with pytest.raises(MissingLayersError, match=rf"^{name}: the stream carries layers \[2, 6, 9\] but not layer N=12"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "a", draft=draft), counts_of(samples)).train(ListStream([no_n]))
+    with pytest.raises(MissingLayersError, match=rf"^{name}: the stream carries layers .* not aux layer\(s\) \[3\]"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "b", draft=draft, aux_layer_ids=[3, 6, 9]),
+                      counts_of(samples)).train(ListStream([s]))  # fmt: skip
+    flat = Sample(s.key, s.token_ids, s.hidden_states[:, 0], LAYERS, 12, None)  # [T, H]: no layer axis
+    with pytest.raises(MissingLayersError, match=rf"^{name}: sample .* lacks token ids or \[tokens, layers, hidden\]"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "c", draft=draft), counts_of(samples)).train(ListStream([flat]))
+    dup = Sample(s.key, s.token_ids, s.hidden_states, [2, 6, 6, 12], 12, None)  # the layer ids out of step with the slices
+    with pytest.raises(MissingLayersError, match=rf"^{name}: sample .* names layers \[2, 6, 6, 12\] for 4 hidden-state"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "d", draft=draft), counts_of(samples)).train(ListStream([dup]))
+
+
+def test_a_wrong_layer_order_is_read_in_ascending_order_for_every_draft(tiny_model, samples):
+    """vLLM hands the aux states to a draft in ascending layer order whatever its config's order:
+    a stream in another order is read by layer id, never by position."""
+    s = samples[0]
+    perm = [3, 1, 0, 2]  # layers 12, 6, 2, 9
+    shuffled = Sample(s.key, s.token_ids, s.hidden_states[:, perm], [LAYERS[i] for i in perm], 12, None)
+    from trainer_client.train.checkpoints import verifier_text_config
+
+    for name in D.names():
+        d = D.get(name)(TrainConfig(verifier=tiny_model, out_dir="/nonexistent", mask_token_id=MASK),
+                        verifier_text_config(tiny_model))  # fmt: skip
+        a, b = d.features(s, [2, 6, 9]), d.features(shuffled, [2, 6, 9])
+        assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last), name
+
+
+def test_resuming_a_run_with_another_draft_is_refused(tiny_model, samples, tmp_path):
+    out = tmp_path / "r"
+    OnlineTrainer(cfg(tiny_model, out, draft="dflash", max_steps=2), counts_of(samples)).train(ListStream(samples[:2]))
+    with pytest.raises(ValueError, match="holds a dflash run, not peagle"):
+        OnlineTrainer(cfg(tiny_model, out, draft="peagle"), {}).prepare()

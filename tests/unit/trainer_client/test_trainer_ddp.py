@@ -1,0 +1,99 @@
+"""Two trainer ranks (real gloo process group, in-memory streams): the update and the stop.
+
+* token weighting: rank 0 trains on sample A, rank 1 on sample B (different lengths and loss
+  masks); the all-reduced gradient must equal one process's gradient on A and B packed in one
+  step (with one TTT step the loss is then exactly the token-weighted mean over both);
+* ranks with unequal data (one runs dry, idle yields on the way) step together to the end,
+  keep identical weights, rank 0 alone writes checkpoints and each rank acknowledges each of
+  its samples once: ``bench.gpu_smoke`` on CPU, the same check the GPU host runs.
+
+The same with real streams from a real sidecar and vLLM: tests/integration/trainer_client/test_trainer_e2e.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from connector import protocol as P
+from trainer_client.stream import Sample
+
+LAYERS = [2, 6, 9, 12]
+
+
+def _samples(verifier: str) -> list[Sample]:
+    from hsstream.tiny_model import hf_hidden_states
+
+    out = []
+    for i, (t, seed) in enumerate(((21, 1), (38, 2))):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 500, (t,), generator=g)
+        hs = hf_hidden_states(verifier, ids.tolist(), LAYERS).to(torch.bfloat16)
+        mask = torch.rand(t, generator=g) > 0.3  # ranks get different numbers of loss tokens
+        out.append(Sample(P.SampleKey(job="ddp", index=i), ids, hs, LAYERS, 12, mask))
+    return out
+
+
+def _cfg(verifier: str, out: str, **kw):  # noqa: ANN202
+    from trainer_client.eagle3 import TrainConfig
+
+    base = dict(verifier=verifier, out_dir=out, draft_vocab_size=128, ttt_steps=1, grad_clip=1e9, max_steps=1,
+                progress=False, tensorboard=False, threads=1, device="cpu", warmup_steps=1)  # fmt: skip
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _grad_rank(rank: int, verifier: str, out: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    from trainer_client.eagle3 import Eagle3OnlineTrainer
+    from trainer_client.train.distributed import World
+    from bench.gpu_smoke import MemoryStream
+
+    world = World.from_env(torch.device("cpu"))
+    try:
+        smp = _samples(verifier)
+        tr = Eagle3OnlineTrainer(_cfg(verifier, out), {t: 1 for t in range(128)}, world=world)
+        tr.train(MemoryStream([smp[rank]], idle_every=0))
+        torch.save(torch.cat([p.grad.reshape(-1) for p in tr.stepper.params]), Path(out) / f"grad{rank}.pt")
+    finally:
+        world.close()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_gradient_is_the_token_weighted_gradient_of_both_samples(tiny_model, tmp_path):
+    from trainer_client.eagle3 import Eagle3OnlineTrainer
+    from bench.gpu_smoke import MemoryStream
+
+    out = tmp_path / "ddp"
+    mp.spawn(_grad_rank, args=(tiny_model, str(out), _port()), nprocs=2, join=True)
+    g0, g1 = torch.load(out / "grad0.pt"), torch.load(out / "grad1.pt")
+    assert torch.equal(g0, g1)  # one all-reduced gradient on both ranks
+    smp = _samples(tiny_model)
+    assert int(smp[0].loss_mask[1:].sum()) != int(smp[1].loss_mask[1:].sum())  # unequal weights matter
+    one = Eagle3OnlineTrainer(_cfg(tiny_model, str(tmp_path / "one"), samples_per_step=2), {t: 1 for t in range(128)})
+    one.train(MemoryStream(smp, idle_every=0))
+    ref = torch.cat([p.grad.reshape(-1) for p in one.stepper.params])
+    assert ref.abs().max() > 0
+    err = float((g0 - ref).abs().max() / ref.abs().max())
+    assert err < 1e-4, err
+    # and an unweighted mean of the two ranks' gradients would not pass
+    from trainer_client.train.checkpointing import CKPT_LOG
+
+    saves = [line for line in (out / CKPT_LOG).read_text().splitlines() if '"save"' in line]
+    assert len(saves) == 1 and '"rank": 0' in saves[0]
+
+
+def test_ranks_with_unequal_data_stop_together_with_one_writer_and_identical_weights():
+    from bench.gpu_smoke import main
+
+    assert main(["--device", "cpu", "--nproc", "2", "--steps", "24", "--checkpoint-every", "10"]) == 0
