@@ -397,7 +397,8 @@ def train_config(spec: dict):  # noqa: ANN201
     kw = dict(verifier=spec["model"], out_dir=spec["train_out"], draft_vocab_size=spec["draft_vocab"],
               max_steps=spec["n_samples"], checkpoint_every=10**9, keep_checkpoints=1, tensorboard=False,
               progress=False, log_every=50, samples_per_step=1, max_tokens_per_step=max(4096, spec["prompt_len"]),
-              extra={"benchmark": "online_gpu"})  # fmt: skip
+              extra={"benchmark": "online_gpu"}, draft=spec.get("draft", "eagle3"),
+              mask_token_id=spec.get("mask_token_id"), block_size=spec.get("block_size", 4))  # fmt: skip
     if "device" in names:
         kw["device"] = spec["device_str"]
     return TrainConfig(**{k: v for k, v in kw.items() if k in names}), sorted(set(kw) - names)
@@ -436,11 +437,11 @@ class _TimedStream:
 
 
 def consume_train(spec: dict) -> dict:
-    """(c): Eagle-3 training on this GPU, fed by the stream."""
+    """(c): training the ``--draft`` (Eagle-3, P-EAGLE, DFlash) on this GPU, fed by the stream."""
     from trainer_client import HiddenStateStream
     from trainer_client.train import vocab as V
     from trainer_client.train.run import drained_probe
-    from trainer_client.eagle3 import Eagle3OnlineTrainer
+    from trainer_client.train.trainer import OnlineTrainer
 
     from trainer_client.train.config import resolve_device
     from trainer_client.train.distributed import World
@@ -463,7 +464,7 @@ def consume_train(spec: dict) -> dict:
     def drained(pending: int) -> bool:
         return bool(probe) and probe[0](pending)
 
-    trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained if writer else None, world=world)
+    trainer = OnlineTrainer(cfg, counts, drained=drained if writer else None, world=world)
     trainer.prepare()  # speculators' import, verifier heads: before the stream (leases would lapse)
     res: dict = {"prepare_s": round(time.perf_counter() - t0, 1), "config_fields_not_supported": unsupported}
     job = _wait_for_job(spec)
@@ -476,7 +477,12 @@ def consume_train(spec: dict) -> dict:
         ts = _TimedStream(stream, spec, rec)
         r = trainer.train(ts)
     p = next(iter(trainer.model.parameters()))
-    res.update(device_requested=str(dev), device_used=str(p.device), dtype=str(p.dtype), autocast=r.autocast,
+    if p.device.type == "cuda":
+        import torch
+
+        res["gpu_peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(p.device) / 2**30, 2)
+        res["gpu_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(p.device) / 2**30, 2)
+    res.update(draft=cfg.draft, device_requested=str(dev), device_used=str(p.device), dtype=str(p.dtype), autocast=r.autocast,
                stream_options={k: v for k, v in trainer.stream_options().items()}, data_stats=trainer.data_stats,
                samples=r.samples,
                tokens=r.tokens, steps=r.steps, wall_s=r.wall_s, wait_s=r.wait_s,
@@ -681,6 +687,7 @@ class Orchestrator:
                 "ready_file": str(self.work / f"{tag}.ready"), "job_file": str(self.work / f"{tag}.job.json"),
                 "job_wait_s": a.start_timeout, "floor": mode == "deliver", "model": self.model,
                 "train_out": str(self.work / f"{tag}.train"), "draft_vocab": a.draft_vocab,
+                "draft": a.draft, "mask_token_id": a.mask_token_id, "block_size": a.block_size,
                 "token_counts": str(self.work / "token_counts.json")}  # fmt: skip
 
     def run_consumers(self, mode: str, rnd: int, ps: list[list[int]], ordered: bool | None = None) -> dict:
@@ -946,6 +953,10 @@ def main() -> int:  # noqa: C901
     ap.add_argument("--spool-budget-gib", type=float, default=8.0)
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--draft", default="eagle3", help="(c)'s draft: a name in trainer_client.drafts (eagle3, peagle, dflash)")
+    ap.add_argument("--mask-token-id", type=int, default=None,
+                    help="peagle/dflash: the mask token (default: the verifier's last vocabulary id; random heads have no zero row)")
+    ap.add_argument("--block-size", type=int, default=4, help="dflash: tokens per block")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -975,6 +986,8 @@ def main() -> int:  # noqa: C901
     shape = C.SMOKE if args.smoke else C.QWEN3_8B
     n = shape["num_hidden_layers"]
     args.layers = LAYERS if not args.smoke else [2, n // 2, n - 3, n]
+    if args.draft in ("peagle", "dflash") and args.mask_token_id is None:
+        args.mask_token_id = shape["vocab_size"] - 1  # a random heads' row: never zero, and prompts() never draws it
     if args.smoke:
         for k, v in (("samples", 48), ("train_samples", 24), ("warmup", 4), ("prompt_len", 256), ("concurrency", 8),
                      ("credit", 4), ("spool_budget_gib", 0.05), ("writer_threads", 2), ("max_model_len", 512)):
