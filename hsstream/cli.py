@@ -361,7 +361,7 @@ def train(
 
 
 def submit_source(run: dict, seed: int) -> dict:
-    """``hsstream train --submit-*`` as :func:`hsstream.data_sources.iter_samples`' arguments."""
+    """``hsstream train --submit-*`` as :func:`trainer_client.data_sources.iter_samples`' arguments."""
     src: dict = {"preset": run.get("submit_preset"), "fields": run.get("submit_field") or None,
                  "split": run.get("submit_split"), "limit": run.get("submit_limit")}  # fmt: skip
     if run.get("submit_shuffle"):

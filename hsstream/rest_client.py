@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from connector.contract.rest import JobCreated
 from connector.contract.rest_client import SidecarClient, SidecarError, UploadCounter
-from hsstream import data_sources as DS
+from trainer_client import data_sources as DS
 
 console = Console(stderr=True)
 

@@ -34,7 +34,7 @@ class ConfigFileError(ValueError):
 #: Settings of the run beside the trainer's (hsstream/cli.py's flag of the same name).
 RUN_KEYS: dict[str, object] = {
     "jobs": list[str],  # job ids to follow
-    "submit": str,  # a file or dataset to submit as one job (hsstream/data_sources.py)
+    "submit": str,  # a file or dataset to submit as one job (trainer_client/data_sources.py)
     "submit_preset": str,  # its layout: sharegpt | ultrachat | openai
     "submit_field": list[str],  # NAME=COLUMN mappings
     "submit_split": str,

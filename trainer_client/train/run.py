@@ -32,10 +32,10 @@ COUNTS_FILE = "token_counts.json"
 def read_samples(path: str | Path, **source: Any) -> Iterator[dict]:
     """REST samples (``prompt`` / ``messages`` / ``conversations`` / ``token_ids``) from a file or
     dataset, lazily: JSONL (``.jsonl.gz`` too), a JSON array, parquet, arrow/feather, a
-    ``datasets`` folder or name (``hsstream/data_sources.py``; ``source``: ``preset``, ``fields``,
+    ``datasets`` folder or name (``trainer_client/data_sources.py``; ``source``: ``preset``, ``fields``,
     ``split``, ``limit``, ``shuffle``, ``seed``). The source is checked now, its rows read as
     iterated; ValueError when it cannot be read."""
-    from hsstream import data_sources as DS
+    from trainer_client import data_sources as DS
 
     try:
         rows = DS.iter_samples(path, **source)

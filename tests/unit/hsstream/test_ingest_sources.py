@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from connector.contract.rest_client import SidecarClient, multipart_jsonl
 from connector.contract.settings import Settings
-from hsstream import data_sources as DS
+from trainer_client import data_sources as DS
 from hsstream import rest_client as RC
 from server.app import create_app
 

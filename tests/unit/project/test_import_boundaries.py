@@ -22,7 +22,7 @@ BLOCK = "import sys\nfor m in ('vllm', 'fastapi', 'uvicorn', 'transformers'):\n 
         "trainer_client.sample, trainer_client.sample_reader, trainer_client.sample_checks, trainer_client.device_copy",
         "connector.transport, connector.transport.spool, connector.transport.zmq_bytes, connector.transport.mooncake",
         "connector.contract.sample_tokens",  # the masks' code: transformers only when a tokenizer is loaded
-        "hsstream.data_sources, hsstream.rest_client",  # the readers `hsstream train --submit` uses too
+        "trainer_client.data_sources, hsstream.rest_client",  # the readers `hsstream train --submit` uses too
     ],
 )
 def test_imports_without_vllm_or_fastapi(modules):
@@ -41,7 +41,7 @@ def test_only_the_plugin_module_imports_vllm():
 
 
 def test_the_data_sources_reader_imports_nothing_of_the_sidecar():
-    code = ("import sys\nsys.modules['server'] = None\nimport hsstream.data_sources, hsstream.rest_client\n"
+    code = ("import sys\nsys.modules['server'] = None\nimport trainer_client.data_sources, hsstream.rest_client\n"
             "print(sorted(m for m, v in sys.modules.items() if v is not None and m.split('.')[0] in ('server', 'pyarrow', 'datasets')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr[-2000:]  # pyarrow / datasets: when used
@@ -98,22 +98,15 @@ def test_contracts_import_without_torch_vllm_or_fastapi():
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
 
 
-#: The trainer's known upward imports, each to go when its work lands (the REST client moving
-#: into the contracts, the tiny verifier into test/dev support); nothing may join them.
-TRAINER_UPWARD_KNOWN = {
-    "trainer_client/train/run.py": {"hsstream", "hsstream.data_sources"},
-}
-
-
 def test_the_trainer_never_imports_the_sidecar_or_the_cli():
+    """trainer_client runs on trainer hosts without the sidecar or the CLI: not one import of
+    ``server`` or ``hsstream``, lazy ones included."""
     found = {}
     for p in sorted((ROOT / "trainer_client").rglob("*.py")):
-        up = {m for m in _imports(p) if m.split(".")[0] in ("server", "hsstream")}
-        up = {m for m in up if not m.startswith(("hsstream.tiny_model.", "hsstream.data_sources.", "hsstream.rest_client."))}
+        up = sorted(m for m in _imports(p) if m.split(".")[0] in ("server", "hsstream"))
         if up:
             found[str(p.relative_to(ROOT))] = up
-    extra = {k: v - TRAINER_UPWARD_KNOWN.get(k, set()) for k, v in found.items()}
-    assert {k: v for k, v in extra.items() if v} == {}, "trainer_client imports server or hsstream"
+    assert found == {}, "trainer_client imports server or hsstream"
 
 
 def test_the_generic_trainer_imports_no_draft_by_name():
