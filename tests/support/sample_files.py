@@ -52,6 +52,7 @@ def write_sample(
     seed: int = 0,
     key: M.SampleKey | None = None,
     attempt: int = 0,
+    plain: bool = False,
     request_id: str | None = None,
     num_hidden_layers: int | None = None,
     model: str = "m",
@@ -63,11 +64,13 @@ def write_sample(
 
     ``hidden_states`` [T, K, H] is in the verifier's dtype (the writer encodes it to ``dtype``,
     e.g. ``float8_e4m3fn``); left out, random values of ``tokens`` × ``layer_ids`` × ``hidden``
-    from ``seed``. ``notice_kw`` overrides notice fields after the write (a bad field: the
+    from ``seed``. ``plain``: a plain vLLM request's file (no sample key). ``notice_kw`` overrides notice fields after the write (a bad field: the
     header's notice and the delivered one both carry it)."""
     spool = Path(spool)
     layer_ids = list(layer_ids or [1, 2])
     model_dtype = dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+    if token_ids is not None:
+        tokens = len(token_ids)
     if hidden_states is None:
         hidden_states = random_hidden_states(tokens, len(layer_ids), hidden, seed=seed,
                                              dtype=getattr(torch, model_dtype))  # fmt: skip
@@ -85,8 +88,8 @@ def write_sample(
     w = SpoolWriter(spool, None, shape, num_threads=1, checksum_algo=algo)
     sent: list[M.Notice] = []
     w._publish = sent.append  # type: ignore[method-assign]  # the notice the writer would send
-    key = key or M.SampleKey(job="j", index=0)
-    w.submit(WriteJob(request_id or name, name, M.RequestTag(key=key, attempt=attempt), ids, hs))
+    tag = None if plain else M.RequestTag(key=key or M.SampleKey(job="j", index=0), attempt=attempt)
+    w.submit(WriteJob(request_id or name, name, tag, ids, hs))
     try:
         assert w.flush(30), "the writer did not finish"
     finally:
