@@ -64,8 +64,9 @@ def write_sample(
 
     ``hidden_states`` [T, K, H] is in the verifier's dtype (the writer encodes it to ``dtype``,
     e.g. ``float8_e4m3fn``); left out, random values of ``tokens`` × ``layer_ids`` × ``hidden``
-    from ``seed``. ``plain``: a plain vLLM request's file (no sample key). ``notice_kw`` overrides notice fields after the write (a bad field: the
-    header's notice and the delivered one both carry it)."""
+    from ``seed``. ``plain``: a plain vLLM request's file (no sample key). ``notice_kw``
+    overrides notice fields after the write (a bad field: the header's notice and the delivered
+    one both carry it)."""
     spool = Path(spool)
     layer_ids = list(layer_ids or [1, 2])
     model_dtype = dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
