@@ -12,9 +12,10 @@ from safetensors.torch import save_file  # noqa: E402
 
 from connector.contract import payload as PL  # noqa: E402
 from connector import protocol as P  # noqa: E402
-from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob  # noqa: E402
 from server.model_shape import SampleSizer, shape_from_config, shape_from_notice  # noqa: E402
 from trainer_client import InvalidSample, read_hidden_states  # noqa: E402
+
+from tests.support import sample_files  # noqa: E402
 
 T, K, H = 9, 4, 64
 IDS = list(range(100, 100 + T))
@@ -28,12 +29,8 @@ def _hs(seed: int = 0) -> torch.Tensor:
 
 
 def _write(spool, dtype: str, hs: torch.Tensor, name: str = "hs-a.safetensors"):
-    shape = ShapeInfo(layer_ids=[1, 2, 3, 4], num_hidden_layers=4, hidden_size=H, dtype=dtype, model="m")
-    w = SpoolWriter(spool, None, shape, num_threads=1)
-    w.submit(WriteJob("cmpl-1", name, None, IDS, hs.clone()))
-    assert w.flush(10)
-    w.close()
-    return spool / name
+    return sample_files.write_sample(spool, name, layer_ids=[1, 2, 3, 4], num_hidden_layers=4, dtype=dtype,
+                                     hidden_states=hs, token_ids=IDS, request_id="cmpl-1").path  # fmt: skip
 
 
 def test_quantisation_is_hs_connectors_own():

@@ -15,11 +15,9 @@ import time
 import pytest
 import torch
 import zmq
-from safetensors.torch import save_file
 
 from connector.contract import messages as M
 from connector.contract import payload as PL
-from connector.contract import sample_file as SF
 from connector.contract import spool as SP
 from connector import transport as T
 from connector.contract.settings import Settings
@@ -29,6 +27,8 @@ from server.delivery import DeliveryService
 from server.ledger import Ledger, NewSample
 from trainer_client import HiddenStateStream, InvalidSample, read_hidden_states
 from trainer_client.sample_checks import load_and_check
+
+from tests.support import sample_files
 
 PLUGIN = '''
 from connector.contract import payload as PL
@@ -148,16 +148,11 @@ def test_a_registered_transport_carries_samples_from_the_delivery_service_to_the
     states = {}
     for _ in range(3):
         s = ledger.next_to_submit(10**9)
-        hs = torch.randn(5, 2, 8).to(torch.bfloat16)
-        ids = torch.arange(1, 6)
-        name = f"hs-{s.key.index}.safetensors"
-        n = M.Notice(status=M.NoticeStatus.ok, request_id=name, key=s.key, attempt=s.attempt, file=name, num_tokens=5,
-                     layer_ids=[1, 2], hidden_size=8, dtype="bfloat16", nbytes=hs.numel() * 2)  # fmt: skip
-        tensors = {SF.HIDDEN_STATES_KEY: hs, SF.TOKEN_IDS_KEY: ids}
-        n = n.model_copy(update={"checksum": SF.sample_checksum(tensors)})
-        save_file(tensors, str(spool / name), metadata=SF.header_metadata(n))
-        ledger.on_notice(n, os.path.getsize(spool / name))
-        states[s.key] = hs
+        f = sample_files.write_sample(spool, f"hs-{s.key.index}.safetensors", tokens=5, layer_ids=[1, 2], hidden=8,
+                                      token_ids=torch.arange(1, 6), key=s.key, attempt=s.attempt,
+                                      seed=s.key.index)  # fmt: skip
+        ledger.on_notice(f.notice, os.path.getsize(f.path))
+        states[s.key] = f.hidden_states
     svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger)
     offer_transports(svc, Settings())  # as the sidecar does: every registered way its settings configure
     assert "reversed" in svc.senders

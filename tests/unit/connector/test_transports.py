@@ -9,13 +9,14 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from connector import protocol as P
 from connector.transport import TransportError
 from server.delivery import DeliveryService
 from server.ledger import Ledger, NewSample
 from trainer_client import HiddenStateStream, StreamError
+
+from tests.support import sample_files
 
 
 def _fill(ledger: Ledger, spool, n: int, tokens: int = 5) -> tuple[str, dict]:
@@ -25,15 +26,11 @@ def _fill(ledger: Ledger, spool, n: int, tokens: int = 5) -> tuple[str, dict]:
     states = {}
     for _ in range(n):
         s = ledger.next_to_submit(10**9)
-        hs = torch.randn((tokens, 2, 8)).to(torch.bfloat16)
-        ids = torch.tensor(list(range(1, tokens + 1)))
-        name = f"hs-{s.key.index}.safetensors"
-        save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(spool / name))
-        n_ = P.Notice(status=P.NoticeStatus.ok, request_id=name, key=s.key, attempt=s.attempt, file=name,
-                      num_tokens=tokens, layer_ids=[1, 2], hidden_size=8, dtype="bfloat16", nbytes=hs.numel() * 2,
-                      checksum=P.checksum(hs.view(torch.uint8).numpy(), ids.numpy()))  # fmt: skip
-        ledger.on_notice(n_, os.path.getsize(spool / name))
-        states[s.key] = hs
+        f = sample_files.write_sample(spool, f"hs-{s.key.index}.safetensors", tokens=tokens, layer_ids=[1, 2],
+                                      hidden=8, token_ids=list(range(1, tokens + 1)), key=s.key, attempt=s.attempt,
+                                      seed=s.key.index)  # fmt: skip
+        ledger.on_notice(f.notice, os.path.getsize(f.path))
+        states[s.key] = f.hidden_states
     return job, states
 
 

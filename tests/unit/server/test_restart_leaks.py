@@ -16,15 +16,15 @@ from server.ledger import Ledger, NewSample, State
 from server.notices import NoticeReceiver
 from server.spool import SpoolKeeper
 
+from tests.support import sample_files
+
 OLD, NEW = b"Lold-identity", b"Lnew-identity"  # the ROUTER gives a reconnected trainer a new one
 
 
 def _write(spool, s):  # noqa: ANN001, ANN202
     """The connector's part: a file for this attempt, then its notice."""
     name = f"hs-{s.key.index}-attempt{s.attempt}.safetensors"
-    (spool / name).write_bytes(b"x" * 30)
-    return P.Notice(status=P.NoticeStatus.ok, request_id=name, key=s.key, attempt=s.attempt, file=name,
-                    num_tokens=3, nbytes=30).encode()  # fmt: skip
+    return sample_files.write_sample(spool, name, tokens=3, key=s.key, attempt=s.attempt).notice.encode()
 
 
 def _sidecar(tmp_path, spool):  # noqa: ANN001, ANN202

@@ -10,22 +10,19 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from connector import protocol as P  # noqa: E402
-from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob  # noqa: E402
 from trainer_client import InvalidSample, read_hidden_states  # noqa: E402
 from trainer_client.stream import load_and_check  # noqa: E402
 
-SHAPE = ShapeInfo(layer_ids=[2, 5, 12], num_hidden_layers=12, hidden_size=8, dtype="bfloat16", model="m")
+from tests.support import sample_files  # noqa: E402
+
 IDS = [7, 8, 9, 10, 11]
 
 
 @pytest.fixture
 def plain_file(spool):
-    w = SpoolWriter(spool, None, SHAPE, num_threads=1)
-    hs = torch.randn((5, 3, 8)).to(torch.bfloat16)
-    w.submit(WriteJob("cmpl-1", "cmpl-1.safetensors", None, IDS, hs.clone()))  # no tag: a plain request
-    assert w.flush(5)
-    w.close()
-    return spool / "cmpl-1.safetensors", hs
+    f = sample_files.write_sample(spool, "cmpl-1.safetensors", plain=True, request_id="cmpl-1", token_ids=IDS,
+                                  layer_ids=[2, 5, 12], num_hidden_layers=12, hidden=8)  # fmt: skip
+    return f.path, f.hidden_states
 
 
 def test_plain_file_is_read_and_checked(plain_file):

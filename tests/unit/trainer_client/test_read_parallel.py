@@ -9,11 +9,14 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from connector import protocol as P
 from trainer_client import sample_reader as S
 from trainer_client.sample_checks import load_and_check
+
+from tests.support import sample_files
 
 
 @pytest.mark.parametrize("size", [1, 999, 1000, 4001, 10_007])
@@ -134,15 +137,15 @@ def test_parts_are_handed_over_in_file_order_while_later_ones_are_still_read(tmp
 
 
 def _sample(tmp_path, *, flip_at: int | None = None):  # noqa: ANN202
-    hs = torch.randn(64, 3, 32).to(torch.bfloat16)
-    ids = torch.arange(64)
-    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
-    if flip_at is not None:
-        hs.view(-1).view(torch.uint8)[flip_at] ^= 1  # after the digest: one bit in one part
-    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(tmp_path / "hs-0.safetensors"))
-    n = P.Notice(status=P.NoticeStatus.ok, request_id="r", key=P.SampleKey(job="j", index=0), file="hs-0.safetensors",
-                 num_tokens=64, layer_ids=[1, 2, 3], hidden_size=32, dtype="bfloat16", checksum=digest)  # fmt: skip
-    return hs, P.Deliver(notice=n, expected_token_ids=ids.tolist())
+    f = sample_files.write_sample(tmp_path, tokens=64, layer_ids=[1, 2, 3], hidden=32, token_ids=torch.arange(64),
+                                  request_id="r")  # fmt: skip
+    if flip_at is not None:  # after the digest: one bit in one part
+        with safe_open(str(f.path), "pt") as fh:
+            meta = fh.metadata()
+        tensors = load_file(str(f.path))
+        tensors[P.HIDDEN_STATES_KEY].view(-1).view(torch.uint8)[flip_at] ^= 1
+        save_file(tensors, str(f.path), metadata=meta)
+    return f.hidden_states, f.deliver
 
 
 def _load(tmp_path, d):  # noqa: ANN001, ANN202
@@ -162,7 +165,7 @@ def test_a_file_read_in_parts_is_checksummed_whole_a_bit_in_any_part_is_caught(t
 
 def test_a_header_that_disagrees_with_the_notice_is_refused_before_any_data_is_read(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "READ_PART", 1000)
-    monkeypatch.setattr(S, "HEAD_BYTES", 512)
+    monkeypatch.setattr(S, "HEAD_BYTES", 2048)  # the writer's header (its notice included) in one read
     _, d = _sample(tmp_path)
     reads: list[int] = []
     real = S._pread_into

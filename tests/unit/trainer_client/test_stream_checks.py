@@ -7,11 +7,13 @@ import blake3
 import pytest
 import torch
 import xxhash
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from connector import protocol as P
 from trainer_client import finite as F
 from trainer_client import stream as S
+
+from tests.support import sample_files
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -50,21 +52,10 @@ def test_checksum_kinds_are_named_and_threads_do_not_change_the_digest():
 
 
 def _write(spool, algo="blake3", corrupt=None, **notice_kw):  # noqa: ANN001, ANN003
-    hs = torch.randn(6, 2, 8).to(torch.bfloat16)
-    ids = torch.arange(10, 16)
-    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy(), algo=algo)
-    if corrupt == "nan":
-        hs[3, 1, 2] = float("nan")
-    elif corrupt == "flip":
-        hs.view(torch.int16)[0, 0, 0] ^= 1
-    kw = dict(status=P.NoticeStatus.ok, request_id="r", key=P.SampleKey(job="j", index=0), file="s.safetensors",
-              num_tokens=6, layer_ids=[2, 4], num_hidden_layers=4, hidden_size=8, dtype="bfloat16", nbytes=192,
-              checksum=digest, checksum_algo=algo)  # fmt: skip
-    kw.update(notice_kw)
-    n = P.Notice(**kw)
-    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(spool / "s.safetensors"),
-              metadata=P.header_metadata(n))  # fmt: skip
-    return P.Deliver(notice=n, expected_token_ids=ids.tolist()), hs, ids
+    f = sample_files.write_sample(spool, "s.safetensors", tokens=6, layer_ids=[2, 4], num_hidden_layers=4, hidden=8,
+                                  token_ids=torch.arange(10, 16), request_id="r", algo=algo,
+                                  corrupt={"flip": "checksum"}.get(corrupt, corrupt), **notice_kw)  # fmt: skip
+    return f.deliver, f.hidden_states, f.token_ids
 
 
 @pytest.mark.parametrize("algo", ["blake3", "xxh3-128"])
@@ -81,10 +72,7 @@ def test_reader_rejects_an_unknown_checksum_kind_and_non_finite_states(tmp_path)
     d, _, _ = _write(tmp_path, checksum_algo="crc7")
     with pytest.raises(S.InvalidSample, match="unknown checksum algorithm 'crc7'"):
         S.load_and_check(tmp_path, d)
-    d, hs, ids = _write(tmp_path, corrupt="nan")
-    # the checksum was taken before the NaN went in: make it match so finiteness is what fails
-    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
-    d = P.Deliver(notice=d.notice.model_copy(update={"checksum": digest}), expected_token_ids=ids.tolist())
+    d, _, _ = _write(tmp_path, corrupt="nan")  # the checksum covers the NaN: finiteness is what fails
     with pytest.raises(S.InvalidSample, match="non-finite"):
         S.load_and_check(tmp_path, d)
 

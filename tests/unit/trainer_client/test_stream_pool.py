@@ -13,7 +13,6 @@ from collections import Counter
 import pytest
 import torch
 import zmq
-from safetensors.torch import save_file
 
 from connector import protocol as P
 from trainer_client import HiddenStateStream, StreamError
@@ -22,23 +21,12 @@ from trainer_client import stream as S
 from trainer_client.check_pool import THREAD_PREFIX
 from trainer_client.stream import InvalidSample, to_device_checked
 
+from tests.support import sample_files
+
 
 def write_sample(spool, i: int, tokens: int = 32, bad: str | None = None) -> P.Deliver:
-    g = torch.Generator().manual_seed(i)
-    hs = torch.randn((tokens, 2, 64), generator=g).to(torch.bfloat16)
-    ids = torch.randint(0, 1000, (tokens,), generator=g)
-    digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())
-    if bad == "nan":
-        hs[tokens // 2, 1, 3] = float("nan")
-        digest = P.checksum(hs.view(torch.uint8).numpy(), ids.numpy())  # intact bytes, non-finite value
-    elif bad == "checksum":
-        hs[0, 0, 0] += 1  # changed after the digest
-    name = f"hs-{i}.safetensors"
-    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(spool / name))
-    n = P.Notice(status=P.NoticeStatus.ok, request_id=name, key=P.SampleKey(job="j", index=i), file=name,
-                 num_tokens=tokens, layer_ids=[1, 2], hidden_size=64, dtype="bfloat16", checksum=digest,
-                 sent_at=time.time())  # fmt: skip
-    return P.Deliver(notice=n, expected_token_ids=ids.tolist())
+    return sample_files.write_sample(spool, f"hs-{i}.safetensors", key=P.SampleKey(job="j", index=i), seed=i,
+                                     tokens=tokens, layer_ids=[1, 2], hidden=64, corrupt=bad).deliver  # fmt: skip
 
 
 class FakeSidecar:

@@ -54,14 +54,11 @@ def test_path_outside_spool_refused_nothing_touched(tmp_path, router, how):
 
 def _real_sample(spool, name, key):
     import torch
-    from safetensors.torch import save_file
 
-    hs = torch.ones((3, 1, 2), dtype=torch.bfloat16)
-    ids = torch.tensor([1, 2, 3])
-    save_file({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}, str(spool / name))
-    n = P.Notice(status=P.NoticeStatus.ok, request_id=name, key=key, file=name, num_tokens=3, layer_ids=[1],
-                 hidden_size=2, dtype="bfloat16", checksum=P.checksum(hs.view(torch.uint8).numpy(), ids.numpy()))  # fmt: skip
-    return P.Deliver(notice=n, expected_token_ids=[1, 2, 3])
+    from tests.support import sample_files
+
+    return sample_files.write_sample(spool, name, key=key, hidden_states=torch.ones((3, 1, 2), dtype=torch.bfloat16),
+                                     token_ids=[1, 2, 3], layer_ids=[1]).deliver  # fmt: skip
 
 
 def test_redelivery_of_a_held_sample_is_not_yielded_twice(tmp_path, router):

@@ -1,0 +1,1 @@
+"""Helpers the tests share; the product never imports this package."""
