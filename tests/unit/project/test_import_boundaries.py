@@ -129,3 +129,16 @@ def test_the_generic_trainer_imports_no_draft_by_name():
             "print(sorted(m for m in sys.modules if m.startswith('trainer_client.drafts.') and m != 'trainer_client.drafts.base'))")  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr[-2000:])
+
+
+def test_the_product_never_imports_the_tests():
+    """``tests/`` (its sample-file factory, the stack fixtures) is test support: no module of the
+    product imports it, lazily or not, so a wheel or an image works without it (benchmarks may:
+    bench/compat_matrix.py runs the integration tests' own comparisons against each vLLM)."""
+    found = {}
+    for pkg in ("connector", "server", "trainer_client", "hsstream"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            up = sorted(m for m in _imports(p) if m.split(".")[0] == "tests")
+            if up:
+                found[str(p.relative_to(ROOT))] = up
+    assert found == {}, f"the product imports test support: {found}"
