@@ -22,30 +22,11 @@ from trainer_client.drafts.base import DraftConfigError, MissingLayersError
 from trainer_client.drafts.dflash import vllm_target_layer_ids
 from trainer_client.stream import Sample
 from trainer_client.train import checkpoints as M
+from tests.unit.trainer_client.test_trainer_loop import ListStream, counts_of
 from trainer_client.train.trainer import OnlineTrainer, TrainConfig
 
 LAYERS = [2, 6, 9, 12]
 MASK = 1  # the tiny verifier's tokenizer declares no mask token: the tests choose one
-
-
-class ListStream:
-    def __init__(self, samples: list[Sample]) -> None:
-        self.samples = samples
-        self.used: list[P.SampleKey] = []
-        self.acked: list[str] = []
-
-    def __iter__(self):
-        for s in self.samples:
-            self.used.append(s.key)
-            yield s
-
-    def keepalive(self) -> None:
-        pass
-
-    def ack_through(self, key: P.SampleKey) -> None:
-        i = self.used.index(key)
-        self.acked.extend(str(k) for k in self.used[: i + 1])
-        del self.used[: i + 1]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +47,6 @@ def cfg(tiny_model, out, **kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def counts_of(samples):
-    c: dict[int, int] = {}
-    for s in samples:
-        for t in s.token_ids.tolist():
-            c[t] = c.get(t, 0) + 1
-    return c
-
-
 def test_the_registry_names_every_draft_and_refuses_others():
     assert D.names() == ["dflash", "eagle3", "peagle"]
     with pytest.raises(D.UnknownDraftError, match="unknown draft 'medusa': use one of dflash, eagle3, peagle"):
@@ -89,7 +62,7 @@ def test_a_parallel_draft_learns_and_saves_what_vllm_serves(tiny_model, samples,
     assert res.steps == len(samples) and len(res.top1) == k and res.draft == draft
     losses = [h["loss"] for h in res.history]
     assert sum(losses[-6:]) / 6 < 0.8 * sum(losses[:6]) / 6, losses
-    assert sorted(stream.acked) == sorted(str(s.key) for s in samples)
+    assert sorted(map(str, stream.acked)) == sorted(str(s.key) for s in samples)
     conf = json.loads((out / "final" / "config.json").read_text())
     assert conf["speculators_model_type"] == draft and conf["mask_token_id"] == MASK
     if draft == "dflash":

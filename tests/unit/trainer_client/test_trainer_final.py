@@ -15,6 +15,7 @@ import torch
 
 from connector import protocol as P
 from hsstream.tiny_model import hf_hidden_states
+from tests.unit.trainer_client.test_trainer_loop import ListStream
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
 from trainer_client.train import checkpoints as M
 from trainer_client.stream import Sample
@@ -57,19 +58,6 @@ def test_serve_command_is_the_speculative_config_bench_acceptance_uses(tmp_path)
     assert argv[:3] == ["vllm", "serve", "/models/my verifier"] and argv[3] == "--speculative-config"
     assert json.loads(argv[4]) == {"method": "eagle3", "model": str((tmp_path / "final").resolve()),
                                    "num_speculative_tokens": 3}  # fmt: skip
-
-
-class ListStream:
-    def __init__(self, samples) -> None:  # noqa: ANN001
-        self.samples, self.used = samples, []
-
-    def __iter__(self):  # noqa: ANN204
-        for s in self.samples:
-            self.used.append(s.key)
-            yield s
-
-    def ack_through(self, key) -> None:  # noqa: ANN001
-        del self.used[: self.used.index(key) + 1]
 
 
 def test_training_ends_with_a_final_draft_in_speculators_format_and_the_line_to_serve_it(tiny_model, tmp_path):
