@@ -4,7 +4,6 @@ and a few thousand generated requests across every route."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 
@@ -12,6 +11,8 @@ import httpx
 import psutil
 import pytest
 
+from bench.fuzz_sidecar import NON_FINITE
+from bench.fuzz_sidecar import poison as poison_body
 from tests.integration.conftest import sidecar_without_vllm
 
 TOKEN = "fuzz-token"
@@ -82,35 +83,6 @@ def test_chunked_300_mib_body_is_refused_without_being_read_whole(sidecar, path,
 
 
 #: Numbers Python's JSON reads (``1e400`` as infinity) and no JSON encoder writes back.
-_NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400", "-1e400")
-
-
-def _poison(body: object, at: int, text: str) -> str:
-    """``body`` as JSON text with its ``at``-th value (counting depth first, modulo how many it
-    has) replaced by the non-finite number ``text``; a body with no values gets one beside it."""
-    spots: list[tuple[object, object]] = []
-
-    def walk(v: object) -> None:
-        if isinstance(v, dict):
-            for k, x in v.items():
-                spots.append((v, k))
-                walk(x)
-        elif isinstance(v, list):
-            for k, x in enumerate(v):
-                spots.append((v, k))
-                walk(x)
-
-    body = json.loads(json.dumps(body))
-    walk(body)
-    marker = "\u0000non-finite\u0000"
-    if spots:
-        where, key = spots[at % len(spots)]
-        where[key] = marker  # type: ignore[index]
-    else:
-        body = {"samples": body, "options": {"epochs": marker}}
-    return json.dumps(body).replace(json.dumps(marker), text)
-
-
 def test_generated_requests_across_every_route(sidecar):
     """schemathesis draws requests from the sidecar's own OpenAPI schema (valid and invalid
     bodies, paths and query values) for every route, aimed in part at real jobs' ids, with
@@ -138,7 +110,7 @@ def test_generated_requests_across_every_route(sidecar):
     @settings(max_examples=n_requests, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(st.one_of(*(op.as_strategy() for op in ops)), st.sampled_from([None, *jobs]),
-           st.none() | st.tuples(st.integers(0, 50), st.sampled_from(_NON_FINITE)))  # fmt: skip
+           st.none() | st.tuples(st.integers(0, 50), st.sampled_from(NON_FINITE)))  # fmt: skip
     def one(case, job, poison):  # noqa: ANN001
         nonlocal count, aimed, poisoned
         params = case.path_parameters or {}
@@ -147,7 +119,7 @@ def test_generated_requests_across_every_route(sidecar):
             aimed += 1
         if poison is not None and case.operation.method.upper() == "POST" and case.operation.path == "/v1/jobs":
             poisoned += 1
-            text = _poison(case.body, *poison)
+            text = poison_body(case.body, *poison)
             r = session.post(f"{url}/v1/jobs", data=text.encode(), timeout=30,
                              headers={**auth, "content-type": "application/json"})  # fmt: skip
             what = f"POST /v1/jobs {text[:1000]}"
