@@ -236,3 +236,21 @@ def test_the_drafts_on_gpu_row_quotes_the_three_runs():
         assert s["peak_spool_bytes"] <= s["spool_budget_bytes"], name  # "spool ≤ budget in each"
         flags.add(j["command"].replace(f"--draft {draft}", "").replace(draft, ""))
     assert len(flags) == 1, f"the three calls differ in more than --draft: {flags}"
+
+
+@pytest.mark.parametrize("draft,name", [("dflash", "DFlash"), ("peagle", "P-EAGLE")])
+def test_the_parallel_draft_rows_quote_their_served_acceptance(draft, name):
+    """The measured table's DFlash / P-EAGLE rows: mean acceptance lengths (trained T=0, T=1,
+    per position at T=0; untrained T=0, T=1) and the trainer's CPU speed as the JSON says."""
+    j = json.loads((RESULTS / f"acceptance_{draft}_cpu.json").read_text())
+    assert j["passed"], f"acceptance_{draft}_cpu.json is not a passing run"
+    row = next(line for line in README.splitlines() if line.startswith(f"| {name} draft (`--draft {draft}`"))
+    tr, un = j["acceptance"]["trained"], j["acceptance"]["untrained"]
+    m = re.search(r"\*\*([\d.]+)\*\* at T=0, ([\d.]+) at T=1 \(per position ([\d.]+) / ([\d.]+) / ([\d.]+) at T=0\); "
+                  r"untrained ([\d.]+) / ([\d.]+)", row)  # fmt: skip
+    assert m, f"README's {name} row has no acceptance figures"
+    want = [tr["T0"]["mean_acceptance_length"], tr["T1"]["mean_acceptance_length"], *tr["T0"]["acceptance_per_position"],
+            un["T0"]["mean_acceptance_length"], un["T1"]["mean_acceptance_length"]]  # fmt: skip
+    assert [float(x) for x in m.groups()] == [round(w, 2) for w in want], name
+    speed = j["trainer_speed_cpu"]
+    assert f"{speed['samples_per_s']:g} samples/s" in row and f"{speed['tokens_per_s']:,.0f} tokens/s" in row, name
