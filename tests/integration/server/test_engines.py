@@ -3,7 +3,8 @@
 The stack is what ``hsstream up --engines 2`` starts (hsstream.up.Supervisor): two engine
 processes with our connector, the same spool and notice endpoint, the sidecar told both URLs.
 Every sample is consumed exactly once, the dead engine's in-flight samples are produced again
-on the other, and nothing is left in the spool.
+on the other, and nothing is left in the spool. The sidecar reaches the second engine through
+a pass-through TCP proxy (tests/support/holding_proxy.py), which gives the kill its moment.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from __future__ import annotations
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.conftest import start_stack, stop_stack, submit, wait_spool_empty
+from hsstream.demo import Stack
+from tests.integration.conftest import stop_stack, submit, wait_spool_empty
+from tests.support.holding_proxy import HoldingProxy
 from trainer_client import HiddenStateStream
 
 LAYERS = [2, 6, 9, 12]
@@ -25,16 +30,27 @@ BUDGET = 200_000  # bytes: ~4 samples of 40 tokens at a time, so production foll
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model):
+def proxied_stack(tiny_model):
+    """The stack, its second engine reached through a :class:`HoldingProxy` (the kill test's cue)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.fail("two CPU engines need two cores (each engine gets its own)")
-    st = start_stack(tiny_model, LAYERS, prefix="hsstream-engines-", engines=2, env={
+    st = Stack(tiny_model, LAYERS, Path(tempfile.mkdtemp(prefix="hsstream-engines-")), engines=2)
+    proxy = HoldingProxy(st.vllm_port + 1)
+    st.env.update({
+        "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{st.vllm_port},{proxy.url}",
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_NOTICE_TIMEOUT_S": "120",
     })  # fmt: skip
     try:
-        yield st
+        st.start()
+        yield st, proxy
     finally:
         stop_stack(st)
+        proxy.close()
+
+
+@pytest.fixture(scope="module")
+def stack(proxied_stack):
+    return proxied_stack[0]
 
 
 def samples(n, seed, length=40):
@@ -61,10 +77,12 @@ def consume(stack, job, on_sample=None):
     return labels
 
 
-def test_both_engines_get_requests_and_their_notices_arrive(stack):
+def test_both_engines_get_requests_and_their_notices_arrive(proxied_stack):
+    stack, proxy = proxied_stack
     assert [c.name for c in stack.children if c.name.startswith("vllm")] == ["vllm", "vllm-2"]
     engines = stats(stack)["engines"]
-    assert [e["url"] for e in engines] == [f"http://127.0.0.1:{stack.vllm_port + i}" for i in range(2)]
+    assert [e["url"] for e in engines] == [f"http://127.0.0.1:{stack.vllm_port}", proxy.url]
+    assert proxy.upstream[1] == stack.vllm_port + 1  # the second engine, unarmed: passed through
     n = 16
     job = submit(stack, samples(n, 1))
     labels = consume(stack, job)
@@ -78,23 +96,29 @@ def test_both_engines_get_requests_and_their_notices_arrive(stack):
     assert wait_spool_empty(stack, timeout=10) == []
 
 
-def test_an_engine_killed_mid_job_loses_nothing(stack):
+def test_an_engine_killed_mid_job_loses_nothing(proxied_stack):
+    stack, proxy = proxied_stack
     n = 60
+    before = stats(stack)["engines"][1]["requests"]  # the first test's requests
     job = submit(stack, samples(n, 2))
     killed: dict = {}
 
     def killer() -> None:
-        """Kill the second engine while it holds one of our requests, once it has answered a
-        few (mid-job). It is first stopped (SIGSTOP), so the next request sent to it stays in
-        flight until it is killed: catching a 40-token request in flight by polling /v1/stats
-        missed every one of 40 on a loaded CI machine."""
+        """Kill the second engine while it holds one of our requests, once it has taken a few of
+        this job's (mid-job). The proxy keeps back the answer of the next completion sent to it
+        once armed, so that request is in flight by construction when the engine is SIGKILLed:
+        polling /v1/stats for a 40-token request in flight missed every one of 40 on a loaded CI
+        host, and a SIGSTOPped engine went on answering on one."""
         victim = next(c for c in stack.children if c.name == "vllm-2")
         t0 = time.time()
-        while stats(stack)["engines"][1]["requests"] < 2 and time.time() - t0 < 60:
+        while stats(stack)["engines"][1]["requests"] < before + 2 and time.time() - t0 < 60:
             time.sleep(0.002)
-        os.killpg(victim.proc.pid, signal.SIGSTOP)
-        while (e2 := stats(stack)["engines"][1])["in_flight"] == 0 and time.time() - t0 < 60:
-            time.sleep(0.01)
+        proxy.arm()
+        if not proxy.holding.wait(60):
+            killed.update(error="no completion reached the second engine after the proxy was armed",
+                          engines=stats(stack)["engines"])  # fmt: skip
+            return
+        e2 = stats(stack)["engines"][1]
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait(30)
         killed.update(in_flight=e2["in_flight"], requests=e2["requests"])
@@ -107,7 +131,7 @@ def test_an_engine_killed_mid_job_loses_nothing(stack):
 
     labels = consume(stack, job, on_sample)
     th.join(60)
-    assert killed and killed["in_flight"] > 0, killed
+    assert killed.get("in_flight", 0) > 0, killed
     assert sorted(labels) == sorted(f"s2-{i}" for i in range(n)), "a sample lost or yielded twice"
     st = stats(stack)
     e1, e2 = st["engines"]
