@@ -22,12 +22,14 @@ install: $(STAMP)
 
 # The stream demo (~1 min), then the point of it all: train an Eagle-3 draft online from the
 # stream and measure vLLM's acceptance rate, trained vs untrained (~5 min; +3 min the first
-# time, to pre-train the tiny verifier). Results go to .demo/, not into the repository. Repeatable:
-# each run replaces the last one's .demo/acceptance/draft-run (its jobs died with that run's sidecar);
+# time, to pre-train the tiny verifier), then `hsstream eval` on the trained draft as a user
+# would run it (acceptance per position, mean acceptance length, tokens/s with and without it).
+# Results go to .demo/, not into the repository. Repeatable: each run replaces the last one's .demo/acceptance/draft-run (its jobs died with that run's sidecar);
 # the verifiers stay cached in ~/.cache/hsstream, so only the first run pre-trains.
 demo: $(STAMP)
 	$(PY) -m hsstream demo
 	$(PY) bench/acceptance.py --workdir .demo/acceptance --out .demo/acceptance.json
+	$(PY) -m hsstream eval --draft .demo/acceptance/draft-run/final --temperature 0 --temperature 1 --workdir .demo/eval
 
 # The Mooncake Transfer Engine's library loads libibverbs.so.1 (also without RDMA hardware), and the
 # two-host test (tests/integration/connector/test_two_hosts.py) joins network namespaces with `ip`: Debian's.

@@ -275,6 +275,9 @@ def train(
     eval_every: int = typer.Option(0, help="every N steps, top-1 per TTT step on samples held out (0: never)"),
     eval_samples: int = typer.Option(8, help="with --eval-every: the first K samples of the stream are held out"),
     eval_ids: str = typer.Option(None, help="with --eval-every: hold out these sample ids instead (comma-separated)"),
+    eval_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help="hold out this share of every job (by sample id or "
+                                        "index and --eval-seed), never trained; `hsstream eval --job` takes the same"),
+    eval_seed: int = typer.Option(0, help="with --eval-fraction: the seed of the split"),
     log_every: int = typer.Option(10, "--log-every", "--log-freq", help="steps between lines in metrics.jsonl and the log"),
     threads: int = typer.Option(1, help="torch CPU threads (1 is fastest beside vLLM on a small machine)"),
     timeout: float = typer.Option(600.0, help="seconds without a sample before giving up"),
@@ -373,9 +376,16 @@ def submit_source(run: dict, seed: int) -> dict:
 def eval_(
     draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/): "
                                         "Eagle-3, P-EAGLE or DFlash"),
-    model: str = typer.Option(None, "--model", help="verifier checkpoint (default HSSTREAM_MODEL)"),
+    model: str = typer.Option(None, "--model", help="verifier checkpoint (default: the one the draft's config names, "
+                                                    "if it is a directory here, else HSSTREAM_MODEL)"),
     prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
                                           "(default: the 32 prompts bench/acceptance.py measures on)"),
+    job: str = typer.Option(None, help="or prompt with this job's held-out samples (the sidecar's; with --eval-fraction)"),
+    eval_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help="with --job: the share `hsstream train "
+                                        "--eval-fraction` held out (same rule, same seed)"),
+    eval_seed: int = typer.Option(0, help="with --job: the seed the run trained with (--eval-seed)"),
+    max_prompts: int = typer.Option(32, min=1, help="with --job: at most this many held-out samples"),
+    api: str = typer.Option(None, help="with --job: sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
                                                            "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
@@ -396,13 +406,27 @@ def eval_(
     from connector.contract.settings import Settings
     from hsstream import evaluate as E
 
-    mdl = model or Settings().model
+    s = Settings()
+    mdl = model or E.draft_verifier(draft) or s.model
     if not mdl:
-        typer.echo("error: no model: pass --model or set HSSTREAM_MODEL", err=True)
+        typer.echo("error: no model: pass --model or set HSSTREAM_MODEL (the draft's config names no verifier here)", err=True)
         raise typer.Exit(2)
+    if job and prompts:
+        typer.echo("error: give --prompts or --job, not both", err=True)
+        raise typer.Exit(2)
+    split = None
     try:
         E.check_draft_dir(draft)
-        if prompts:
+        if job:
+            from connector.contract.rest_client import SidecarClient, SidecarError
+
+            try:
+                with SidecarClient(api or f"http://{s.host}:{s.port}", token=s.api_token) as client:
+                    plist, split = E.job_prompts(client, job, eval_fraction, eval_seed, limit=max_prompts,
+                                                 max_prompt_tokens=max(1, max_model_len - max_tokens))  # fmt: skip
+            except SidecarError as e:
+                raise ValueError(str(e)) from e
+        elif prompts:
             plist = E.read_prompts(prompts)
         else:
             from hsstream.pretrain_verifier import held_out_prompts
@@ -420,6 +444,8 @@ def eval_(
         typer.echo(f"error: {e}\n(logs in {wd})", err=True)
         raise typer.Exit(1) from e
     res["workdir"] = str(wd)
+    if split is not None:
+        res["held_out"] = split
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:

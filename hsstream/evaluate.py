@@ -64,6 +64,17 @@ def speculative_config(draft: str | Path, num_speculative_tokens: int | None = N
     return {**SERVED[t], "model": str(d), "num_speculative_tokens": int(n)}  # type: ignore[index]
 
 
+def draft_verifier(draft: str | Path) -> str | None:
+    """The verifier the draft was trained against (its config's ``speculators_config.verifier.
+    name_or_path``), if that is a directory here; None otherwise (a hub name, another host's path)."""
+    try:
+        c = json.loads((Path(draft) / "config.json").read_text())
+        p = ((c.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(p) if isinstance(p, str) and p and Path(p).is_dir() else None
+
+
 def check_draft_dir(draft: str | Path) -> Path:
     """``draft`` resolved, or :class:`DraftError` saying what is missing (before an engine starts)."""
     d = Path(draft)
@@ -131,7 +142,7 @@ def summarise(drafts: float, drafted: float, accepted: float, per_pos: list[floa
     }
 
 
-def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
+def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | list[list[int]], max_tokens: int, temps: list[float],
                       spec_tokens: int = SPEC_TOKENS, per_request: bool = False, max_model_len: int = 1024,
                       spec: dict | None = None) -> dict:  # fmt: skip
     """Acceptance of ``draft`` under ``verifier`` in vLLM, per temperature (child-process body).
@@ -156,7 +167,8 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str], max_
             for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
-        res = llm.generate(prompts, params, use_tqdm=False)
+        inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]  # text or token ids
+        res = llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         after = llm.get_metrics()
 
@@ -250,7 +262,49 @@ def read_prompts(path: str | Path) -> list[str]:
     return out
 
 
-def evaluate(verifier: str, draft: str, prompts: list[str], *, max_tokens: int = 64, temps: list[float] | None = None,
+def sample_prompt(token_ids: list[int], loss_mask: list[int] | None, prompt_len: int | None) -> list[int]:
+    """What a held-out training sample prompts vLLM with: the tokens before its first trained
+    position (a chat sample's conversation up to the reply), a regenerated sample's prompt, or,
+    for a sample trained on every position (plain text), its first half."""
+    if prompt_len is not None and prompt_len > 0:
+        return token_ids[:prompt_len]
+    first = next((i for i, m in enumerate(loss_mask or []) if m), 0)
+    return token_ids[:first] if first > 0 else token_ids[: max(1, len(token_ids) // 2)]
+
+
+def job_prompts(client, job: str, fraction: float, seed: int = 0, *, limit: int = 32,  # noqa: ANN001
+                max_prompt_tokens: int | None = None) -> tuple[list[list[int]], dict]:
+    """Token-id prompts from the samples of ``job`` that ``hsstream train --eval-fraction
+    FRACTION --eval-seed SEED`` held out (connector/contract/holdout.py: the same rule), the
+    first ``limit`` in index order, each cut to its last ``max_prompt_tokens``; and what was
+    read (for the report). ``client``: a :class:`~connector.contract.rest_client.SidecarClient`.
+    Reads the job a page at a time; stops once ``limit`` prompts are found."""
+    from connector.contract.holdout import check_fraction, held_out, sample_identity
+
+    check_fraction(fraction)
+    if fraction <= 0:
+        raise ValueError("--eval-fraction must be > 0 with --job (the share `hsstream train --eval-fraction` held out)")
+    prompts: list[list[int]] = []
+    read = picked = 0
+    for smp in client.iter_job_samples(job):
+        read += 1
+        if not held_out(sample_identity(smp.id, smp.index), fraction, seed):
+            continue
+        picked += 1
+        p = sample_prompt(smp.token_ids, smp.loss_mask, smp.prompt_len)
+        if max_prompt_tokens is not None:
+            p = p[-max_prompt_tokens:]
+        prompts.append(p)
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"job {job}: none of its {read} samples is held out at --eval-fraction {fraction} "
+                         f"--eval-seed {seed}: a larger fraction, or the seed the run trained with")  # fmt: skip
+    return prompts, {"job": job, "eval_fraction": fraction, "eval_seed": seed, "samples_read": read,
+                     "held_out_read": picked}  # fmt: skip
+
+
+def evaluate(verifier: str, draft: str, prompts: list[str] | list[list[int]], *, max_tokens: int = 64, temps: list[float] | None = None,
              spec_tokens: int | None = None, baseline: bool = True, workdir: Path, max_model_len: int = 1024) -> dict:  # fmt: skip
     """``hsstream eval``'s result: per temperature our figures, vLLM's counters' and tokens/s with
     and without the draft. ``spec_tokens`` None: the draft's own (see :func:`speculative_config`)."""

@@ -210,6 +210,26 @@ class TokenCounts(BaseModel):
     counts: dict[int, int]
 
 
+class JobSample(BaseModel):
+    """One sample of a job as the sidecar keeps it (epoch 0): what an evaluator prompts with."""
+
+    index: int
+    id: str | None = Field(description="the row's own id (its label), if it had one")
+    token_ids: list[int]
+    loss_mask: list[int] | None = Field(description="1 where the draft is trained; None: every position")
+    prompt_len: int | None = Field(
+        None, description="regenerate jobs: token_ids beyond this many are vLLM's reply (None: not such a job)")
+
+
+class JobSamples(BaseModel):
+    """A page of a job's samples, in index order (``GET /v1/jobs/{id}/samples``)."""
+
+    job_id: str
+    num_samples: int
+    offset: int
+    samples: list[JobSample]
+
+
 class TrainerInfo(BaseModel):
     """A connected trainer as the delivery endpoint sees it (``GET /v1/overview``)."""
 

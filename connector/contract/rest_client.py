@@ -33,6 +33,8 @@ from connector.contract.rest import (
     JobBrief,
     JobCancelled,
     JobCreated,
+    JobSample,
+    JobSamples,
     JobOptions,
     JobStatus,
     Overview,
@@ -241,6 +243,20 @@ class SidecarClient:
 
     def token_counts(self, job_id: str) -> TokenCounts:
         return self._call("GET", f"/v1/jobs/{job_id}/token_counts", TokenCounts)
+
+    def job_samples(self, job_id: str, *, offset: int = 0, limit: int = 100) -> JobSamples:
+        """One page of a job's samples (token ids, masks, ids), in index order; ``limit`` ≤ 1000."""
+        return self._call("GET", f"/v1/jobs/{job_id}/samples", JobSamples, params={"offset": offset, "limit": limit})
+
+    def iter_job_samples(self, job_id: str, *, page_size: int = 500) -> Iterator[JobSample]:
+        """Every sample of a job, a page per call (bounded memory on both sides)."""
+        offset = 0
+        while True:
+            page = self.job_samples(job_id, offset=offset, limit=page_size).samples
+            yield from page
+            if len(page) < page_size:
+                return
+            offset = page[-1].index + 1
 
     def cancel(self, job_id: str) -> JobCancelled:
         return self._call("DELETE", f"/v1/jobs/{job_id}", JobCancelled)

@@ -94,6 +94,17 @@ class ReadModels(LedgerCore):
                                     "ORDER BY ord LIMIT ? OFFSET ?", (job_id, limit, offset)).fetchall()  # fmt: skip
         return [row_to_sample(r) for r in rows]
 
+    def samples_page(self, job_id: str, offset: int, limit: int, epoch: int = 0) -> list[tuple]:
+        """(index, label, token ids, loss mask, prompt_len) of up to ``limit`` samples of one
+        epoch from index ``offset`` on, in index order: one indexed read under the lock."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT idx, label, token_ids, loss_mask, prompt_len FROM samples WHERE job_id=? AND epoch=? "
+                "AND idx>=? ORDER BY idx LIMIT ?",
+                (job_id, epoch, offset, limit),
+            ).fetchall()
+        return [(idx, label, unpack(ids) or [], unpack(mask), plen) for idx, label, ids, mask, plen in rows]
+
     def iter_token_ids(
         self, job_id: str, epoch: int = 0, chunk: int = 1000
     ) -> Iterable[tuple[list[int], list[int] | None]]:

@@ -19,6 +19,8 @@ from connector.contract.rest import (
     JobCreated,
     JobIn,
     JobOptions,
+    JobSample,
+    JobSamples,
     JobStatus,
     SampleError,
     SampleIn,
@@ -199,6 +201,22 @@ def _count_tokens(svc: Services, job_id: str) -> tuple[Counter[int], int]:
         c.update(t for t, m in zip(ids, mask, strict=False) if m)
         total += len(ids)
     return c, total
+
+
+@router.get("/{job_id}/samples", response_model=JobSamples)
+async def job_samples(
+    j: JobDep, svc: ServicesDep, offset: int = Query(0, ge=0, lt=2**31), limit: int = Query(100, ge=1, le=1000),
+) -> JobSamples:  # fmt: skip
+    """A page of the job's samples (epoch 0, index order): token ids, loss masks, ids. What
+    ``hsstream eval --job`` prompts with; bounded per call (``limit`` ≤ 1000)."""
+    if j.compacted:
+        raise HTTPException(410, f"job {j.job_id!r} was compacted after HSSTREAM_JOB_RETENTION_S: its data is gone")
+    rows = await asyncio.to_thread(svc.ledger.samples_page, j.job_id, offset, limit)
+    regenerate = j.sampling is not None
+    return JobSamples(job_id=j.job_id, num_samples=j.num_samples, offset=offset, samples=[
+        JobSample(index=i, id=label, token_ids=ids, loss_mask=mask, prompt_len=plen if regenerate and plen is not None and plen >= 0 else None)
+        for i, label, ids, mask, plen in rows
+    ])  # fmt: skip
 
 
 @router.delete("/{job_id}", response_model=JobCancelled)

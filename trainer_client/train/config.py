@@ -49,6 +49,12 @@ class TrainConfig:
     # Or exactly these samples, by their id (the job's sample "id", ``Sample.label``), whenever
     # they come: runs that get the same samples in different orders then hold out the same ones.
     eval_ids: tuple[str, ...] | None = None
+    # Or a share of every job, drawn by connector/contract/holdout.py from each sample's id (else
+    # its index) and ``eval_seed``: never trained on, on any rank or epoch, whether or not
+    # ``eval_every`` evaluates in-run (the first ``eval_samples`` of them); ``hsstream eval --job
+    # ID --eval-fraction F --eval-seed S`` measures served acceptance on exactly these.
+    eval_fraction: float = 0.0
+    eval_seed: int = 0
     log_every: int = 10
     seed: int = 0
     train_lm_head: bool = False
@@ -100,6 +106,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list, repr=False)
     eval_top1: list[float] | None = None  # the last held-out evaluation (``eval_every``)
     held_out: int = 0  # samples held out for it (their repeats in later epochs are not trained either)
+    held_out_by_fraction: int = 0  # this rank: samples not trained on by ``eval_fraction`` (every epoch)
     final_dir: str | None = None  # OUT/final: the last checkpoint's draft, kept whatever rotation does
     serve: str | None = None  # the `vllm serve` line that serves the verifier with final_dir
     draft: str = "eagle3"

@@ -121,7 +121,8 @@ def plan_schedule(cfg: TrainConfig, samples_total: int | None, world_size: int =
         log.warning("the jobs' sizes are unknown and neither --steps nor --schedule-steps is given: "
                     "the LR stays constant after warm-up")  # fmt: skip
         return
-    cfg.schedule_steps = max(1, math.ceil(samples_total / (max(1, cfg.samples_per_step) * max(1, world_size))))
+    trained = samples_total * (1.0 - cfg.eval_fraction)  # ``eval_fraction``'s share is never trained
+    cfg.schedule_steps = max(1, math.ceil(trained / (max(1, cfg.samples_per_step) * max(1, world_size))))
     log.info("LR schedule (%s) over %d steps: %d samples, %d a step", cfg.schedule, cfg.schedule_steps,
              samples_total, cfg.samples_per_step * max(1, world_size))  # fmt: skip
 

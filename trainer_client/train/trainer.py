@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from connector.contract.holdout import check_fraction, held_out, sample_identity
 from trainer_client import drafts as D
 from trainer_client.drafts.base import Draft, Features
 from trainer_client.train import checkpoints as M
@@ -85,6 +86,9 @@ class OnlineTrainer:
     ) -> None:
         if cfg.eval_ids is not None:
             cfg.eval_ids = tuple(cfg.eval_ids)
+        check_fraction(cfg.eval_fraction)
+        if cfg.eval_fraction > 0 and cfg.eval_ids is not None:
+            raise ValueError("give --eval-ids or --eval-fraction, not both")
         if cfg.eval_every < 0 or (cfg.eval_every > 0 and cfg.eval_samples < 1):
             raise ValueError(f"--eval-every must be >= 0 and --eval-samples >= 1 (got {cfg.eval_every}, {cfg.eval_samples})")
         if cfg.checkpoint_every_s is not None and cfg.checkpoint_every_s <= 0:
@@ -121,6 +125,7 @@ class OnlineTrainer:
         self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples (rank 0)
         self.heldout_digests: set[str] = set()  # kept in checkpoints: a resumed run never trains on them
         self.heldout_repeats = 0
+        self.held_out_by_fraction = 0
 
     @property
     def step(self) -> int:
@@ -232,6 +237,8 @@ class OnlineTrainer:
         """Keep the first ``eval_samples`` samples (or those named by ``eval_ids``) for
         evaluation; True if ``smp`` is not to be trained on."""
         cfg = self.cfg
+        if cfg.eval_fraction > 0:
+            return self._hold_out_by_fraction(smp)
         if cfg.eval_every <= 0 or not self.world.is_writer:
             return False
         if cfg.eval_ids is not None:
@@ -253,6 +260,24 @@ class OnlineTrainer:
         self.heldout.append(Features(str(smp.key), f.input_ids.clone(), f.aux.clone(), f.last.clone(),
                                      f.loss_mask.clone()))  # fmt: skip
         self.heldout_digests.add(dg)
+        return True
+
+    def _hold_out_by_fraction(self, smp: Sample) -> bool:
+        """``eval_fraction``: the samples :func:`held_out` picks, on every rank and epoch (the
+        rule reads only the sample's id or index and the seed, so ``hsstream eval --job`` picks
+        the same). Rank 0 keeps the first ``eval_samples`` of them for ``eval_every``."""
+        cfg = self.cfg
+        index = smp.key.index if smp.key is not None else -1
+        ident = sample_identity(smp.label, index)
+        if (smp.key is None and smp.label is None) or not held_out(ident, cfg.eval_fraction, cfg.eval_seed):
+            return False
+        self.held_out_by_fraction += 1
+        if (cfg.eval_every > 0 and self.world.is_writer and ident not in self.heldout_ids
+                and len(self.heldout) < cfg.eval_samples and smp.token_ids.shape[0] >= 2):  # fmt: skip
+            self.heldout_ids.add(ident)
+            f = self.draft.features(smp, self.aux_layer_ids or [])  # copied: the stream may hand its buffers back
+            self.heldout.append(Features(str(smp.key), f.input_ids.clone(), f.aux.clone(), f.last.clone(),
+                                         f.loss_mask.clone()))  # fmt: skip
         return True
 
     def evaluate(self, stream=None) -> dict:  # noqa: ANN001
@@ -495,6 +520,6 @@ class OnlineTrainer:
             device=str(self.device), autocast=str(self.autocast).removeprefix("torch.") if self.autocast else None,
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
-            held_out=len(self.heldout), final_dir=str(final) if final else None, serve=serve,
+            held_out=len(self.heldout), held_out_by_fraction=self.held_out_by_fraction, final_dir=str(final) if final else None, serve=serve,
             draft=self.draft.name, speculative_config=spec,
         )  # fmt: skip

@@ -15,6 +15,7 @@ a second engine and is not what is checked here).
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -72,9 +73,9 @@ def draft(verifier, tmp_path_factory) -> Path:
     return train_draft_from_hf(verifier, tmp_path_factory.mktemp("eval-draft"), samples=150, steps=200)
 
 
-def hsstream(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def hsstream(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hsstream", *args], cwd=str(ROOT), capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def test_eval_acceptance_is_vllms_own_within_0_02(verifier, draft, tmp_path):
@@ -100,6 +101,40 @@ def test_eval_acceptance_is_vllms_own_within_0_02(verifier, draft, tmp_path):
     pp = ours["acceptance_per_position"]
     assert pp == sorted(pp, reverse=True)
     assert v["tokens_per_s"]["with_draft"] > 0 and v["tokens_per_s"]["without_draft"] is None
+
+
+def test_eval_on_a_jobs_held_out_samples(verifier, draft, tmp_path):
+    """``--job ID --eval-fraction F --eval-seed S``: prompts are the job's samples the shared rule
+    holds out (those ``hsstream train --eval-fraction F --eval-seed S`` never trains on), read from
+    a real sidecar; vLLM serves them as token ids, and our figures still agree with its counters."""
+    from connector.contract.holdout import held_out, sample_identity
+    from connector.contract.rest_client import SidecarClient
+    from hsstream.evaluate import agreement
+    from hsstream.pretrain_verifier import held_out_prompts
+    from tests.integration.conftest import sidecar_without_vllm
+
+    rows = [{"prompt": p, "id": f"doc-{i}"} for i, p in enumerate(held_out_prompts(40))]
+    with sidecar_without_vllm(verifier, "eval-token", "hsstream-eval-") as sc:
+        c = SidecarClient(sc.url, token="eval-token")
+        job = c.create_job(rows).job_id
+        want = [i for i in range(40) if held_out(sample_identity(f"doc-{i}", i), 0.3, 7)]
+        first = [x.token_ids for x in c.iter_job_samples(job) if x.index in want[:6]]
+        args = ("eval", "--model", verifier, "--draft", str(draft), "--job", job, "--api", sc.url, "--no-baseline",
+                "--json", "--max-tokens", "24", "--workdir", str(tmp_path))  # fmt: skip
+        p = hsstream(*args, "--eval-fraction", "0.3", "--eval-seed", "7", "--max-prompts", "6",
+                     env={"HSSTREAM_API_TOKEN": "eval-token"})  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        res = json.loads(p.stdout)
+        assert res["prompts"] == 6 and res["held_out"]["held_out_read"] == 6 and len(want) >= 6
+        assert res["held_out"]["samples_read"] == want[5] + 1  # read until the sixth held-out sample, no further
+        served = json.loads((tmp_path / "with-draft.in.json").read_text())["prompts"]
+        assert served == [t[: max(1, len(t) // 2)] for t in first]  # plain prompts: their first half, as token ids
+        v = res["temperatures"]["0.0"]
+        assert v["ours"]["drafts"] > 10 and agreement(res) <= 0.02, v
+        bad = hsstream(*args, env={"HSSTREAM_API_TOKEN": "eval-token"}, timeout=120)  # no fraction
+        assert bad.returncode == 2 and "--eval-fraction must be > 0" in bad.stderr, bad.stderr[-2000:]
+        wrong = hsstream(*args, "--eval-fraction", "0.3", env={"HSSTREAM_API_TOKEN": "wrong"}, timeout=120)
+        assert wrong.returncode == 2 and "401" in wrong.stderr, wrong.stderr[-2000:]
 
 
 def test_eval_refuses_a_directory_that_is_not_a_draft(verifier, draft, tmp_path):

@@ -82,6 +82,9 @@ def test_every_client_call_parses_what_the_server_sends(app_client, tmp_path):
     assert st.num_samples == 3 and st.counts["queued"] == 3 and not st.done and st.errors == []
     tcounts = agrees(tc, c.token_counts(created.job_id))
     assert tcounts.total_tokens > 3 and tcounts.counts[1] == 1  # token ids parsed back to ints
+    page = agrees(tc, c.job_samples(created.job_id, offset=1, limit=1))
+    assert page.num_samples == 3 and [(x.index, x.token_ids) for x in page.samples] == [(1, [1, 2, 3])]
+    assert [x.index for x in c.iter_job_samples(created.job_id, page_size=2)] == [0, 1, 2]
 
     # pagination: five samples with errors, read two at a time
     big = c.create_job([{"token_ids": [5 + i]} for i in range(7)])

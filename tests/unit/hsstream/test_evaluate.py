@@ -77,3 +77,54 @@ def test_read_prompts_jsonl_or_lines(tmp_path):
     f.write_text('{"messages": []}\n')
     with pytest.raises(ValueError, match="no string 'prompt'"):
         E.read_prompts(f)
+
+
+def test_a_held_out_sample_prompts_with_what_comes_before_its_trained_tokens():
+    ids = list(range(10, 20))
+    assert E.sample_prompt(ids, [0, 0, 0, 1, 1, 1, 0, 0, 1, 1], None) == [10, 11, 12]  # a chat: up to the reply
+    assert E.sample_prompt(ids, [1] * 10, None) == ids[:5]  # plain text trained everywhere: its first half
+    assert E.sample_prompt(ids, None, None) == ids[:5]
+    assert E.sample_prompt(ids, [1] * 10, 7) == ids[:7]  # regenerated: the prompt, not vLLM's reply
+    assert E.sample_prompt([5], [1], None) == [5]
+
+
+def test_job_prompts_are_the_samples_train_held_out(tmp_path, tiny_model):
+    """Through the real sidecar app: the prompts come from exactly the samples the shared rule
+    holds out (the trainer's side of it: tests/unit/trainer_client/test_trainer_loop.py)."""
+    from fastapi.testclient import TestClient
+
+    from connector.contract.holdout import held_out, sample_identity
+    from connector.contract.rest_client import SidecarClient
+    from connector.contract.settings import Settings
+    from server.app import create_app
+
+    s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9",
+                 model=tiny_model, api_token="t")  # fmt: skip
+    rows = [{"token_ids": [100 + i] * 6, **({"id": f"r{i}"} if i % 3 else {})} for i in range(40)]
+    with TestClient(create_app(s), raise_server_exceptions=False) as tc:
+        c = SidecarClient(http=tc, token="t")
+        job = c.create_job(rows).job_id
+        want = [i for i in range(40) if held_out(sample_identity(rows[i].get("id"), i), 0.25, 3)]
+        assert 0 < len(want) < 40
+        prompts, info = E.job_prompts(c, job, 0.25, 3, limit=100, max_prompt_tokens=2)
+        assert prompts == [[100 + i] * 2 for i in want]  # in index order, first half, cut to 2 tokens
+        assert info == {"job": job, "eval_fraction": 0.25, "eval_seed": 3, "samples_read": 40, "held_out_read": len(want)}
+        assert len(E.job_prompts(c, job, 0.25, 3, limit=2)[0]) == 2
+        with pytest.raises(ValueError, match="none of its 1 samples is held out"):
+            E.job_prompts(c, c.create_job([{"token_ids": [1, 2], "id": "x"}]).job_id, 0.01, 0)
+        with pytest.raises(ValueError, match="must be > 0"):
+            E.job_prompts(c, job, 0.0)
+
+
+def test_the_verifier_defaults_to_the_one_the_draft_names_if_it_is_here(tmp_path):
+    d = tmp_path / "final"
+    d.mkdir()
+    assert E.draft_verifier(d) is None  # no config
+    v = tmp_path / "verifier"
+    v.mkdir()
+    (d / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": str(v)}}}))
+    assert E.draft_verifier(d) == str(v)
+    (d / "config.json").write_text(json.dumps({"speculators_config": {"verifier": {"name_or_path": "Qwen/Qwen3-8B"}}}))
+    assert E.draft_verifier(d) is None  # a hub name: not here
+    (d / "config.json").write_text("[]")
+    assert E.draft_verifier(d) is None

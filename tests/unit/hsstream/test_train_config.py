@@ -23,7 +23,7 @@ NON_DEFAULT = {
     "ttt_step_loss_decay": 0.8, "lr": 0.02, "min_lr_ratio": 0.05, "warmup_steps": 7, "schedule": "linear",
     "schedule_steps": 123, "max_steps": 99, "weight_decay": 0.01, "betas": (0.8, 0.9), "grad_clip": 0.5,
     "samples_per_step": 3, "max_tokens_per_step": 2048, "checkpoint_every": 11, "checkpoint_every_s": 30.0,
-    "clock_origin": 1234.5, "keep_checkpoints": 5, "eval_every": 6, "eval_samples": 4, "eval_ids": ("a", "b c"),
+    "clock_origin": 1234.5, "keep_checkpoints": 5, "eval_every": 6, "eval_samples": 4, "eval_ids": ("a", "b c"), "eval_fraction": 0.25, "eval_seed": 9,
     "log_every": 3, "seed": 42, "train_lm_head": True, "control": "swap-hidden", "tensorboard": False, "logger": "none",
     "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5,
     "draft_attn_impl": "eager", "extra": {"note": "x"}, "draft": "dflash", "mask_token_id": 7, "block_size": 5,

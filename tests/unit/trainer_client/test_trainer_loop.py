@@ -254,6 +254,38 @@ def test_eval_ids_hold_out_the_same_samples_whatever_their_order(tiny_model, sam
     assert M.load_state(latest_checkpoint(tmp_path / "forward"))["heldout_ids"] == sorted(ids)
 
 
+def test_eval_fraction_holds_out_what_the_shared_rule_picks_in_every_epoch(tiny_model, samples, tmp_path):
+    """--eval-fraction: exactly the samples connector/contract/holdout.py picks (by id, else index,
+    and --eval-seed) are never trained, in any order and epoch, also with other tokens (a
+    regenerated reply); the first --eval-samples of them are evaluated in-run."""
+    import dataclasses
+
+    from connector.contract.holdout import held_out, sample_identity
+
+    frac, seed = 0.3, 5
+    base = samples[:12]
+    labelled = [dataclasses.replace(s, label=f"row-{s.key.index}") if s.key.index % 2 else s for s in base]
+    epoch1 = [dataclasses.replace(s, key=P.SampleKey(job="unit", index=s.key.index, epoch=1),
+                                  token_ids=s.token_ids.flip(0)) for s in labelled]  # fmt: skip
+    picked = {s.key.index for s in labelled if held_out(sample_identity(s.label, s.key.index), frac, seed)}
+    assert 0 < len(picked) < 12, picked  # the seed was chosen so that the test tells something
+    out = tmp_path / "frac"
+    tr = Eagle3OnlineTrainer(cfg(tiny_model, out, eval_every=50, eval_samples=2, eval_fraction=frac, eval_seed=seed,
+                                 checkpoint_every=100), counts_of(samples))  # fmt: skip
+    res = tr.train(ListStream(labelled[::-1] + epoch1))
+    trained = set(trained_keys(out))
+    assert trained == {f"unit/{e}/{i}" for e in (0, 1) for i in range(12) if i not in picked}
+    assert res.held_out_by_fraction == 2 * len(picked) and res.held_out == min(2, len(picked))
+    other = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "other", eval_fraction=frac, eval_seed=seed + 1,
+                                    checkpoint_every=100), counts_of(samples))  # fmt: skip
+    other.train(ListStream(labelled))
+    assert set(trained_keys(tmp_path / "other")) != {f"unit/0/{i}" for i in range(12) if i not in picked}
+    with pytest.raises(ValueError, match="not both"):
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "x", eval_fraction=0.1, eval_ids=("a",)), None)
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "y", eval_fraction=1.0), None)
+
+
 def test_eval_settings_are_checked(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="--eval-every must be >= 0"):
         Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "a", eval_every=-1), None)
