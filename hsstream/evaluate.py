@@ -159,6 +159,11 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
         model=verifier, speculative_config=spec, disable_log_stats=False, max_model_len=max_model_len, enforce_eager=True,
         gpu_memory_utilization=0.2, seed=0, max_num_seqs=16, **extra,
     )  # fmt: skip
+    inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]  # text or token ids
+    # One short request first, so that tokens/s does not include the engine's first-batch warm-up
+    # (the first temperature measured would be slower than the others); the spec-decode figures
+    # are differences of counters around each batch, so it counts in none of them.
+    llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     out = {}
     for temp in temps:
         before = llm.get_metrics()
@@ -167,7 +172,6 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
             for i in range(len(prompts))
         ]
         t0 = time.perf_counter()
-        inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]  # text or token ids
         res = llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         after = llm.get_metrics()
