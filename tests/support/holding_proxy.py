@@ -25,6 +25,7 @@ class HoldingProxy:
         self.holding = threading.Event()  # set once an armed completion is held
         self.held = 0  # completions whose answers were kept back
         self._armed = False
+        self._pass = 0  # armed: completions still to pass through before one is held
         self._loop = asyncio.new_event_loop()
         sock = socket.socket()
         sock.bind((host, 0))
@@ -40,8 +41,11 @@ class HoldingProxy:
     def url(self) -> str:
         return f"http://{self.upstream[0]}:{self.port}"
 
-    def arm(self) -> None:
-        """Hold the answer of the next completion (and of any after it) from now on."""
+    def arm(self, after: int = 0) -> None:
+        """Let ``after`` more completions through, then hold the answer of the next one (and of
+        any after it). Counted here, on the proxy's own thread: no polling, so no race with how
+        fast the engine answers."""
+        self._pass = after
         self._armed = True
 
     def close(self) -> None:
@@ -72,8 +76,11 @@ class HoldingProxy:
         async def requests() -> None:
             while data := await down_r.read(65536):
                 if self._armed and not held.is_set() and data.startswith(b"POST /v1/completions"):
-                    held.set()
-                    self.held += 1
+                    if self._pass > 0:
+                        self._pass -= 1
+                    else:
+                        held.set()
+                        self.held += 1
                 up_w.write(data)
                 await up_w.drain()
                 if held.is_set():
