@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ),
     )  # fmt: skip
     offer_transports(svc.delivery, s)
+    metrics.trainers.source = svc.delivery.trainers  # read at each scrape, a snapshot of its peers
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

@@ -25,7 +25,7 @@ from pathlib import Path
 import zmq
 
 from connector import protocol as P
-from connector.contract.rest import TrainerInfo
+from connector.contract.rest import TrainerInfo, TrainFigures
 from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
 from server.ledger import GROUP_MAX, Ledger, SampleRow, State
@@ -78,10 +78,15 @@ class Peer:
     #: The stream's own figures from its heartbeats: (alive_s, waited_s) now and one beat before.
     beat: tuple[float, float] | None = None
     prev_beat: tuple[float, float] | None = None
+    #: Its loop's latest training report (from its heartbeats; None until it gives one). Held
+    #: only while it is a peer: it goes with the peer when the trainer is presumed dead.
+    train: P.TrainReport | None = None
 
-    def on_heartbeat(self, alive_s: float, waited_s: float) -> None:
+    def on_heartbeat(self, alive_s: float, waited_s: float, train: P.TrainReport | None = None) -> None:
+        if train is not None:
+            self.train = train  # a beat without one keeps the last (a loop that reports rarely)
         if alive_s <= 0:
-            return  # an older stream, or one that has not started iterating
+            return  # one that has not started iterating
         if self.beat is not None and alive_s > self.beat[0]:
             self.prev_beat = self.beat
         self.beat = (alive_s, waited_s)
@@ -98,6 +103,7 @@ class Peer:
             alive_s=self.beat[0] if self.beat else None,
             wait_share=None if share is None else round(min(max(share, 0.0), 1.0), 4),
             wait_share_recent=None if recent is None else round(min(max(recent, 0.0), 1.0), 4),
+            train=None if self.train is None else TrainFigures(**self.train.model_dump()),
         )  # fmt: skip
 
 
@@ -150,6 +156,8 @@ class DeliveryService(SocketThread):
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
                       "duplicate_acks": 0, "trainer_failed": 0, "peers_lost": 0, "ack_errors": 0,
                       "orphans_deleted": 0, "send_refused": 0,
+                      # messages that did not parse (not JSON, a field out of its bounds, ...): dropped
+                      "bad_messages": 0,
                       # keys of ACK / RECEIVED / FAIL messages ignored: without the token of the
                       # sample's latest lease (never delivered to the sender, or a stale copy's)
                       "unheld_acks": 0, "unheld_receiveds": 0, "unheld_fails": 0}  # fmt: skip
@@ -269,6 +277,7 @@ class DeliveryService(SocketThread):
             self._refuse(owner, self._peer(owner), f"this sidecar speaks protocol version {P.PROTOCOL_VERSION}: {e}")
             return
         except P.ProtocolError as e:
+            self.stats["bad_messages"] += 1
             log.error("bad message from trainer %s: %s", owner.hex(), e)
             return
         peer = self._peer(owner)
@@ -284,7 +293,7 @@ class DeliveryService(SocketThread):
             self._set_transport(owner, peer, msg.hello)
             log.info("trainer %s resumed from its heartbeat (window %d)", owner.hex(), msg.window)
         if isinstance(msg, P.Heartbeat):
-            peer.on_heartbeat(msg.alive_s, msg.waited_s)
+            peer.on_heartbeat(msg.alive_s, msg.waited_s, msg.train)
         if isinstance(msg, P.Hello):
             peer.jobs, peer.follow, peer.greeted = msg.jobs, msg.follow, True
             self._set_transport(owner, peer, msg)

@@ -1,14 +1,19 @@
-"""Prometheus metrics (prometheus_client) for the sidecar, fed by ledger transitions."""
+"""Prometheus metrics (prometheus_client) for the sidecar: counters fed by ledger transitions, and
+gauges read at each scrape (sample states, the spool, the connected trainers' own figures)."""
 
 from __future__ import annotations
 
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from connector.contract.rest import TrainerInfo
 from server.ledger import Ledger, State
 
 
@@ -30,6 +35,8 @@ class SidecarMetrics:
         self.unheld = Counter("hsstream_unheld_settlements_total", "Keys of trainer ACK / RECEIVED / FAIL messages "
                               "ignored for want of their lease token", ["kind"], registry=r)  # fmt: skip
         self.consumed = RateMeter()
+        self.trainers = TrainerGauges()
+        r.register(self.trainers)
         ledger.listeners.append(self._on_transition)
 
     def _on_transition(self, state: State, old: State | None, n: int, tokens: int) -> None:
@@ -55,6 +62,43 @@ class SidecarMetrics:
         except OSError:
             pass
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class TrainerGauges(Collector):
+    """Each connected trainer's figures, labelled by its id (as the overview and the log name it),
+    built at each scrape from the delivery thread's peers: a series exists only while its trainer
+    does, so the labels are bounded by the trainers connected and one that goes (presumed dead
+    after ``HSSTREAM_TRAINER_TIMEOUT_S`` of silence) takes its series with it. The wait share is
+    the stream's (``Heartbeat.waited_s / alive_s``); step, loss and speed are the loop's report
+    (``HiddenStateStream.report``), absent for a trainer that gives none."""
+
+    #: (metric name, help, the figure of a TrainerInfo): one gauge family each.
+    FIGURES: tuple[tuple[str, str, Callable[[TrainerInfo], float | None]], ...] = (
+        ("hsstream_trainer_wait_share", "Share of the trainer's stream time spent waiting for samples, "
+         "over its life (0..1)", lambda t: t.wait_share),
+        ("hsstream_trainer_wait_share_recent", "The same between its last two heartbeats",
+         lambda t: t.wait_share_recent),
+        ("hsstream_trainer_step", "The trainer's last reported step", lambda t: t.train and t.train.step),
+        ("hsstream_trainer_loss", "The trainer's last reported loss", lambda t: t.train and t.train.loss),
+        ("hsstream_trainer_steps_per_second", "The trainer's reported steps per second",
+         lambda t: t.train and t.train.steps_per_s),
+        ("hsstream_trainer_samples_per_second", "The trainer's reported samples per second",
+         lambda t: t.train and t.train.samples_per_s),
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.source: Callable[[], list[TrainerInfo]] = list  # none until the delivery service is set
+
+    def collect(self) -> Iterator[Metric]:
+        trainers = self.source()
+        yield GaugeMetricFamily("hsstream_trainers_connected", "Trainers connected to the delivery endpoint",
+                                value=len(trainers))  # fmt: skip
+        for name, doc, figure in self.FIGURES:
+            g = GaugeMetricFamily(name, doc, labels=["trainer"])
+            for t in trainers:
+                if (v := figure(t)) is not None:
+                    g.add_metric([t.id], float(v))
+            yield g
 
 
 class RateMeter:

@@ -194,6 +194,7 @@ class HiddenStateStream:
         self._started: float | None = None  # first __iter__
         self._waited = 0.0  # seconds the loop spent in the stream waiting for a sample
         self._waiting_since: float | None = None  # inside __iter__, not yet yielded
+        self._report: M.TrainReport | None = None  # the loop's latest figures (report())
         self._outbox: deque[list[bytes]] = deque()
         self.remote = E.is_network(self.endpoint)
         if bool(curve_server_key) != bool(curve_client_cert):
@@ -245,10 +246,26 @@ class HiddenStateStream:
         now = time.monotonic()
         return self._waited + (now - self._waiting_since if self._waiting_since is not None else 0.0)
 
+    def report(self, *, step: int, loss: float | None = None, steps_per_s: float | None = None,
+               samples_per_s: float | None = None) -> None:
+        """The loop's latest training figures, for the sidecar's ``/metrics`` and overview: the
+        next heartbeat carries them (and every one after, until the next report). Cheap enough
+        for every step: it only validates and stores them (one reference, replaced whole, so
+        any thread may call it). Raises ``ValueError`` for what the sidecar would refuse — a
+        figure that is not finite, negative or past its bound (``messages.REPORT_MAX_*``)."""
+        try:
+            self._report = M.TrainReport(
+                step=int(step), loss=None if loss is None else float(loss),
+                steps_per_s=None if steps_per_s is None else float(steps_per_s),
+                samples_per_s=None if samples_per_s is None else float(samples_per_s),
+            )  # fmt: skip
+        except ValueError as e:  # pydantic's ValidationError is one
+            raise ValueError(f"training report refused: {e}") from e
+
     def _heartbeat(self) -> M.Heartbeat:
         alive = time.monotonic() - self._started if self._started is not None else 0.0
         return M.Heartbeat(hello=self._hello, window=self.credit, alive_s=round(alive, 3),
-                           waited_s=round(min(self.waited_s, alive), 3))  # fmt: skip
+                           waited_s=round(min(self.waited_s, alive), 3), train=self._report)  # fmt: skip
 
     # -- socket -------------------------------------------------------------------------------
     def _connect(self) -> zmq.Socket:

@@ -24,9 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 from connector.contract.errors import ProtocolError
 from connector.contract.sample_file import CHECKSUM_ALGO
 
-#: Version 2: the lease token (``Deliver.token``, echoed in ACK / RECEIVED / FAIL) and FAIL's
+#: Version 3: a trainer's HEARTBEAT may carry its training figures (``Heartbeat.train``). Version
+#: 2 brought the lease token (``Deliver.token``, echoed in ACK / RECEIVED / FAIL) and FAIL's
 #: optional ``not_received``. Peers of another version are refused (``VersionMismatch``).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Characters a lease token may have on the wire (the sidecar makes 32 hex digits).
 TOKEN_MAX = 64
 
@@ -275,6 +276,29 @@ class Fail(_Model):
         return out
 
 
+#: Bounds of a training report's figures: far beyond any real run, so a value past one is a
+#: peer's bug or malice, refused with the message rather than shown on a dashboard.
+REPORT_MAX_STEP = 10**12
+REPORT_MAX_LOSS = 1e6
+REPORT_MAX_RATE = 1e9
+_Figure = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class TrainReport(_Model):
+    """A trainer's latest figures, as its loop told its stream (``HiddenStateStream.report``):
+    the step it finished, its loss, and its speed. The sidecar only shows them (``/metrics``,
+    the overview), so every field but ``step`` is optional; each is a finite, non-negative
+    number below a bound, and anything else refuses the whole HEARTBEAT. Strict: a string or a
+    boolean is not a number here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    step: int = Field(ge=0, le=REPORT_MAX_STEP)
+    loss: Annotated[_Figure, Field(le=REPORT_MAX_LOSS)] | None = None
+    steps_per_s: Annotated[_Figure, Field(le=REPORT_MAX_RATE)] | None = None
+    samples_per_s: Annotated[_Figure, Field(le=REPORT_MAX_RATE)] | None = None
+
+
 class Heartbeat(_Model):
     """Both ways, every few seconds (the sidecar sends it bare). From a trainer it repeats the
     HELLO and the trainer's window so a restarted sidecar (which knows no peers) can resume serving it without a new handshake."""
@@ -285,8 +309,11 @@ class Heartbeat(_Model):
     #: Seconds since the stream started iterating, and of them the seconds the loop spent
     #: inside the stream waiting for a sample: the trainer's wait share (waited / alive), so
     #: an operator sees whether training is starved by production (``hsstream top``).
-    alive_s: float = Field(default=0.0, ge=0)
-    waited_s: float = Field(default=0.0, ge=0)
+    alive_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    waited_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    #: The loop's latest training report, if it gave one; repeated in every heartbeat so a
+    #: restarted sidecar has it at the next beat.
+    train: TrainReport | None = None
 
 
 class End(_Model):

@@ -230,6 +230,16 @@ class JobSamples(BaseModel):
     samples: list[JobSample]
 
 
+class TrainFigures(BaseModel):
+    """A trainer's latest training report as its heartbeats carried it (the wire's
+    ``messages.TrainReport``, checked there: finite, non-negative, bounded)."""
+
+    step: int = Field(description="the last step it finished")
+    loss: float | None = Field(default=None, description="that step's loss")
+    steps_per_s: float | None = Field(default=None, description="its steps per second")
+    samples_per_s: float | None = Field(default=None, description="its samples per second")
+
+
 class TrainerInfo(BaseModel):
     """A connected trainer as the delivery endpoint sees it (``GET /v1/overview``)."""
 
@@ -245,6 +255,9 @@ class TrainerInfo(BaseModel):
         description="share of its time spent waiting for samples, over the stream's life (0..1)"
     )
     wait_share_recent: float | None = Field(description="the same between its last two heartbeats")
+    train: TrainFigures | None = Field(
+        default=None, description="its loop's latest training report (step, loss, speed), if it gives one"
+    )
 
 
 class Rates(BaseModel):

@@ -54,6 +54,17 @@ __all__ = ["CKPT_LOG", "KEYS_LOG", "METRICS_LOG", "OnlineTrainer", "TrainConfig"
            "token_digest"]
 
 
+def report_step(report: Callable[..., None], m: dict, steps_per_s: float) -> None:
+    """One step's figures to the stream (its next heartbeat carries them to the sidecar's
+    ``/metrics``), every step: it only stores them. A loss the wire refuses (NaN after a
+    divergence, past its bound) goes as none, so the step and speed still show."""
+    kw = {"step": m["step"], "steps_per_s": steps_per_s, "samples_per_s": m["samples_per_s"]}
+    try:
+        report(loss=m["loss"], **kw)
+    except ValueError:
+        report(loss=None, **kw)
+
+
 def token_digest(token_ids: torch.Tensor) -> str:
     """A sample's identity by content: the same text streamed again (next epoch, new key) matches."""
     return hashlib.blake2b(token_ids.to(torch.int64).contiguous().numpy().tobytes(), digest_size=16).hexdigest()
@@ -373,6 +384,7 @@ class OnlineTrainer:
         copier = DeviceCopier(self.device, self.aux_layer_ids or [], self.ops, self.draft)
         pre = Prefetcher(source, copier, self.prefetch)
         t_start = time.perf_counter()
+        step0, report = self.step, getattr(stream, "report", None)  # HiddenStateStream.report, if the stream has it
         wait_s = 0.0
         history: list[dict] = []
         skipped = 0
@@ -447,6 +459,8 @@ class OnlineTrainer:
                         append_line(keys_log, {"step": self.step, "keys": hb.keys, "pid": os.getpid(),
                                                "rank": world.rank})  # fmt: skip
                     self._log_step(m, metrics_log, bar)
+                    if report is not None:
+                        report_step(report, m, (self.step - step0) / elapsed)
                     if cfg.eval_every > 0 and self.heldout and self.step % cfg.eval_every == 0:
                         last_eval = self._eval_and_log(stream, metrics_log, history)
                 at_end = all_ended or (cfg.max_steps is not None and self.step >= cfg.max_steps)

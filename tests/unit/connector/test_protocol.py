@@ -63,10 +63,11 @@ def _obj(**over):
 @pytest.mark.parametrize(
     "data",
     [
-        pytest.param(json.dumps(_obj(v=3)).encode(), id="v3"),
+        pytest.param(json.dumps(_obj(v=4)).encode(), id="v4"),
+        pytest.param(json.dumps(_obj(v=2)).encode(), id="v2"),
         pytest.param(json.dumps(_obj(v=1)).encode(), id="v1"),
         pytest.param(json.dumps(_obj(v=0)).encode(), id="v0"),
-        pytest.param(json.dumps(_obj(v="2")).encode(), id="v-string"),
+        pytest.param(json.dumps(_obj(v="3")).encode(), id="v-string"),
         pytest.param(json.dumps({k: v for k, v in _obj().items() if k != "v"}).encode(), id="missing-v"),
         pytest.param(b"{not json", id="not-json"),
         pytest.param(b"", id="empty"),
@@ -87,8 +88,10 @@ def test_notice_decode_rejects(data):
 
 
 def test_unsupported_version_message_names_versions():
-    with pytest.raises(P.VersionMismatch, match=r"version 3 .*speaks 2"):
-        P.Notice.decode(json.dumps(_obj(v=3)))
+    with pytest.raises(P.VersionMismatch, match=r"version 4 .*speaks 3"):
+        P.Notice.decode(json.dumps(_obj(v=4)))
+    with pytest.raises(P.VersionMismatch, match=r"version 2 .*speaks 3"):
+        P.Notice.decode(json.dumps(_obj(v=2)))
 
 
 def test_notice_is_immutable():
@@ -162,7 +165,9 @@ def test_decode_msg_checks_version_and_values():
     with pytest.raises(P.ProtocolError):
         P.decode_msg([b"CREDIT", b'{"n": 1}'])
     with pytest.raises(P.ProtocolError):
-        P.decode_msg([b"CREDIT", b'{"v": 2, "n": -1}'])
+        P.decode_msg([b"CREDIT", b'{"v": 3, "n": -1}'])
+    with pytest.raises(P.VersionMismatch):
+        P.decode_msg([b"CREDIT", b'{"v": 2, "n": 1}'])  # the previous release's
     with pytest.raises(P.ProtocolError):
         P.decode_msg([b"ACK", b"not json"])
 
