@@ -193,7 +193,7 @@ class DeviceCopier:
     def stage(self, b: HostBatch) -> Staged:
         if not b.samples:
             return Staged(b, None, 0)
-        if self.ops is None:  # CPU: float32, as the trainer always did
+        if self.ops is None:  # CPU: float32 (no autocast on CPU: see resolve_autocast)
             feats = self._features(b, torch.float32, None)
             return Staged(b, self._pack(feats), sum(f.num_tokens for f in feats))
         with self.ops.side():
