@@ -142,3 +142,18 @@ def test_the_product_never_imports_the_tests():
             if up:
                 found[str(p.relative_to(ROOT))] = up
     assert found == {}, f"the product imports test support: {found}"
+
+
+def test_the_parts_of_up_never_import_the_supervisor():
+    """``hsstream/up/``'s configuration, children, shared-memory cleanup, port check and log
+    filters are below the :class:`Supervisor` that combines them: none imports it, nor the
+    package's facade (``hsstream.up``, which imports the supervisor), lazily or not."""
+    found = {}
+    for p in sorted((ROOT / "hsstream" / "up").glob("*.py")):
+        if p.name in ("__init__.py", "supervisor.py"):
+            continue
+        bad = sorted(m for m in _imports(p) if m == "hsstream.up" or m.startswith("hsstream.up.supervisor")
+                     or m == "hsstream.up.Supervisor")  # fmt: skip
+        if bad:
+            found[p.name] = bad
+    assert found == {}, f"a part of hsstream/up imports the supervisor: {found}"
