@@ -2,8 +2,8 @@
 
 One module for everything that is decided from flags, the environment and compose's ``.env``
 (``build_config``), and the vLLM command line and engine names that follow from it, so the
-supervisor only acts on a finished configuration and every mistake a user can fix is an
-:class:`UpError` raised before a process exists.
+supervisor acts on a finished configuration and a mistake found here is an :class:`UpError`
+raised before any process exists.
 """
 
 from __future__ import annotations
