@@ -142,3 +142,37 @@ def test_the_product_never_imports_the_tests():
             if up:
                 found[str(p.relative_to(ROOT))] = up
     assert found == {}, f"the product imports test support: {found}"
+
+
+def test_the_parts_of_up_never_import_the_supervisor():
+    """``hsstream/up/``'s configuration, children, shared-memory cleanup, port check and log
+    filters are below the :class:`Supervisor` that combines them: none imports it, nor the
+    package's facade (``hsstream.up``, which imports the supervisor), lazily or not."""
+    found = {}
+    for p in sorted((ROOT / "hsstream" / "up").glob("*.py")):
+        if p.name in ("__init__.py", "supervisor.py"):
+            continue
+        bad = sorted(m for m in _imports(p) if m == "hsstream.up" or m.startswith("hsstream.up.supervisor")
+                     or m == "hsstream.up.Supervisor")  # fmt: skip
+        if bad:
+            found[p.name] = bad
+    assert found == {}, f"a part of hsstream/up imports the supervisor: {found}"
+
+
+def test_the_parts_of_online_gpu_never_import_the_script_and_load_nothing_heavy():
+    """``bench/online_gpu.py`` runs as ``__main__`` (the orchestrator, and each consumer child
+    with ``--consumer``): a part importing it would load it a second time, so none does. And
+    importing the script loads no torch, vLLM or stack code: the orchestrator holds no CUDA,
+    each part imports those where it uses them."""
+    found = {}
+    for p in sorted((ROOT / "bench").glob("online_gpu_*.py")):
+        bad = sorted(m for m in _imports(p) if m == "bench.online_gpu" or m == "online_gpu")
+        if bad:
+            found[p.name] = bad
+    assert found == {}, f"a part of bench/online_gpu.py imports the script: {found}"
+    heavy = ("torch", "vllm", "numpy", "httpx", "hsstream", "trainer_client", "connector", "server")
+    code = (f"import sys, runpy\nsys.argv = ['online_gpu.py', '--help']\ntry:\n    runpy.run_path({str(ROOT / 'bench' / 'online_gpu.py')!r}, run_name='__main__')\n"
+            f"except SystemExit:\n    pass\nprint(sorted(m for m in {heavy!r} if m in sys.modules))")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    loaded = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-2000:]
+    assert p.returncode == 0 and loaded == "[]", f"importing bench/online_gpu.py loads {loaded}"

@@ -1,0 +1,111 @@
+"""``bench/online_gpu.py``'s result file: its header, its summary table, writing it.
+
+One JSON under ``bench/results/`` (and ``$OUT`` when set), rewritten after every
+configuration, so a run stopped half-way still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.online_gpu_config import ROOT, vllm_flags
+from bench.online_gpu_stats import WINDOW, floor_ms
+
+OUT_DIR = ROOT / "bench" / "results"
+
+
+def result_name(args: argparse.Namespace) -> str:
+    """The result file's name (``--name``, with ``.json`` added to a bare one)."""
+    name = args.name or ("online_gpu_smoke_cpu.json" if args.smoke else "online_gpu_h200x2.json")
+    return name if name.endswith(".json") else f"{name}.json"  # a bare name still lands as JSON
+
+
+def describe(args: argparse.Namespace, shape: dict) -> dict:
+    """The result's header: the command, the device, the split, the model, the arguments."""
+    n = shape["num_hidden_layers"]
+    return {
+        "benchmark": "online_gpu", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "command": " ".join(["python bench/online_gpu.py", *sys.argv[1:]]), "device": _gpu_names(),
+        "split": {"vllm_gpus": args.vllm_gpu_list, "trainer_gpus": args.trainer_gpu_list, "vllm_tp": args.vllm_tp,
+                  "vllm_flags": vllm_flags(args)},
+        "model": {"shape": "smoke" if args.smoke else "Qwen3-8B", "hidden_size": shape["hidden_size"],
+                  "num_hidden_layers": n, "vocab_size": shape["vocab_size"], "layers": args.layers,
+                  "vllm_weights": "load_format=dummy", "trainer_reads": "random embed_tokens / norm / lm_head"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("consumer",)},
+        "window": f"steady state: completions from the {WINDOW[0]:.0%} to the {WINDOW[1]:.0%} quantile",
+        "runs": [], "errors": [],
+    }  # fmt: skip
+
+
+def save(doc: dict, name: str) -> None:
+    for d in [OUT_DIR] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text(json.dumps(doc, indent=1, default=str))
+
+
+def summarize(doc: dict) -> None:
+    runs = doc["runs"]
+
+    def mean(cfg: str, get) -> float | None:  # noqa: ANN001
+        xs = [get(r) for r in runs if r["config"] == cfg]
+        xs = [x for x in xs if x is not None]
+        return round(statistics.mean(xs), 4) if xs else None
+
+    plain = mean("plain", lambda r: r["rate"].get("tok_per_s"))
+    s = {
+        "plain_tok_per_s": plain,
+        "stream_delivered_tok_per_s": mean("stream", lambda r: r["delivered_to_trainer_gpu"].get("tok_per_s")),
+        "stream_ratio_to_plain": mean("stream", lambda r: r.get("ratio_to_plain")),
+        "stream_vllm_ratio_to_plain": mean("stream", lambda r: r.get("vllm_ratio_to_plain")),
+        "latency_p50_ms": mean("stream", lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
+        "latency_p99_ms": mean("stream", lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+        "ordered_latency_p50_ms": mean("stream_ordered", lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
+        "ordered_latency_p99_ms": mean("stream_ordered", lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+        # The floor: one sample from tmpfs onto the GPU, alone, the faster of the two ways measured.
+        "floor_ms": mean("stream", floor_ms),
+        "train_samples_per_s": mean("train", lambda r: r.get("trainer_samples_per_s_overall")),
+        "train_tokens_per_s": mean("train", lambda r: r.get("trainer_tokens_per_s_overall")),
+        "train_wait_frac": mean("train", lambda r: r["trainer"].get("wait_frac")),
+        "train_vllm_ratio_to_plain": mean("train", lambda r: r.get("vllm_ratio_to_plain")),
+        "train_bound_by": next((r["bound_by"] for r in runs if r["config"] == "train"), None),
+        "train_device_used": next((r["trainer"].get("device_used") for r in runs if r["config"] == "train"), None),
+        "peak_spool_bytes": max((r["spool"]["peak_bytes"] for r in runs if "spool" in r), default=None),
+        "spool_budget_bytes": next((r["spool"]["budget_bytes"] for r in runs if "spool" in r), None),
+        "kv_cache_tokens_plain": next((r["kv_cache_tokens"] for r in runs if r["config"] == "plain"), None),
+        "kv_cache_tokens_extraction": next((r["kv_cache_tokens"] for r in runs if r["config"] != "plain"), None),
+    }
+    doc["summary"] = s
+    rows = [
+        ("(a) plain vLLM prefill", f"{s['plain_tok_per_s']} tok/s", "1.000"),
+        ("(b) delivered onto the trainer GPU", f"{s['stream_delivered_tok_per_s']} tok/s", s["stream_ratio_to_plain"]),
+        ("(b) vLLM with our connector", "", s["stream_vllm_ratio_to_plain"]),
+        ("(b) notice -> trainer GPU latency", f"p50 {s['latency_p50_ms']} ms, p99 {s['latency_p99_ms']} ms",
+         f"floor {s['floor_ms']} ms"),
+        ("(b) the same, yielded in delivery order", f"p50 {s['ordered_latency_p50_ms']} ms, "
+         f"p99 {s['ordered_latency_p99_ms']} ms", "stream_ordered"),
+        ("(c) Eagle-3 trainer", f"{s['train_samples_per_s']} samples/s, {s['train_tokens_per_s']} tok/s",
+         f"waits {s['train_wait_frac']}"),
+        ("(c) vLLM meanwhile", "", s["train_vllm_ratio_to_plain"]),
+        ("(c) bound by", str(s["train_bound_by"]), f"trainer on {s['train_device_used']}"),
+        ("peak spool / budget", f"{s['peak_spool_bytes']} B", f"{s['spool_budget_bytes']} B"),
+        ("KV cache tokens plain / extraction", f"{s['kv_cache_tokens_plain']}", f"{s['kv_cache_tokens_extraction']}"),
+    ]  # fmt: skip
+    print("\n| measure | value | ÷ plain / note |\n|---|---|---|")
+    for a, b, c in rows:
+        print(f"| {a} | {b} | {c} |")
+    print(flush=True)
+
+
+def _gpu_names() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20).stdout.strip().replace("\n", ", ") or "cpu"  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"

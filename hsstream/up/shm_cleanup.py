@@ -1,0 +1,99 @@
+"""Shared memory a killed vLLM group leaves in /dev/shm: recorded while it lives, removed once it is gone.
+
+Apart from the supervisor because it is the one part that deletes files it did not name:
+it reads /proc only, removes only what is provably the group's, and nothing here starts or
+stops a process.
+"""
+
+from __future__ import annotations
+
+import os
+from stat import S_ISREG
+
+
+def shm_snapshot() -> dict[str, int]:
+    """The plain files in /dev/shm now, by path with their inode: taken before an engine starts,
+    so that what was there already (same name and inode) is never counted as the engine's."""
+    out: dict[str, int] = {}
+    try:
+        for e in os.scandir("/dev/shm"):
+            try:
+                if e.is_file(follow_symlinks=False):
+                    out[e.path] = e.inode()
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return out
+
+
+def _maps_of(pid: str) -> list[tuple[int, str]]:
+    """(inode, path) of each /dev/shm file mapped by process ``pid`` (empty if unreadable)."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            i = line.find("/dev/shm/")
+            if i >= 0:
+                path = line[i:].strip().removesuffix(" (deleted)")
+                if os.path.dirname(path) == "/dev/shm":
+                    out.append((int(line.split()[4]), path))
+    return out
+
+
+def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[str]:
+    """The /dev/shm files a process group made and has mapped (vLLM's queues between its
+    processes, torch's shared tensors).
+
+    vLLM removes them when it exits normally; after a SIGKILL or an OOM kill they stay, a few
+    hundred MB of RAM each time. Recorded while the group lives, removed once it is gone, so
+    only files that are provably the group's count: mapped by one of its processes, not in
+    ``existing`` (``shm_snapshot()`` taken before it started: a file that was there is
+    someone else's, which vLLM only mapped), plain files owned by this user. Removal checks
+    again that no live process maps them (``remove_shm_files``).
+    """
+    existing = existing or {}
+    uid = os.geteuid()
+    out: set[str] = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:  # fields after comm: state ppid pgrp
+                continue
+            for inode, path in _maps_of(d):
+                if existing.get(path) == inode or path in out:
+                    continue
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if S_ISREG(st.st_mode) and st.st_uid == uid and st.st_ino == inode:
+                    out.add(path)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def remove_shm_files(paths: set[str]) -> tuple[list[str], list[str]]:
+    """Remove the recorded files of a dead group (``group_shm_files``) that no live process
+    maps: (removed, kept because mapped). A file a process still maps is in use, whoever made it."""
+    live: set[str] = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                live.update(path for _inode, path in _maps_of(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    removed, kept = [], []
+    for path in sorted(paths):
+        if path in live:
+            kept.append(path)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # vLLM removed it itself
+            pass
+    return removed, kept
