@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hsstream import pretrain_verifier as PV
-    from hsstream.demo import Stack
+    from hsstream.devstack import Stack
     from trainer_client.drafts import eagle3 as E3
     from trainer_client.train import vocab as V
 
@@ -307,7 +307,7 @@ def mask_token_id(verifier: str, given: int | None) -> int:
 def stream_and_train(a, verifier: str, wd: Path, extra: list[str]) -> tuple:  # noqa: ANN001
     """The stack streams the training documents; ``hsstream train`` trains on them."""
     from hsstream import pretrain_verifier as PV
-    from hsstream.demo import Stack
+    from hsstream.devstack import Stack
 
     stack = Stack(verifier, LAYERS, wd)
     t0 = time.perf_counter()

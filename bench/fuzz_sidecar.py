@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from connector.contract.rest_client import SidecarClient, SidecarError, auth_headers  # noqa: E402
 from hsstream import launch  # noqa: E402
-from hsstream.demo import free_port  # noqa: E402
+from hsstream.devstack import free_port  # noqa: E402
 
 TOKEN = "fuzz-token"
 AUTH = auth_headers(TOKEN)  # for the hand-made requests; the well-formed ones go through SidecarClient

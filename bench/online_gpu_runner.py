@@ -1,7 +1,7 @@
 """``bench/online_gpu.py``'s arms and their order: (a) plain vLLM, (b) the stream, (c) training.
 
 The :class:`Orchestrator` starts each arm's processes (plain vLLM, the stack through
-``hsstream.demo.Stack``, the consumer children), submits the prompts, follows them to the
+``hsstream.devstack.Stack``, the consumer children), submits the prompts, follows them to the
 end, turns the consumers' records into the arm's figures, and stops everything, even on
 failure; :func:`run` is the whole call, rounds and configurations in order.
 """
@@ -98,7 +98,7 @@ class Orchestrator:
     # -- configurations -----------------------------------------------------------------------
     def run_plain(self, rnd: int) -> dict:
         from hsstream import launch
-        from hsstream.demo import free_port
+        from hsstream.devstack import free_port
 
         a = self.args
         port = free_port()
@@ -144,7 +144,7 @@ class Orchestrator:
         return done
 
     def start_stack(self, rnd: int) -> float:
-        from hsstream.demo import Stack
+        from hsstream.devstack import Stack
 
         a = self.args
         t0 = time.perf_counter()

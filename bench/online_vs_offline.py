@@ -255,7 +255,7 @@ def arm_offline(a, verifier: str, docs: list[str], counts: Path, wd: Path) -> di
     import httpx
 
     from hsstream import launch
-    from hsstream.demo import free_port
+    from hsstream.devstack import free_port
 
     files_dir, run_dir = wd / "offline" / "files", wd / "offline" / "run"
     files_dir.mkdir(parents=True)
@@ -310,7 +310,7 @@ def arm_offline(a, verifier: str, docs: list[str], counts: Path, wd: Path) -> di
 
 def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], counts: Path, wd: Path, name: str,
                steps: int) -> dict:  # fmt: skip
-    from hsstream.demo import Stack
+    from hsstream.devstack import Stack
 
     run_dir = wd / name / "run"
     (wd / name).mkdir(parents=True)

@@ -142,7 +142,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sidecar_overhead_cpu.json"))
     args = ap.parse_args()
     from hsstream import launch
-    from hsstream.demo import Stack
+    from hsstream.devstack import Stack
     from hsstream.tiny_model import build_tiny_verifier
 
     model = str(build_tiny_verifier())

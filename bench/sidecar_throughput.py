@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from connector import protocol as P  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
-from hsstream.demo import free_port  # noqa: E402
+from hsstream.devstack import free_port  # noqa: E402
 
 TOKENS, LAYERS, HIDDEN = 16, 4, 128  # a 16 KiB sample: the control plane's cost, not the bytes'
 

@@ -96,7 +96,7 @@ def main() -> int:
 
     from connector.contract.rest_client import SidecarClient, SidecarError
     from hsstream import launch
-    from hsstream.demo import Stack
+    from hsstream.devstack import Stack
     from hsstream.tiny_model import build_tiny_verifier
 
     model = str(build_tiny_verifier())

@@ -27,7 +27,7 @@ the one import callers need):
 
 Only ``supervisor.py`` imports the others; none of them imports it
 (``tests/unit/project/test_import_boundaries.py``). The demo and the integration tests use
-:class:`Supervisor` in-process (``hsstream.demo.Stack``).
+:class:`Supervisor` in-process (``hsstream.devstack.Stack``).
 """
 
 # The modules the parts call through (``launch.num_hidden_layers``, ``os.sched_getaffinity``,
@@ -39,7 +39,6 @@ import subprocess
 from hsstream import launch
 from hsstream.up.children import Proc, describe_exit, reap_group
 from hsstream.up.config import (
-    DEPLOY_KEYS,
     UpConfig,
     UpError,
     build_config,
@@ -63,7 +62,6 @@ from hsstream.up.shm_cleanup import group_shm_files, remove_shm_files, shm_snaps
 from hsstream.up.supervisor import STOP_ORDER, Supervisor
 
 __all__ = [
-    "DEPLOY_KEYS",
     "NANOBIND_EXIT_REPORT",
     "NANOBIND_EXPLAINED",
     "STOP_ORDER",

@@ -16,19 +16,6 @@ from urllib.parse import urlsplit
 
 from hsstream import launch
 
-#: Keys of compose's ``.env`` that are not ``HSSTREAM_*`` settings but mean the same thing for
-#: a local stack (see deploy/.env.example), so one file configures both.
-DEPLOY_KEYS = (
-    "MODEL_DIR",
-    "VLLM_PORT",
-    "MAX_MODEL_LEN",
-    "GPU_MEMORY_UTILIZATION",
-    "TENSOR_PARALLEL_SIZE",
-    "DATA_PARALLEL_SIZE",
-    "VLLM_GPUS",
-    "TRAINER_GPUS",
-)
-
 
 class UpError(RuntimeError):
     """A problem a user can fix before anything starts (port taken, bad layer ids, ...)."""

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from hsstream import launch
-from hsstream.demo import Stack, free_port
+from hsstream.devstack import Stack, free_port
 
 
 def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = False, env: dict | None = None,

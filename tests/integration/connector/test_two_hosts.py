@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from hsstream import launch
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 from tests.integration.conftest import start_stack, stop_stack, submit
 from tests.integration.server.test_reliability import read_log, token_samples, wait_done
 

@@ -20,7 +20,7 @@ import pexpect
 import pyte
 import pytest
 
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 from tests.integration.conftest import submit
 from trainer_client import HiddenStateStream
 

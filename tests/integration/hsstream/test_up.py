@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from connector import protocol as P
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 from hsstream.up import VLLM_STOP_NOISE, group_shm_files
 
 ROOT = Path(__file__).resolve().parents[3]

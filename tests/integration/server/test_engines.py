@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsstream.demo import Stack
+from hsstream.devstack import Stack
 from tests.integration.conftest import stop_stack, submit, wait_spool_empty
 from tests.support.holding_proxy import HoldingProxy
 from trainer_client import HiddenStateStream

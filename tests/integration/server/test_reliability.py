@@ -21,7 +21,7 @@ import pytest
 
 from hsstream import launch
 from tests.integration.conftest import start_stack, stop_stack, submit, wait_spool_empty
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 from trainer_client import HiddenStateStream, StreamError
 
 BUDGET = 200_000  # bytes: about four of this module's samples at a time

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hsstream import launch
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 
 WEIGHTS = os.urandom(4096)
 

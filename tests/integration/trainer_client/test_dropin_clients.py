@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from hsstream import launch
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 from hsstream.tiny_model import hf_hidden_states
 
 N = 12

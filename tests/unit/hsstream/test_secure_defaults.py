@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from connector.contract import curve_keys
 from hsstream.cli import app
-from hsstream.demo import free_port
+from hsstream.devstack import free_port
 from hsstream.exposure import OpenBindRefused, check_api_exposure, is_loopback
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -144,6 +144,21 @@ def test_the_product_never_imports_the_tests():
     assert found == {}, f"the product imports test support: {found}"
 
 
+def test_only_the_demo_imports_the_development_stack():
+    """``hsstream/devstack.py`` (the stack on private paths and free ports) is for the demo, the
+    integration tests and the benchmarks: nothing else of the product imports it, lazily or not
+    (operators start the stack with ``hsstream up`` or compose)."""
+    found = {}
+    for pkg in ("connector", "server", "trainer_client", "hsstream"):
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            if p.relative_to(ROOT).as_posix() in ("hsstream/devstack.py", "hsstream/demo.py"):
+                continue
+            bad = sorted(m for m in _imports(p) if m == "hsstream.devstack" or m.startswith("hsstream.devstack."))
+            if bad:
+                found[str(p.relative_to(ROOT))] = bad
+    assert found == {}, f"the product imports the development stack: {found}"
+
+
 def test_the_parts_of_up_never_import_the_supervisor():
     """``hsstream/up/``'s configuration, children, shared-memory cleanup, port check and log
     filters are below the :class:`Supervisor` that combines them: none imports it, nor the

@@ -1,0 +1,126 @@
+"""The development stack: vLLM (with our connector) and the sidecar as real child processes on
+private paths and free ports, stopped together, spool removed.
+
+What ``make demo``, the integration tests and the benchmarks start, and nothing in the product
+imports it (``tests/unit/project/test_import_boundaries.py``): operators run ``hsstream up`` or
+compose, which this wraps (:class:`hsstream.up.Supervisor`), so the harness starts the stack
+exactly as users do and adds only the choice of paths and ports.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from hsstream import launch
+from hsstream.up import Supervisor, UpConfig, hsstream_vllm_cli
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (engines listen on port, port + 1, ...)."""
+    if n == 1:
+        return free_port()
+    for _ in range(100):
+        first = free_port()
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", first + i))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+class Stack:
+    """vLLM + sidecar as child processes, stopped together, spool removed.
+
+    A thin front over :class:`hsstream.up.Supervisor` (what ``hsstream up`` runs), so the demo
+    and the tests start the stack exactly as users do; this class only picks private paths and
+    free ports. ``env`` may be changed before :meth:`start`; ``children`` may be replaced by
+    tests that kill and restart a process themselves (``stop`` stops whatever is listed).
+    """
+
+    def __init__(
+        self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False,
+        max_model_len: int = 1024, gpu_memory_utilization: float | None = None, vllm_extra: list[str] | None = None,
+        vllm_gpus: str | None = None, engines: int = 1,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.layer_ids = layer_ids
+        self.workdir = workdir
+        self.spool = Path(tempfile.mkdtemp(prefix="hsstream-", dir="/dev/shm"))
+        self.run_dir = Path(tempfile.mkdtemp(prefix="hsstream-run-"))
+        self.engines = engines
+        self.vllm_port, self.api_port = free_ports(engines), free_port()
+        self.env = {
+            "HSSTREAM_SPOOL_DIR": str(self.spool),
+            "HSSTREAM_RUN_DIR": str(self.run_dir),
+            "HSSTREAM_VLLM_URL": ",".join(f"http://127.0.0.1:{self.vllm_port + i}" for i in range(engines)),
+            "HSSTREAM_MODEL": model,
+            "HSSTREAM_LAYER_IDS": ",".join(map(str, layer_ids)),
+            "HSSTREAM_PORT": str(self.api_port),
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.prefix_caching = prefix_caching
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.vllm_extra = list(vllm_extra or [])  # more vLLM flags (benchmarks: --load-format dummy, TP)
+        self.vllm_gpus = vllm_gpus  # CUDA_VISIBLE_DEVICES of vLLM
+        self.children: list[launch.Child] = []
+        self._sup: Supervisor | None = None
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def delivery_endpoint(self) -> str:
+        return f"ipc://{self.run_dir}/delivery.sock"
+
+    def start(self, on_tick=None) -> None:  # noqa: ANN001
+        cli = hsstream_vllm_cli(
+            self.model, self.layer_ids, "127.0.0.1", self.vllm_port, max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization or (0.2 if launch.is_cpu_build() else None),
+            enforce_eager=True, prefix_caching=self.prefix_caching,
+            extra=["--served-model-name", "verifier", *self.vllm_extra],
+        )  # fmt: skip
+        cfg = UpConfig(
+            model=self.model, layer_ids=self.layer_ids, spool_dir=self.spool, run_dir=self.run_dir,
+            api_host="127.0.0.1", api_port=self.api_port, vllm_host="127.0.0.1", vllm_port=self.vllm_port,
+            vllm_cli=cli, env=self.env, max_restarts=0, ready_timeout_s=600, log_dir=self.workdir,
+            cwd=launch.repo_root(), vllm_gpus=self.vllm_gpus, engines=self.engines,
+        )  # fmt: skip
+        self._sup = Supervisor(cfg, echo=False)
+        self._sup.children = self.children
+        self._sup.start(on_tick)
+
+    def stop(self) -> None:
+        if self._sup is not None:
+            self._sup.stop()
+        for c in self.children:  # never started through the supervisor, or added later
+            c.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def spool_files(self) -> list[str]:
+        """Everything in the spool but the sidecar's ownership marker."""
+        from connector.protocol import SPOOL_MARKER
+
+        return sorted(n for n in os.listdir(self.spool) if n != SPOOL_MARKER) if self.spool.exists() else []
+
+    def remove_spool(self) -> None:
+        shutil.rmtree(self.spool, ignore_errors=True)
