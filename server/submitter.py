@@ -90,6 +90,14 @@ class Engine:
                 "down_for_s": None if self.up else round(time.monotonic() - self.down_since, 1)}  # fmt: skip
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The sampling seed of a regenerated reply in ``epoch``: the job's own in epoch 0, another
+    one each later epoch (the same every time), so that each epoch draws a fresh reply — the
+    point of regenerating every epoch — and a rerun of the job draws the same ones. vLLM takes
+    any int64; the result stays in [0, 2**63)."""
+    return seed if epoch == 0 else (seed + epoch * 0x9E3779B97F4A7C15) % 2**63
+
+
 def least_loaded(engines: list[Engine], start: int = 0) -> Engine | None:
     """The engine that is up with the fewest requests outstanding; ties go to the first from
     ``start`` on (the caller rotates it, so equal engines take turns). None if all are down."""
@@ -483,6 +491,8 @@ class Submitter:
             if sampling is not None:
                 # regenerate: vLLM writes a reply; states cover prompt + reply - 1 positions
                 body.update({k: v for k, v in sampling.items() if v is not None}, return_token_ids=True)
+                if sampling.get("seed") is not None:
+                    body["seed"] = epoch_seed(int(sampling["seed"]), s.key.epoch)
                 body["kv_transfer_params"]["include_output_tokens"] = True
             assert self._client is not None
             self.stats["requests"] += 1

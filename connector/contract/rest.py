@@ -107,7 +107,10 @@ class SamplingOptions(BaseModel):
     max_tokens: int = Field(default=256, ge=2, le=32768)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Int64 | None = None
+    seed: Int64 | None = Field(
+        default=None, description="the replies' seed in the first epoch; each later epoch gets its own, derived "
+        "from it (server/submitter.py epoch_seed), so every epoch regenerates a fresh reply; unset: vLLM's random",
+    )  # fmt: skip
 
 
 class JobOptions(BaseModel):

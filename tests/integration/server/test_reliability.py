@@ -415,3 +415,26 @@ def test_regenerate_mode_extracts_prompt_plus_new_reply(stack, tiny_model):
     assert g.hidden_states.shape[0] == len(ids)
     assert_close_to_hf(tiny_model, g, [2, 6, 9, 12])  # the reply's states are the verifier's too
     assert stack.spool_files() == []
+
+
+def test_regenerate_draws_a_fresh_reply_each_epoch_and_the_same_on_a_rerun(stack):
+    """With a seed, epoch 0 samples with it and each later epoch with its own seed derived from
+    it (``epoch_seed``): at T=1 most replies differ between epochs (the reason to regenerate
+    every epoch), and a second job with the same options draws the same replies again."""
+    msgs = [[{"role": "user", "content": f"say something about {w}"}] for w in
+            ("tea", "rain", "maps", "owls", "salt", "wind", "clocks", "bread", "glass", "ships")]  # fmt: skip
+    opts = {"mode": "regenerate", "epochs": 2, "sampling": {"max_tokens": 10, "temperature": 1.0, "seed": 123}}
+
+    def replies(job):
+        out: dict[tuple[int, int], tuple] = {}
+        with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
+            for smp in s:
+                out[(smp.key.epoch, smp.key.index)] = tuple(smp.token_ids.tolist())
+        return out
+
+    first = replies(submit(stack, [{"messages": m} for m in msgs], **opts))
+    assert sorted(first) == [(e, i) for e in (0, 1) for i in range(len(msgs))]
+    differ = sum(first[(0, i)] != first[(1, i)] for i in range(len(msgs)))
+    assert differ >= len(msgs) // 2, f"only {differ} of {len(msgs)} replies differ between epochs"
+    again = replies(submit(stack, [{"messages": m} for m in msgs], **opts))
+    assert again == first  # the same seeds: the same replies, epoch for epoch
