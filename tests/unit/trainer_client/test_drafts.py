@@ -150,6 +150,19 @@ def test_dspark_checkpoint_reloads_in_speculators_and_passes_vllms_own_parsing(t
         EngineArgs(model=tiny_model, speculative_config=spec, max_model_len=256).create_engine_config()
 
 
+def test_a_speculators_mtp_draft_has_no_serving_path_in_this_vllm():
+    """Why there is no MTP plug-in (docs/trainer.md, "Drafts"): vLLM's speculators loader knows no
+    ``mtp`` checkpoint, so a speculators MTP draft dir is refused before any engine starts (vLLM's
+    ``mtp`` method runs a verifier's own built-in MTP layers instead). Fails once vLLM adds one."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    assert "dspark" in SUPPORTED_SPECULATORS_TYPES and "mtp" not in SUPPORTED_SPECULATORS_TYPES
+    with pytest.raises(ValueError, match="Expected one of"):
+        SpeculatorsConfig.extract_transformers_pre_trained_config({"speculators_model_type": "mtp"})
+
+
 def test_dspark_settings_that_cannot_work_are_refused_naming_the_draft(tiny_model, tmp_path):
     with pytest.raises(DraftConfigError, match=r"^DSpark: markov_rank 0: vLLM's DSpark always has the Markov head"):
         OnlineTrainer(cfg(tiny_model, tmp_path / "a", draft="dspark", markov_rank=0), None)
