@@ -293,7 +293,7 @@ def train(
     logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
 ) -> None:
-    """Train a draft (Eagle-3, P-EAGLE, DFlash, DSpark) online from the stream.
+    """Train a draft (Eagle-3, P-EAGLE, DFlash, DSpark) on the stream.
 
     Speculators' format; checkpoints, resumes from --out, ends with OUT/final and the
     `vllm serve` line. Settings from --config FILE, flags winning."""
