@@ -37,10 +37,6 @@ import torch
 from trainer_client.drafts.base import Draft, DraftConfigError
 from trainer_client.drafts.dflash import ATTN_IMPLS, check_mask_embedding, mask_token
 
-#: what vLLM 0.32's CPU build answers to ``--speculative-config '{"method": "dspark", ...}'``
-VLLM_CPU_REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
-
-
 def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
     """Our (speculators') aux layer ids → vLLM's DSpark ``target_layer_ids``."""
     return [i - 1 for i in aux_layer_ids]
