@@ -70,7 +70,7 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--spool-budget-gib", type=float, default=8.0)
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--draft", default="eagle3", help="(c)'s draft: a name in trainer_client.drafts (eagle3, peagle, dflash)")
+    ap.add_argument("--draft", default="eagle3", help="(c)'s draft: a name in trainer_client.drafts (eagle3, peagle, dflash, dspark)")
     ap.add_argument("--mask-token-id", type=int, default=None,
                     help="peagle/dflash: the mask token (default: the verifier's last vocabulary id; random heads have no zero row)")
     ap.add_argument("--block-size", type=int, default=4, help="dflash: tokens per block")
@@ -105,7 +105,7 @@ def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict
     shape = C.SMOKE if args.smoke else C.QWEN3_8B
     n = shape["num_hidden_layers"]
     args.layers = LAYERS if not args.smoke else [2, n // 2, n - 3, n]
-    if args.draft in ("peagle", "dflash") and args.mask_token_id is None:
+    if args.draft in ("peagle", "dflash", "dspark") and args.mask_token_id is None:
         args.mask_token_id = shape["vocab_size"] - 1  # a random heads' row: never zero, and prompts() never draws it
     if args.smoke:
         for k, v in (("samples", 48), ("train_samples", 24), ("warmup", 4), ("prompt_len", 256), ("concurrency", 8),

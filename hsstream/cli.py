@@ -242,12 +242,14 @@ def train(
     endpoint: str = typer.Option(None, help="delivery endpoint (default HSSTREAM_DELIVERY_ENDPOINT)"),
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
     token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
-    draft: str = typer.Option("eagle3", "--draft", "--speculator-type", help="the draft to train: eagle3, peagle or dflash"),
-    mask_token_id: int = typer.Option(None, help="peagle/dflash: the mask token id (default: the verifier tokenizer's mask token)"),
-    block_size: int = typer.Option(4, min=2, help="dflash: tokens per block (drafts block_size - 1 a step)"),
+    draft: str = typer.Option("eagle3", "--draft", "--speculator-type", help="the draft to train: eagle3, peagle, dflash or dspark"),
+    mask_token_id: int = typer.Option(None, help="peagle/dflash/dspark: the mask token id (default: the verifier tokenizer's mask token)"),
+    block_size: int = typer.Option(4, min=2, help="dflash: tokens per block (drafts block_size - 1 a step; dspark: block_size)"),
     num_depths: int = typer.Option(4, min=1, help="peagle: tokens drafted in parallel a step"),
-    max_anchors: int = typer.Option(256, min=1, help="peagle/dflash: anchors sampled per packed row"),
-    num_draft_layers: int = typer.Option(1, "--num-draft-layers", "--num-layers", min=1, help="dflash: draft decoder layers"),
+    max_anchors: int = typer.Option(256, min=1, help="peagle/dflash/dspark: anchors sampled per packed row"),
+    num_draft_layers: int = typer.Option(1, "--num-draft-layers", "--num-layers", min=1, help="dflash/dspark: draft decoder layers"),
+    markov_rank: int = typer.Option(256, min=1, help="dspark: rank of the Markov logit-bias head"),
+    confidence_head_alpha: float = typer.Option(1.0, min=0.0, help="dspark: weight of the confidence head's loss"),
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
     aux_layers: str = typer.Option(None, "--aux-layers", "--target-layer-ids",
                                    help="aux layer ids, comma-separated (default 2, N//2, N-3; Eagle-3 and P-EAGLE take three)"),
@@ -291,7 +293,7 @@ def train(
     logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
 ) -> None:
-    """Train a draft (Eagle-3, P-EAGLE, DFlash) online from the stream.
+    """Train a draft (Eagle-3, P-EAGLE, DFlash, DSpark) on the stream.
 
     Speculators' format; checkpoints, resumes from --out, ends with OUT/final and the
     `vllm serve` line. Settings from --config FILE, flags winning."""

@@ -74,11 +74,12 @@ SPECULATORS_NAMES: dict[str, str] = {
     "num_layers": "num_draft_layers",
     # same name in both: max_steps, lr, weight_decay, ttt_steps, ttt_step_loss_decay,
     # draft_vocab_size, draft_attn_impl, seed, epochs, mask_token_id, block_size, num_depths, max_anchors
+    # markov_rank, confidence_head_alpha
 }
 
 #: speculators' ``run.yaml`` group blocks: their keys are read as if at the top level.
 SPECULATORS_GROUPS = frozenset({"verifier", "draft", "data", "generation", "loss", "optimizer", "scheduler",
-                                "trainer", "logging", "dflash", "peagle"})  # fmt: skip
+                                "trainer", "logging", "dflash", "peagle", "dspark"})  # fmt: skip
 
 #: Values speculators spells differently.
 VALUE_ALIASES: dict[str, dict[object, object]] = {"schedule": {"none": "constant"}}

@@ -16,6 +16,7 @@ from trainer_client.drafts.base import Draft, DraftConfigError, MissingLayersErr
 REGISTRY: dict[str, str] = {
     "eagle3": "trainer_client.drafts.eagle3:Eagle3",
     "dflash": "trainer_client.drafts.dflash:DFlash",
+    "dspark": "trainer_client.drafts.dspark:DSpark",
     "peagle": "trainer_client.drafts.peagle:PEagle",
 }
 

@@ -18,7 +18,7 @@ import torch
 class TrainConfig:
     verifier: str
     out_dir: str
-    # Which draft to train: a name in trainer_client.drafts.REGISTRY (eagle3, peagle, dflash).
+    # Which draft to train: a name in trainer_client.drafts.REGISTRY (eagle3, peagle, dflash, dspark).
     draft: str = "eagle3"
     aux_layer_ids: list[int] | None = None  # None: the draft's default (Eagle-3's usual [2, N//2, N-3])
     draft_vocab_size: int | None = None  # None: min(32000, verifier vocabulary)
@@ -79,10 +79,12 @@ class TrainConfig:
     # Parallel drafts (P-EAGLE, DFlash): the token id their mask positions carry. None: the
     # verifier tokenizer's mask token, else an error naming the draft (trainer_client/drafts/).
     mask_token_id: int | None = None
-    block_size: int = 4  # DFlash: tokens per block (the anchor + block_size - 1 drafted)
+    block_size: int = 4  # DFlash: tokens per block (the anchor + block_size - 1 drafted); DSpark drafts block_size
     num_depths: int = 4  # P-EAGLE: tokens drafted in parallel per verifier step
-    max_anchors: int = 256  # DFlash / P-EAGLE: anchors sampled per packed row
-    num_draft_layers: int = 1  # DFlash: decoder layers of the draft
+    max_anchors: int = 256  # DFlash / DSpark / P-EAGLE: anchors sampled per packed row
+    num_draft_layers: int = 1  # DFlash, DSpark: decoder layers of the draft
+    markov_rank: int = 256  # DSpark: rank of the Markov logit-bias head (speculators' default)
+    confidence_head_alpha: float = 1.0  # DSpark: weight of the confidence head's loss
     extra: dict = field(default_factory=dict)  # recorded in run.json (job ids, command line, ...)
 
 

@@ -392,3 +392,27 @@ def test_each_parallel_draft_trains_from_the_stream_and_its_checkpoint_serves_in
     v = served["0.0"]
     assert v["generated_tokens"] == 16 and v["vllm_metrics"]["drafts"] > 0, v
     assert len(v["vllm_metrics"]["acceptance_per_position"]) == spec["num_speculative_tokens"]
+
+
+def test_dspark_trains_from_the_stream_and_eval_says_it_needs_a_gpu(stack, verifier, tmp_path):
+    """``hsstream train --draft dspark`` from the real stream; vLLM's CPU build cannot serve DSpark
+    (its V1 model runner refuses it), so ``hsstream eval`` on the checkpoint stops with exit 2,
+    naming the GPU it needs and vLLM's refusal, before any engine starts."""
+    n = 8
+    out = tmp_path / "dspark"
+    job = submit(stack, [{"token_ids": w} for w in windows(verifier, n, 48, seed=78)])
+    cmd = [*_train_cmd(stack, verifier, out, job), "--draft", "dspark", "--mask-token-id", "1", "--steps", str(n),
+           "--markov-rank", "32"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout[p.stdout.index("{") :])
+    assert res["draft"] == "dspark" and res["steps"] == n and res["samples"] == n and len(res["top1"]) == 4
+    final = out / "final"
+    assert res["speculative_config"] == {"method": "dspark", "model": str(final.resolve()), "num_speculative_tokens": 4}
+    conf = json.loads((final / "config.json").read_text())
+    assert (conf["speculators_model_type"], conf["markov_rank"], conf["aux_hidden_state_layer_ids"]) == ("dspark", 32, LAYERS[:3])
+    assert job_counts(stack, job)["consumed"] == n
+    e = subprocess.run([sys.executable, "-m", "hsstream", "eval", "--draft", str(final), "--model", verifier],
+                       cwd=str(ROOT), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert e.returncode == 2 and "a dspark draft needs a GPU" in e.stderr, e.stderr[-2000:]
+    assert "Model Runner V1 does not support: dspark speculative decoding" in e.stderr and "Traceback" not in e.stderr

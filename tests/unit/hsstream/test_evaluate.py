@@ -70,6 +70,28 @@ def test_check_draft_dir_names_what_is_missing(tmp_path):
     assert E.check_draft_dir(d) == d.resolve()
 
 
+def test_a_dspark_draft_is_refused_on_the_cpu_build_naming_the_gpu_it_needs(tmp_path, monkeypatch):
+    """vLLM serves DSpark with its V2 model runner only; this CPU build runs V1, which refuses it
+    (tests/unit/trainer_client/test_drafts.py sees vLLM's own refusal say GPU_ONLY's words)."""
+    from typer.testing import CliRunner
+
+    from hsstream.cli import app
+
+    d = tmp_path / "final"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"speculators_model_type": "dspark", "block_size": 4, "sample_from_anchor": True}))
+    (d / "model.safetensors").write_bytes(b"")
+    assert not E.v2_runner_available()  # the CPU build
+    want = r"a dspark draft needs a GPU: .*V2 model runner.*\"Model Runner V1 does not support: dspark speculative decoding\""
+    with pytest.raises(E.DraftError, match=want):
+        E.check_draft_dir(d)
+    r = CliRunner().invoke(app, ["eval", "--draft", str(d), "--model", str(tmp_path)])
+    assert r.exit_code == 2 and "needs a GPU" in r.output and "Traceback" not in r.output, r.output
+    # where the V2 runner runs (a GPU host): served as method dspark, block_size tokens (the anchor drafts too)
+    monkeypatch.setattr(E, "v2_runner_available", lambda: True)
+    assert E.speculative_config(d) == {"method": "dspark", "model": str(d.resolve()), "num_speculative_tokens": 4}
+
+
 def test_read_prompts_jsonl_or_lines(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a b"}\n\nplain line\n')

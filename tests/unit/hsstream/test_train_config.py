@@ -27,7 +27,7 @@ NON_DEFAULT = {
     "log_every": 3, "seed": 42, "train_lm_head": True, "control": "swap-hidden", "tensorboard": False, "logger": "none",
     "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5,
     "draft_attn_impl": "eager", "extra": {"note": "x"}, "draft": "dflash", "mask_token_id": 7, "block_size": 5,
-    "num_depths": 3, "max_anchors": 17, "num_draft_layers": 2,
+    "num_depths": 3, "max_anchors": 17, "num_draft_layers": 2, "markov_rank": 32, "confidence_head_alpha": 0.5,
 }  # fmt: skip
 RUN = {"jobs": ["j1", "j2"], "submit": "data.jsonl", "epochs": 3, "loss_mask": "all", "api": "http://h:1",
        "endpoint": "tcp://h:2", "spool": "/s", "token_counts": "tc.json", "timeout": 9.0}  # fmt: skip
@@ -192,6 +192,13 @@ def test_the_draft_and_its_settings_in_our_layout_and_in_speculators(train, tmp_
     c = got["cfg"]
     assert (c.draft, c.mask_token_id, c.num_draft_layers, c.max_anchors, c.block_size, c.num_depths) == \
         ("dflash", 7, 2, 9, 5, 2)  # fmt: skip
+    dspark = {"train": {"speculator_type": "dspark", "verifier": {"verifier_name_or_path": "/m"},
+                        "dspark": {"markov_rank": 64, "confidence_head_alpha": 0.25},
+                        "trainer": {"save_path": str(tmp_path / "s")}}}  # fmt: skip
+    code, output, got = train("--config", _write(tmp_path / "dspark.yaml", dspark), "--markov-rank", "16")
+    assert code == 0, output
+    c = got["cfg"]
+    assert (c.draft, c.markov_rank, c.confidence_head_alpha) == ("dspark", 16, 0.25)
 
 
 def test_speculators_flag_names_work_beside_ours(train, tmp_path):

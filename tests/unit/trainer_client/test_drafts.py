@@ -1,16 +1,18 @@
-"""The draft plug-ins beside Eagle-3 (P-EAGLE, DFlash) on the generic trainer, without a sidecar.
+"""The draft plug-ins beside Eagle-3 (P-EAGLE, DFlash, DSpark) on the generic trainer, without a sidecar.
 
 Hidden states are real (plain transformers on the tiny verifier), the stream a list that
 records acknowledgements. Checked: each draft learns, its checkpoint is speculators' format
 with what vLLM's speculators loader reads for that method, a resumed run loads it, and what a
 draft lacks (a layer, a tensor, the mask token) stops the run naming the draft and the need.
-That vLLM serves these checkpoints is tests/integration/trainer_client/test_trainer_e2e.py's.
+That vLLM serves these checkpoints is tests/integration/trainer_client/test_trainer_e2e.py's; DSpark,
+which vLLM serves on a GPU only, is checked against vLLM's own config parsing as far as it goes on CPU.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from connector import protocol as P
 from hsstream.tiny_model import hf_hidden_states
 from trainer_client import drafts as D
 from trainer_client.drafts.base import DraftConfigError, MissingLayersError
+from trainer_client.drafts import dspark as DS
 from trainer_client.drafts.dflash import vllm_target_layer_ids
 from trainer_client.stream import Sample
 from trainer_client.train import checkpoints as M
@@ -48,17 +51,17 @@ def cfg(tiny_model, out, **kw) -> TrainConfig:
 
 
 def test_the_registry_names_every_draft_and_refuses_others():
-    assert D.names() == ["dflash", "eagle3", "peagle"]
-    with pytest.raises(D.UnknownDraftError, match="unknown draft 'medusa': use one of dflash, eagle3, peagle"):
+    assert D.names() == ["dflash", "dspark", "eagle3", "peagle"]
+    with pytest.raises(D.UnknownDraftError, match="unknown draft 'medusa': use one of dflash, dspark, eagle3, peagle"):
         D.get("medusa")
 
 
-@pytest.mark.parametrize("draft", ["dflash", "peagle"])
+@pytest.mark.parametrize("draft", ["dflash", "dspark", "peagle"])
 def test_a_parallel_draft_learns_and_saves_what_vllm_serves(tiny_model, samples, tmp_path, draft):
     out = tmp_path / draft
     stream = ListStream(samples)
     res = OnlineTrainer(cfg(tiny_model, out, draft=draft), counts_of(samples)).train(stream)
-    k = 3 if draft == "dflash" else 4  # block_size 4 → 3 drafted; num_depths 4
+    k = {"dflash": 3, "dspark": 4, "peagle": 4}[draft]  # block_size 4 → 3 drafted (DSpark: 4, the anchor too); num_depths 4
     assert res.steps == len(samples) and len(res.top1) == k and res.draft == draft
     losses = [h["loss"] for h in res.history]
     assert sum(losses[-6:]) / 6 < 0.8 * sum(losses[:6]) / 6, losses
@@ -70,6 +73,11 @@ def test_a_parallel_draft_learns_and_saves_what_vllm_serves(tiny_model, samples,
         assert conf["aux_hidden_state_layer_ids"] == LAYERS[:3] and conf["block_size"] == 4
         assert vllm_target_layer_ids(conf["aux_hidden_state_layer_ids"]) == [1, 5, 8]
         assert res.speculative_config["method"] == "dflash" and res.speculative_config["num_speculative_tokens"] == 3
+    elif draft == "dspark":
+        assert conf["aux_hidden_state_layer_ids"] == LAYERS[:3] and conf["block_size"] == 4
+        assert conf["sample_from_anchor"] is True and conf["markov_rank"] == 256 and conf["markov_head_type"] == "vanilla"
+        assert res.speculative_config == {"method": "dspark", "model": str((out / "final").resolve()),
+                                          "num_speculative_tokens": 4}  # fmt: skip
     else:
         assert conf["eagle_aux_hidden_state_layer_ids"] == LAYERS[:3]
         assert res.speculative_config == {"method": "eagle3", "model": str((out / "final").resolve()),
@@ -99,9 +107,74 @@ def test_vllm_target_layer_ids_match_vllms_own_speculators_loader():
     assert pre["dflash_config"]["target_layer_ids"] == vllm_target_layer_ids([2, 6, 9])
 
 
-@pytest.mark.parametrize("draft", ["dflash", "peagle"])
+def test_dspark_checkpoint_reloads_in_speculators_and_passes_vllms_own_parsing(tiny_model, samples, tmp_path):
+    """The saved DSpark draft: speculators' from_pretrained gives back exactly its weights; vLLM's
+    speculators loader (update_dspark) reads what its DSpark runtime needs; vLLM's engine config
+    accepts the draft up to the model runner, where the CPU build's V1 runner refuses it with the
+    words hsstream eval quotes."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+    from speculators.models.dspark import DSparkDraftModel
+
+    from hsstream import evaluate as E
+
+    out = tmp_path / "ds"
+    res = OnlineTrainer(cfg(tiny_model, out, draft="dspark", max_steps=3, markov_rank=16),
+                        counts_of(samples)).train(ListStream(samples[:3]))  # fmt: skip
+    final = out / "final"
+    saved = load_file(str(final / "model.safetensors"))
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "confidence_head.proj.bias", "fc.weight", "d2t"} <= set(saved)  # fmt: skip
+    back = DSparkDraftModel.from_pretrained(str(final)).state_dict()
+    for name, t in saved.items():
+        assert torch.equal(back[name].to(t.dtype), t), name
+    assert back["markov_head.markov_w1.weight"].shape == (512, 16)  # verifier vocabulary x rank
+
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    conf = json.loads((final / "config.json").read_text())
+    assert SpeculatorsConfig.extract_vllm_speculative_config(conf) == {"method": "dspark", "num_speculative_tokens": 4}
+    v = SpeculatorsConfig.from_pretrained(str(final))
+    assert v.architectures == ["Qwen3DSparkModel"]
+    assert v.eagle_aux_hidden_state_layer_ids == LAYERS[:3]  # what the verifier captures: our ids
+    assert v.target_layer_ids == DS.vllm_target_layer_ids(LAYERS[:3]) == [1, 5, 8]
+    assert (v.sample_from_anchor, v.dspark_bonus_anchor, v.block_size, v.mask_token_id, v.markov_rank) == \
+        (True, False, 4, MASK, 16)  # fmt: skip
+    assert (v.enable_confidence_head, v.confidence_head_with_markov, v.draft_vocab_size) == (True, True, 128)
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = res.speculative_config
+    assert spec == {"method": "dspark", "model": str(final.resolve()), "num_speculative_tokens": 4}
+    with pytest.raises(Exception, match=re.escape(E.GPU_ONLY["dspark"])):
+        EngineArgs(model=tiny_model, speculative_config=spec, max_model_len=256).create_engine_config()
+
+
+def test_a_speculators_mtp_draft_has_no_serving_path_in_this_vllm():
+    """Why there is no MTP plug-in (docs/trainer.md, "Drafts"): vLLM's speculators loader knows no
+    ``mtp`` checkpoint, so a speculators MTP draft dir is refused before any engine starts (vLLM's
+    ``mtp`` method runs a verifier's own built-in MTP layers instead). Fails once vLLM adds one."""
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    assert "dspark" in SUPPORTED_SPECULATORS_TYPES and "mtp" not in SUPPORTED_SPECULATORS_TYPES
+    with pytest.raises(ValueError, match="Expected one of"):
+        SpeculatorsConfig.extract_transformers_pre_trained_config({"speculators_model_type": "mtp"})
+
+
+def test_dspark_settings_that_cannot_work_are_refused_naming_the_draft(tiny_model, tmp_path):
+    with pytest.raises(DraftConfigError, match=r"^DSpark: markov_rank 0: vLLM's DSpark always has the Markov head"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "a", draft="dspark", markov_rank=0), None)
+    with pytest.raises(DraftConfigError, match=r"^DSpark: block_size 1"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "b", draft="dspark", block_size=1), None)
+    with pytest.raises(DraftConfigError, match=r"^DSpark: draft_attn_impl 'flash'"):
+        OnlineTrainer(cfg(tiny_model, tmp_path / "c", draft="dspark", draft_attn_impl="flash"), None)
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dspark", "peagle"])
 def test_no_mask_token_stops_the_run_naming_the_draft(tiny_model, samples, tmp_path, draft):
-    label = {"dflash": "DFlash", "peagle": "P-EAGLE"}[draft]
+    label = {"dflash": "DFlash", "dspark": "DSpark", "peagle": "P-EAGLE"}[draft]
     with pytest.raises(DraftConfigError, match=rf"^{label} needs a mask token.*--mask-token-id"):
         OnlineTrainer(cfg(tiny_model, tmp_path / "m", draft=draft, mask_token_id=None), None)
     with pytest.raises(DraftConfigError, match=rf"^{label}: --mask-token-id 4096 is outside"):
@@ -111,11 +184,11 @@ def test_no_mask_token_stops_the_run_naming_the_draft(tiny_model, samples, tmp_p
         OnlineTrainer(cfg(tiny_model, tmp_path / "z", draft=draft, mask_token_id=509), counts_of(samples)).prepare()
 
 
-@pytest.mark.parametrize("draft", ["eagle3", "dflash", "peagle"])
+@pytest.mark.parametrize("draft", ["eagle3", "dflash", "dspark", "peagle"])
 def test_a_missing_layer_or_tensor_names_the_draft_and_what_it_needs(tiny_model, samples, tmp_path, draft):
     s = samples[0]
     no_n = Sample(s.key, s.token_ids, s.hidden_states[:, :3], LAYERS[:3], 12, None)
-    name = {"eagle3": "Eagle-3", "dflash": "DFlash", "peagle": "P-EAGLE"}[draft]
+    name = {"eagle3": "Eagle-3", "dflash": "DFlash", "dspark": "DSpark", "peagle": "P-EAGLE"}[draft]
     with pytest.raises(MissingLayersError, match=rf"^{name}: the stream carries layers \[2, 6, 9\] but not layer N=12"):
         OnlineTrainer(cfg(tiny_model, tmp_path / "a", draft=draft), counts_of(samples)).train(ListStream([no_n]))
     with pytest.raises(MissingLayersError, match=rf"^{name}: the stream carries layers .* not aux layer\(s\) \[3\]"):
