@@ -10,7 +10,7 @@ records ``hsstream eval``'s refusal instead (hsstream/evaluate.py, ``GPU_ONLY``)
 
 Writes bench/results/trainer_speed_<draft>_cpu.json (and $OUT/ if set).
 
-    python bench/trainer_speed.py --draft dspark --steps 400 --train-samples 400   # ~5 min on 2 busy cores
+    python bench/trainer_speed.py --draft dspark --steps 400 --train-samples 400
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def train(
     eval_every: int = typer.Option(0, help="every N steps, top-1 per TTT step on samples held out (0: never)"),
     eval_samples: int = typer.Option(8, help="with --eval-every: the first K samples of the stream are held out"),
     eval_ids: str = typer.Option(None, help="with --eval-every: hold out these sample ids instead (comma-separated)"),
-    eval_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help="hold out this share of every job (by sample id or "
+    eval_fraction: float = typer.Option(0.0, min=0.0, help="hold out this share of every job (by sample id or "
                                         "index and --eval-seed), never trained; `hsstream eval --job` takes the same"),
     eval_seed: int = typer.Option(0, help="with --eval-fraction: the seed of the split"),
     log_every: int = typer.Option(10, "--log-every", "--log-freq", help="steps between lines in metrics.jsonl and the log"),
@@ -341,6 +341,13 @@ def train(
     if dump_config:
         typer.echo(TC.dump(cfg, run), nl=False)
         return
+    from connector.contract.holdout import check_fraction
+
+    try:  # before any sidecar is asked (the trainer refuses it beside --eval-ids)
+        check_fraction(cfg.eval_fraction)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
     cfg.extra = {**cfg.extra, "argv": sys.argv, **({"config": os.path.abspath(config)} if config else {})}
 
     from trainer_client.drafts.base import MissingLayersError
@@ -383,7 +390,7 @@ def eval_(
     prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
                                           "(default: the 32 prompts bench/acceptance.py measures on)"),
     job: str = typer.Option(None, help="or prompt with this job's held-out samples (the sidecar's; with --eval-fraction)"),
-    eval_fraction: float = typer.Option(0.0, min=0.0, max=0.99, help="with --job: the share `hsstream train "
+    eval_fraction: float = typer.Option(0.0, min=0.0, help="with --job: the share `hsstream train "
                                         "--eval-fraction` held out (same rule, same seed)"),
     eval_seed: int = typer.Option(0, help="with --job: the seed the run trained with (--eval-seed)"),
     max_prompts: int = typer.Option(32, min=1, help="with --job: at most this many held-out samples"),

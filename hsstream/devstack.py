@@ -1,8 +1,8 @@
 """The development stack: vLLM (with our connector) and the sidecar as real child processes on
 private paths and free ports, stopped together, spool removed.
 
-What ``make demo``, the integration tests and the benchmarks start, and nothing in the product
-imports it (``tests/unit/project/test_import_boundaries.py``): operators run ``hsstream up`` or
+What ``make demo``, the integration tests and the benchmarks start; nothing of the product but
+the demo imports it (``tests/unit/project/test_import_boundaries.py``): operators run ``hsstream up`` or
 compose, which this wraps (:class:`hsstream.up.Supervisor`), so the harness starts the stack
 exactly as users do and adds only the choice of paths and ports.
 """

@@ -306,18 +306,19 @@ def job_prompts(client, job: str, fraction: float, seed: int = 0, *, limit: int 
     FRACTION --eval-seed SEED`` held out (connector/contract/holdout.py: the same rule), the
     first ``limit`` in index order, each cut to its last ``max_prompt_tokens``; and what was
     read (for the report). ``client``: a :class:`~connector.contract.rest_client.SidecarClient`.
-    Reads the job a page at a time; stops once ``limit`` prompts are found."""
+    The sidecar picks them (only held-out samples cross the wire, a page at a time); each is
+    checked against the rule here too. Stops once ``limit`` prompts are found."""
     from connector.contract.holdout import check_fraction, held_out, sample_identity
 
     check_fraction(fraction)
     if fraction <= 0:
         raise ValueError("--eval-fraction must be > 0 with --job (the share `hsstream train --eval-fraction` held out)")
     prompts: list[list[int]] = []
-    read = picked = 0
-    for smp in client.iter_job_samples(job):
-        read += 1
-        if not held_out(sample_identity(smp.id, smp.index), fraction, seed):
-            continue
+    picked = 0
+    for smp in client.iter_job_samples(job, eval_fraction=fraction, eval_seed=seed):  # the sidecar picks
+        if not held_out(sample_identity(smp.id, smp.index), fraction, seed):  # the same rule, checked here
+            raise ValueError(f"job {job}: the sidecar returned sample {smp.index}, which --eval-fraction "
+                             f"{fraction} --eval-seed {seed} does not hold out (another hsstream version?)")  # fmt: skip
         picked += 1
         p = sample_prompt(smp.token_ids, smp.loss_mask, smp.prompt_len)
         if max_prompt_tokens is not None:
@@ -326,10 +327,10 @@ def job_prompts(client, job: str, fraction: float, seed: int = 0, *, limit: int 
         if len(prompts) >= limit:
             break
     if not prompts:
-        raise ValueError(f"job {job}: none of its {read} samples is held out at --eval-fraction {fraction} "
+        n = client.job_samples(job, limit=1).num_samples
+        raise ValueError(f"job {job}: none of its {n} samples is held out at --eval-fraction {fraction} "
                          f"--eval-seed {seed}: a larger fraction, or the seed the run trained with")  # fmt: skip
-    return prompts, {"job": job, "eval_fraction": fraction, "eval_seed": seed, "samples_read": read,
-                     "held_out_read": picked}  # fmt: skip
+    return prompts, {"job": job, "eval_fraction": fraction, "eval_seed": seed, "held_out_read": picked}
 
 
 def evaluate(verifier: str, draft: str, prompts: list[str] | list[list[int]], *, max_tokens: int = 64, temps: list[float] | None = None,

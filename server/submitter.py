@@ -94,7 +94,7 @@ def epoch_seed(seed: int, epoch: int) -> int:
     """The sampling seed of a regenerated reply in ``epoch``: the job's own in epoch 0, another
     one each later epoch (the same every time), so that each epoch draws a fresh reply — the
     point of regenerating every epoch — and a rerun of the job draws the same ones. vLLM takes
-    any int64; the result stays in [0, 2**63)."""
+    any int64; a later epoch's seed is in [0, 2**63)."""
     return seed if epoch == 0 else (seed + epoch * 0x9E3779B97F4A7C15) % 2**63
 
 

@@ -228,8 +228,9 @@ class JobSamples(BaseModel):
     """A page of a job's samples, in index order (``GET /v1/jobs/{id}/samples``)."""
 
     job_id: str
-    num_samples: int
+    num_samples: int = Field(description="samples in one epoch of the job")
     offset: int
+    next_offset: int | None = Field(description="the offset of the next page; None: this was the last")
     samples: list[JobSample]
 
 

@@ -244,19 +244,25 @@ class SidecarClient:
     def token_counts(self, job_id: str) -> TokenCounts:
         return self._call("GET", f"/v1/jobs/{job_id}/token_counts", TokenCounts)
 
-    def job_samples(self, job_id: str, *, offset: int = 0, limit: int = 100) -> JobSamples:
-        """One page of a job's samples (token ids, masks, ids), in index order; ``limit`` ≤ 1000."""
-        return self._call("GET", f"/v1/jobs/{job_id}/samples", JobSamples, params={"offset": offset, "limit": limit})
+    def job_samples(self, job_id: str, *, offset: int = 0, limit: int = 100, eval_fraction: float | None = None,
+                    eval_seed: int = 0) -> JobSamples:  # fmt: skip
+        """One page of a job's samples (token ids, masks, ids), in index order: ``limit`` (≤ 1000)
+        rows looked at, bounded in tokens by the sidecar; with ``eval_fraction``, only those the
+        held-out rule (connector/contract/holdout.py) picks."""
+        params: dict = {"offset": offset, "limit": limit}
+        if eval_fraction is not None:
+            params.update(eval_fraction=eval_fraction, eval_seed=eval_seed)
+        return self._call("GET", f"/v1/jobs/{job_id}/samples", JobSamples, params=params)
 
-    def iter_job_samples(self, job_id: str, *, page_size: int = 500) -> Iterator[JobSample]:
-        """Every sample of a job, a page per call (bounded memory on both sides)."""
-        offset = 0
-        while True:
-            page = self.job_samples(job_id, offset=offset, limit=page_size).samples
-            yield from page
-            if len(page) < page_size:
-                return
-            offset = page[-1].index + 1
+    def iter_job_samples(self, job_id: str, *, page_size: int = 1000, eval_fraction: float | None = None,
+                         eval_seed: int = 0) -> Iterator[JobSample]:  # fmt: skip
+        """Every sample of a job (or its held-out share), a page per call (bounded memory on both sides)."""
+        offset: int | None = 0
+        while offset is not None:
+            page = self.job_samples(job_id, offset=offset, limit=page_size, eval_fraction=eval_fraction,
+                                    eval_seed=eval_seed)  # fmt: skip
+            yield from page.samples
+            offset = page.next_offset
 
     def cancel(self, job_id: str) -> JobCancelled:
         return self._call("DELETE", f"/v1/jobs/{job_id}", JobCancelled)

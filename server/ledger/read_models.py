@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from server.ledger.core import LedgerCore
@@ -94,16 +94,41 @@ class ReadModels(LedgerCore):
                                     "ORDER BY ord LIMIT ? OFFSET ?", (job_id, limit, offset)).fetchall()  # fmt: skip
         return [row_to_sample(r) for r in rows]
 
-    def samples_page(self, job_id: str, offset: int, limit: int, epoch: int = 0) -> list[tuple]:
-        """(index, label, token ids, loss mask, prompt_len) of up to ``limit`` samples of one
-        epoch from index ``offset`` on, in index order: one indexed read under the lock."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT idx, label, token_ids, loss_mask, prompt_len FROM samples WHERE job_id=? AND epoch=? "
-                "AND idx>=? ORDER BY idx LIMIT ?",
-                (job_id, epoch, offset, limit),
-            ).fetchall()
-        return [(idx, label, unpack(ids) or [], unpack(mask), plen) for idx, label, ids, mask, plen in rows]
+    def samples_page(self, job_id: str, offset: int, limit: int, *, max_tokens: int,
+                     pick: Callable[[str | None, int], bool] | None = None,
+                     epoch: int = 0) -> tuple[list[tuple], int | None, int]:  # fmt: skip
+        """A page of one epoch's samples from index ``offset`` on: (index, label, token ids, loss
+        mask, prompt_len) of those ``pick(label, index)`` keeps (all without ``pick``), at most
+        ``limit`` rows looked at and ``max_tokens`` tokens returned (a first sample is returned
+        whatever its length), in index order; the index to read on from (None: the epoch is
+        done); and the epoch's sample count. Read a chunk under the lock at a time; a row's token
+        blob is unpacked only when it is returned."""
+        out: list[tuple] = []
+        tokens, last, looked = 0, offset - 1, 0
+        while looked < limit:
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT idx, label, token_ids, loss_mask, prompt_len FROM samples WHERE job_id=? AND epoch=? "
+                    "AND idx>? ORDER BY idx LIMIT ?",
+                    (job_id, epoch, last, min(1000, limit - looked)),
+                ).fetchall()
+            if not rows:
+                return out, None, self._epoch_size(job_id, epoch)
+            for idx, label, ids, mask, plen in rows:
+                if pick is None or pick(label, idx):
+                    t = unpack(ids) or []
+                    if out and tokens + len(t) > max_tokens:
+                        return out, idx, self._epoch_size(job_id, epoch)
+                    tokens += len(t)
+                    out.append((idx, label, t, unpack(mask), plen))
+                last = idx
+                looked += 1
+        return out, last + 1, self._epoch_size(job_id, epoch)
+
+    def _epoch_size(self, job_id: str, epoch: int) -> int:
+        with self._lock:  # a range count over the primary key (job_id, epoch, idx)
+            return self._db.execute("SELECT COUNT(*) FROM samples WHERE job_id=? AND epoch=?",
+                                    (job_id, epoch)).fetchone()[0]  # fmt: skip
 
     def iter_token_ids(
         self, job_id: str, epoch: int = 0, chunk: int = 1000

@@ -13,6 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
 from pydantic import ValidationError
 
+from connector.contract.holdout import held_out, sample_identity
 from connector.contract.rest import (
     JobBrief,
     JobCancelled,
@@ -203,20 +204,39 @@ def _count_tokens(svc: Services, job_id: str) -> tuple[Counter[int], int]:
     return c, total
 
 
+#: Tokens a page of ``GET /v1/jobs/{id}/samples`` returns at most (a first sample whatever its
+#: length): the answer's size is bounded in bytes, not only in samples (~6 MB of JSON).
+SAMPLES_PAGE_TOKENS = 1_000_000
+
+
 @router.get("/{job_id}/samples", response_model=JobSamples)
 async def job_samples(
     j: JobDep, svc: ServicesDep, offset: int = Query(0, ge=0, lt=2**31), limit: int = Query(100, ge=1, le=1000),
+    eval_fraction: float | None = Query(None, ge=0.0, lt=1.0, description="only the samples "
+                                        "connector/contract/holdout.py holds out at this fraction"),
+    eval_seed: int = Query(0, ge=-(2**63), lt=2**63, description="with eval_fraction: the split's seed"),
 ) -> JobSamples:  # fmt: skip
     """A page of the job's samples (epoch 0, index order): token ids, loss masks, ids. What
-    ``hsstream eval --job`` prompts with; bounded per call (``limit`` ≤ 1000)."""
+    ``hsstream eval --job`` prompts with. ``limit`` rows are looked at per call (≤ 1000) and at
+    most ``SAMPLES_PAGE_TOKENS`` tokens returned; ``next_offset`` says where to go on. Read and
+    built off the event loop."""
     if j.compacted:
         raise HTTPException(410, f"job {j.job_id!r} was compacted after HSSTREAM_JOB_RETENTION_S: its data is gone")
-    rows = await asyncio.to_thread(svc.ledger.samples_page, j.job_id, offset, limit)
+    pick = None
+    if eval_fraction is not None:
+        def pick(label: str | None, index: int) -> bool:
+            return held_out(sample_identity(label, index), eval_fraction, eval_seed)
     regenerate = j.sampling is not None
-    return JobSamples(job_id=j.job_id, num_samples=j.num_samples, offset=offset, samples=[
-        JobSample(index=i, id=label, token_ids=ids, loss_mask=mask, prompt_len=plen if regenerate and plen is not None and plen >= 0 else None)
-        for i, label, ids, mask, plen in rows
-    ])  # fmt: skip
+
+    def page() -> JobSamples:
+        rows, nxt, n = svc.ledger.samples_page(j.job_id, offset, limit, max_tokens=SAMPLES_PAGE_TOKENS, pick=pick)
+        return JobSamples(job_id=j.job_id, num_samples=n, offset=offset, next_offset=nxt, samples=[
+            JobSample(index=i, id=label, token_ids=ids, loss_mask=mask,
+                      prompt_len=plen if regenerate and plen is not None and plen >= 0 else None)
+            for i, label, ids, mask, plen in rows
+        ])  # fmt: skip
+
+    return await asyncio.to_thread(page)
 
 
 @router.delete("/{job_id}", response_model=JobCancelled)

@@ -1,14 +1,13 @@
 """A TCP proxy in front of one vLLM engine that can hold a completion in flight, on cue.
 
-Why: a test that kills an engine "while it holds one of our requests" cannot find that moment by
-polling the sidecar's counters (a 40-token request on the tiny model lasts milliseconds; polling
-missed every one on a loaded CI host), and stopping the engine with SIGSTOP first did not hold on
-every host either. With this proxy between the sidecar and the engine, the test arms it, the next
-``POST /v1/completions`` goes through to the engine but its answer is kept back, and
-:attr:`HoldingProxy.holding` is set: the request is then in flight by construction, and killing
-the engine loses it exactly as a crash mid-request does (the sidecar sees the connection close
-without an answer). Everything else (health probes, ``/v1/models``, unarmed traffic) is passed
-through unchanged, byte for byte.
+A test that kills an engine "while it holds one of our requests" needs that moment for certain,
+and a 40-token request on the tiny model lasts milliseconds. With this proxy between the sidecar
+and the engine, the test arms it; the completions it lets through first pass as usual, then the
+next ``POST /v1/completions`` is kept at the proxy — never sent on, so the engine cannot produce
+its file — and :attr:`HoldingProxy.holding` is set. Killing the engine then closes the proxy's
+connections, and the sidecar sees the held request fail without an answer, exactly as when an
+engine dies mid-request; the sample can only be produced again elsewhere. Everything else
+(health probes, ``/v1/models``, unarmed traffic) is passed through unchanged, byte for byte.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ class HoldingProxy:
     def __init__(self, upstream_port: int, host: str = "127.0.0.1") -> None:
         self.upstream = (host, upstream_port)
         self.holding = threading.Event()  # set once an armed completion is held
-        self.held = 0  # completions whose answers were kept back
+        self.held = 0  # completions kept at the proxy
         self._armed = False
         self._pass = 0  # armed: completions still to pass through before one is held
         self._loop = asyncio.new_event_loop()
@@ -42,9 +41,9 @@ class HoldingProxy:
         return f"http://{self.upstream[0]}:{self.port}"
 
     def arm(self, after: int = 0) -> None:
-        """Let ``after`` more completions through, then hold the answer of the next one (and of
-        any after it). Counted here, on the proxy's own thread: no polling, so no race with how
-        fast the engine answers."""
+        """Let ``after`` more completions through, then hold the next one on each connection
+        (never sent on). Counted here, on the proxy's own thread, as the requests pass: no
+        polling, so no race with how fast the engine answers."""
         self._pass = after
         self._armed = True
 
@@ -81,10 +80,11 @@ class HoldingProxy:
                     else:
                         held.set()
                         self.held += 1
+                        self.holding.set()
+                if held.is_set():
+                    continue  # the held request (and anything after it here) stays at the proxy
                 up_w.write(data)
                 await up_w.drain()
-                if held.is_set():
-                    self.holding.set()
             up_w.close()
 
         async def answers() -> None:

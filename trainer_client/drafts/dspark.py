@@ -37,6 +37,7 @@ import torch
 from trainer_client.drafts.base import Draft, DraftConfigError
 from trainer_client.drafts.dflash import ATTN_IMPLS, check_mask_embedding, mask_token
 
+
 def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
     """Our (speculators') aux layer ids → vLLM's DSpark ``target_layer_ids``."""
     return [i - 1 for i in aux_layer_ids]

@@ -137,6 +137,7 @@ class OnlineTrainer:
         self.heldout_digests: set[str] = set()  # kept in checkpoints: a resumed run never trains on them
         self.heldout_repeats = 0
         self.held_out_by_fraction = 0
+        self._fraction_kept: set[tuple[str, str]] = set()  # (job, identity) kept for eval_every (this run)
 
     @property
     def step(self) -> int:
@@ -283,9 +284,10 @@ class OnlineTrainer:
         if (smp.key is None and smp.label is None) or not held_out(ident, cfg.eval_fraction, cfg.eval_seed):
             return False
         self.held_out_by_fraction += 1
-        if (cfg.eval_every > 0 and self.world.is_writer and ident not in self.heldout_ids
+        seen = (smp.key.job if smp.key is not None else "", ident)  # an identity is a job's own
+        if (cfg.eval_every > 0 and self.world.is_writer and seen not in self._fraction_kept
                 and len(self.heldout) < cfg.eval_samples and smp.token_ids.shape[0] >= 2):  # fmt: skip
-            self.heldout_ids.add(ident)
+            self._fraction_kept.add(seen)
             f = self.draft.features(smp, self.aux_layer_ids or [])  # copied: the stream may hand its buffers back
             self.heldout.append(Features(str(smp.key), f.input_ids.clone(), f.aux.clone(), f.last.clone(),
                                          f.loss_mask.clone()))  # fmt: skip

@@ -104,11 +104,10 @@ def test_an_engine_killed_mid_job_loses_nothing(proxied_stack):
     killed: dict = {}
 
     def killer() -> None:
-        """Kill the second engine while it holds one of our requests, after it has taken two of
-        this job's (mid-job). The proxy passes two completions, then keeps back the answer of the
-        next, so that request is in flight by construction when the engine is SIGKILLed. Nothing
-        here polls for the moment: polling /v1/stats for a 40-token request in flight missed every
-        one of 40 on a loaded CI host, and on one a SIGSTOPped engine went on answering."""
+        """Kill the second engine while one of our requests to it is in flight, after it has
+        answered two of this job's (mid-job). The proxy passes two completions and holds the
+        next (never sent on), so that request is in flight when the engine is SIGKILLed and can
+        only be produced on the other engine; the proxy counts, nothing here polls."""
         victim = next(c for c in stack.children if c.name == "vllm-2")
         if not proxy.holding.wait(120):
             killed.update(error="the second engine was sent no third completion of the job",
@@ -132,8 +131,8 @@ def test_an_engine_killed_mid_job_loses_nothing(proxied_stack):
     st = stats(stack)
     e1, e2 = st["engines"]
     assert e1["up"] and not e2["up"] and e2["failures"] >= 1, st["engines"]
-    # what the dead engine held went back to the queue (its requests failed, or it had answered
-    # and owed the file) ...
+    # what the dead engine held went back to the queue (the held request failed without an
+    # answer; others may have been answered with their files still owed) ...
     sub = st["submitter"]
     assert sub["vllm_down_retries"] + sub["requeued_engine_lost"] >= 1, sub
     c = status(stack, job)["counts"]

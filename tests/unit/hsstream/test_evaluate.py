@@ -130,7 +130,7 @@ def test_job_prompts_are_the_samples_train_held_out(tmp_path, tiny_model):
         assert 0 < len(want) < 40
         prompts, info = E.job_prompts(c, job, 0.25, 3, limit=100, max_prompt_tokens=2)
         assert prompts == [[100 + i] * 2 for i in want]  # in index order, first half, cut to 2 tokens
-        assert info == {"job": job, "eval_fraction": 0.25, "eval_seed": 3, "samples_read": 40, "held_out_read": len(want)}
+        assert info == {"job": job, "eval_fraction": 0.25, "eval_seed": 3, "held_out_read": len(want)}
         assert len(E.job_prompts(c, job, 0.25, 3, limit=2)[0]) == 2
         with pytest.raises(ValueError, match="none of its 1 samples is held out"):
             E.job_prompts(c, c.create_job([{"token_ids": [1, 2], "id": "x"}]).job_id, 0.01, 0)

@@ -157,6 +157,13 @@ def test_a_bad_value_or_a_missing_verifier_is_a_clear_error(train, tmp_path):
     assert code == 2 and "not valid TOML" in output, output
 
 
+def test_a_held_out_fraction_outside_0_1_is_refused_before_the_run(train, tmp_path):
+    code, output, got = train("--model", "/m", "--out", str(tmp_path / "r"), "--eval-fraction", "1")
+    assert code == 2 and "eval fraction must be in [0, 1)" in output and "cfg" not in got, output
+    code, output, got = train("--model", "/m", "--out", str(tmp_path / "r"), "--eval-fraction", "0.1", "--eval-seed", "4")
+    assert code == 0 and (got["cfg"].eval_fraction, got["cfg"].eval_seed) == (0.1, 4), output
+
+
 def test_speculators_names_and_run_yaml_layout_are_understood(train, tmp_path):
     run_yaml = {"train": {
         "verifier": {"verifier_name_or_path": "/m"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from server.submitter import epoch_seed
 
+
 def test_epoch_seed_keeps_epoch_0s_and_gives_each_later_epoch_its_own_in_int64():
     assert epoch_seed(123, 0) == 123 and epoch_seed(-5, 0) == -5
     seeds = [epoch_seed(123, e) for e in range(1, 200)]

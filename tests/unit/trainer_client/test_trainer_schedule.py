@@ -114,6 +114,11 @@ def test_followed_jobs_sizes_come_from_the_sidecar_and_the_length_is_kept_on_res
     assert captured["cfg"].schedule_steps == 10
 
 
+def test_the_held_out_fraction_is_not_counted_in_the_schedules_length(captured, tmp_path):
+    _run(tmp_path, _cfg(tmp_path, samples_per_step=4, eval_fraction=0.25), jobs=["j1", "j2"])
+    assert captured["cfg"].schedule_steps == 8  # (30 + 10) x 0.75 / 4: the held-out quarter is never trained
+
+
 def test_steps_or_schedule_steps_given_win(captured, tmp_path):
     _run(tmp_path, _cfg(tmp_path, max_steps=7), jobs=["j1"])
     assert captured["cfg"].schedule_steps is None and lr_lambda(captured["cfg"])(6) < 0.2  # over --steps
