@@ -305,7 +305,7 @@ def train_cfg(a, verifier: str, run_dir: Path, t0: float, steps: int) -> dict:  
         "schedule_steps": steps, "checkpoint_every": 10**9, "checkpoint_every_s": a.grid_s, "clock_origin": t0,
         "keep_checkpoints": 0, "eval_every": a.eval_every, "eval_samples": a.eval_samples, "seed": 0, "threads": 1,
         "eval_ids": [f"doc-{i}" for i in range(a.eval_samples)],  # the same held-out documents in every arm
-        "progress": False, "tensorboard": False,
+        "progress": False, "tensorboard": False, "aux_layer_ids": getattr(a, "aux_layer_ids", None),
     }  # fmt: skip
 
 
@@ -631,6 +631,8 @@ def main_regime(a) -> int:  # noqa: ANN001, C901, PLR0915
 
     regime = a.regime
     z = (R.SMOKE if a.smoke else R.FULL)[regime]
+    if a.verifier_layers:
+        z = dataclasses.replace(z, verifier_layers=a.verifier_layers)
     for k in ("eval_every", "eval_samples", "eval_prompts", "max_tokens", "regen_max_tokens", "grid_s", "max_points"):
         setattr(a, k.replace("-", "_"), getattr(z, k))
     min_points = 2 if a.smoke else 4
@@ -653,6 +655,7 @@ def main_regime(a) -> int:  # noqa: ANN001, C901, PLR0915
     counts = wd / "token_counts.json"
     V.save_token_counts(V.token_counts_from_samples(verifier, samples, "all"), counts)
     n_train = len(docs) - a.eval_samples
+    a.aux_layer_ids = layers[:3]  # the draft reads the layers extracted (not N//2, N-3 of a deeper verifier)
 
     arms: dict[str, dict] = {}
     pairs: list[list[str]] = []
@@ -810,7 +813,12 @@ def main_regime(a) -> int:  # noqa: ANN001, C901, PLR0915
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     png = out.with_suffix(".png")
-    plot_regime(result, png)
+    try:
+        plot_regime(result, png)
+    except ImportError as e:  # matplotlib comes with the bench extra (make online-vs-offline installs it)
+        if not a.smoke:
+            raise
+        log(f"no plot ({e}; pip install -e '.[bench]')")
     print(f"\n{'arm':<14}{'steps':>7}{'wall s':>8}{'disk MB':>9}{'spool MB':>9}{'pts':>5}{'T=0':>7}{'T=1':>7}")
     for arm, r in arms.items():
         print(f"{arm:<14}{r['steps']:>7}{r['wall_s']:>8.0f}{r['disk_peak_bytes']['data'] / 1e6:>9.1f}"
@@ -846,6 +854,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="few samples, 2 points per curve: checks the plumbing")
     ap.add_argument("--regime", choices=("default", "balanced", "disk_limited", "fresh_replies"), default="default",
                     help="default: the three arms above; the others: bench/ovo_regimes.py (their own sizes)")
+    ap.add_argument("--verifier-layers", type=int, default=None,
+                    help="regimes: the verifier's depth (identity-padded), instead of the regime's")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--train-child", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)

@@ -51,8 +51,8 @@ class Sizes:
 #: (the estimate each smoke run prints is what they were chosen from), and smoke sizes.
 FULL = {
     "balanced": Sizes(samples=240, epochs=(1, 3), max_points=4, grid_s=10.0, verifier_layers=60),
-    "disk_limited": Sizes(samples=400, epochs=(2,), max_points=5, grid_s=5.0),
-    "fresh_replies": Sizes(samples=300, epochs=(3,), max_points=5, grid_s=5.0),
+    "disk_limited": Sizes(samples=400, epochs=(2,), max_points=4, grid_s=5.0),
+    "fresh_replies": Sizes(samples=300, epochs=(3,), max_points=4, grid_s=5.0),
 }
 SMOKE = {
     "balanced": Sizes(samples=30, epochs=(1, 2), max_points=2, grid_s=5.0, verifier_layers=60, eval_every=20,
@@ -266,16 +266,27 @@ def time_to_reach(curve: list[dict], target: float, key: str) -> float | None:
     return None
 
 
+def arm_epochs(arm: dict) -> int:
+    """The epochs an arm trained: offline records them, an online arm's job options carry them."""
+    return int(arm.get("epochs") or arm["jobs"][0]["options"].get("epochs", 1))
+
+
 def estimate_wall_s(smoke: dict, smoke_sizes: Sizes, full: Sizes) -> float:
-    """A full run's wall time from a smoke run's parts: per-arm fixed costs (vLLM start) by the
-    number of arms, the arms' data work (producing + training) by samples × epochs, serving by
-    the number of served points, plus what the smoke spent outside those (setup, verifier)."""
+    """A full run's wall time from a smoke run's parts: per arm, vLLM's start and the trainer's
+    start-up as they were, producing and training (the training loop, offline's writing before
+    it) by samples × epochs; serving by the number of served points; the rest (setup, the
+    verifier) as it was."""
     arms = smoke["arms"]
-    n_arms = 2 * len(full.epochs)
-    start = sum(a["vllm_start_s"] for a in arms.values()) / len(arms)
-    data_s = sum(a["wall_s"] for a in arms.values())
-    scale = sum(full.epochs) * full.samples / (sum(smoke_sizes.epochs) * smoke_sizes.samples)
+    per_pair_s = len(arms) // max(1, len(smoke_sizes.epochs))
+    scale = full.samples / smoke_sizes.samples
+    total = 0.0
+    for e_full, e_smoke in zip(full.epochs, smoke_sizes.epochs, strict=True):
+        pair = [a for a in arms.values() if arm_epochs(a) == e_smoke][:per_pair_s]
+        for a in pair:
+            var = a["result"]["wall_s"] + (a.get("phases_s", {}).get("generate", 0.0) if "shard_log" not in a else 0.0)
+            total += a["vllm_start_s"] + max(0.0, a["wall_s"] - var) + var * scale * e_full / e_smoke
     points = sum(len(a["curve"]) for a in arms.values()) + 1
     per_point = smoke["serving"]["wall_s"] / points
-    other = smoke["wall_s_total"] - smoke["serving"]["wall_s"] - data_s - start * len(arms)
-    return round(n_arms * start + data_s * scale + per_point * (n_arms * full.max_points + 1) + max(0.0, other))
+    used = smoke["serving"]["wall_s"] + sum(a["vllm_start_s"] + a["wall_s"] for a in arms.values())
+    n_arms = 2 * len(full.epochs)
+    return round(total + per_point * (n_arms * full.max_points + 1) + max(0.0, smoke["wall_s_total"] - used))
