@@ -25,6 +25,13 @@ top-1 (``--eval-every``), and the curves. Run it alone (it starts vLLM several t
 
     flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py            # ~20 min on 2 cores
     flock /tmp/hsstream-pytest.lock python bench/online_vs_offline.py --smoke    # ~5 min, checks the plumbing
+
+``--regime balanced|disk_limited|fresh_replies`` runs instead one of the regimes where streaming
+should beat writing to disk first (``main_regime``; sizes, checks and the core split in
+bench/ovo_regimes.py, the how-to in docs/benchmarks.md). Its arms are offline/online pairs, with
+vLLM on one half of the cores and the trainer on the other in every arm, so the pairs differ in
+the data path only. Output: ``bench/results/online_vs_offline_<regime>_cpu.json``; a smoke run
+writes under /tmp.
 """
 
 from __future__ import annotations

@@ -50,12 +50,12 @@ class Sizes:
 #: Full sizes, chosen so that the three regimes together fit in an hour on the 2-core machine
 #: (the estimate each smoke run prints is what they were chosen from), and smoke sizes.
 FULL = {
-    "balanced": Sizes(samples=240, epochs=(1, 3), max_points=4, grid_s=10.0, verifier_layers=60),
+    "balanced": Sizes(samples=480, epochs=(1, 3), max_points=4, grid_s=3.0, verifier_layers=60),
     "disk_limited": Sizes(samples=400, epochs=(2,), max_points=4, grid_s=5.0),
     "fresh_replies": Sizes(samples=300, epochs=(3,), max_points=4, grid_s=5.0),
 }
 SMOKE = {
-    "balanced": Sizes(samples=30, epochs=(1, 2), max_points=2, grid_s=5.0, verifier_layers=60, eval_every=20,
+    "balanced": Sizes(samples=30, epochs=(1, 2), max_points=2, grid_s=2.0, verifier_layers=60, eval_every=20,
                       eval_samples=4, eval_prompts=4, max_tokens=16),  # fmt: skip
     "disk_limited": Sizes(samples=40, epochs=(1,), max_points=2, grid_s=5.0, eval_every=20, eval_samples=4,
                           eval_prompts=4, max_tokens=16),  # fmt: skip

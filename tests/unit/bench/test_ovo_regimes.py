@@ -156,3 +156,18 @@ def test_the_padded_verifier_keeps_the_pretrained_models_outputs(tmp_path):
     assert torch.equal(hb.hidden_states[12], hb.hidden_states[13])  # an appended layer changes nothing
     assert torch.allclose(hb.hidden_states[14], ha.hidden_states[12], atol=1e-5)  # the last (after the norm)
     assert R.layers_for(14) == [2, 6, 9, 14]
+
+
+def test_the_estimate_scales_data_work_not_start_ups_and_counts_every_served_point():
+    def arm(**kw):  # noqa: ANN003, ANN202
+        return {"vllm_start_s": 40.0, "wall_s": 20.0, "result": {"wall_s": 10.0}, "curve": [{}, {}], **kw}
+
+    smoke = {"arms": {"offline": arm(epochs=1, phases_s={"generate": 2.0}),
+                      "online": arm(jobs=[{"options": {"epochs": 1}}])},
+             "serving": {"wall_s": 250.0}, "wall_s_total": 400.0}  # fmt: skip
+    small = R.Sizes(samples=40, epochs=(1,), max_points=2, grid_s=5.0)
+    same = R.estimate_wall_s(smoke, small, small)
+    assert same == 400  # the smoke itself: 2 x (40 + 20) + 250 + 30 left over
+    big = R.Sizes(samples=400, epochs=(2,), max_points=4, grid_s=5.0)
+    # offline: 40 + 8 fixed + 12 x 20; online: 40 + 10 + 10 x 20; serving 9 points of 50 s; 30 left over
+    assert R.estimate_wall_s(smoke, small, big) == 40 + 8 + 240 + 40 + 10 + 200 + 450 + 30
