@@ -386,6 +386,7 @@ def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], count
     try:
         with producer_cores(split):
             stack.start()
+        producer_cpus = cpus_of([c.proc.pid for c in stack.children])  # vLLM and the sidecar, running
         t_stack = time.perf_counter() - t_start
         log(f"{name}: vLLM + sidecar up in {t_stack:.0f} s, spool {stack.spool}")
         with PeakSampler({"spool": stack.spool, "checkpoints": run_dir}) as peak:
@@ -409,7 +410,7 @@ def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], count
         "spool_files_left": len(left),
         "jobs": [{"samples": len(s), "options": o} for s, o in jobs_spec],
         "checkpoints": ck,
-        **({"affinity": affinity_of(split, tr)} if split else {}),
+        **({"affinity": affinity_of(split, tr, producer_cpus)} if split else {}),
         **tr,
     }
 
@@ -440,12 +441,23 @@ class producer_cores:  # noqa: N801 - a context manager used as a statement
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.before[1]
 
 
-def affinity_of(split: dict, tr: dict) -> dict:
-    """An arm's cores as they were: the producer's (what vLLM was started with) and the
-    trainer's (what its process reported)."""
+def cpus_of(pids: list[int]) -> list[int]:
+    """The cores the processes ``pids`` may run on, together (read from the kernel)."""
+    cores: set[int] = set()
+    for pid in pids:
+        try:
+            cores |= os.sched_getaffinity(pid)
+        except OSError:  # gone already: nothing to add
+            pass
+    return sorted(cores)
+
+
+def affinity_of(split: dict, tr: dict, producer_cpus: list[int]) -> dict:
+    """An arm's cores as they were: the producer processes' (vLLM, the sidecar: read from the
+    kernel while they ran), vLLM's OpenMP binding, and the trainer's (what its process reported)."""
     from bench.ovo_regimes import omp_bind
 
-    return {"producer": split["producer"], "vllm_omp_threads_bind": omp_bind(split["producer"]),
+    return {"producer": producer_cpus, "vllm_omp_threads_bind": omp_bind(split["producer"]),
             "trainer": tr["trainer_cpus"]}  # fmt: skip
 
 
@@ -477,6 +489,7 @@ def arm_offline_regime(a, verifier: str, docs: list[str], counts: Path, wd: Path
     with PeakSampler({"files": files_dir, "checkpoints": run_dir}) as peak:
         try:
             launch.wait_http(f"http://127.0.0.1:{port}/v1/models", child, timeout=600)
+            producer_cpus = cpus_of([child.proc.pid])  # vLLM, running
             t_stack = time.perf_counter() - t_start
             log(f"{name}: vLLM (plain, our connector writing to {files_dir}) up in {t_stack:.0f} s")
             t0 = time.time()
@@ -520,7 +533,7 @@ def arm_offline_regime(a, verifier: str, docs: list[str], counts: Path, wd: Path
                             "total": peak.peak_sum},  # fmt: skip
         "epochs": epochs,
         "checkpoints": ck,
-        "affinity": affinity_of(split, tr),
+        "affinity": affinity_of(split, tr, producer_cpus),
         **tr,
     }
     out["steps"] = tr["result"]["steps"]

@@ -97,7 +97,7 @@ def affinities_equal(arms: dict[str, dict]) -> bool:
     if not seen or any(s is None for s in seen):
         return False
     first = seen[0]
-    if any(s != first for s in seen[1:]):
+    if not first["producer"] or not first["trainer"] or any(s != first for s in seen[1:]):
         return False
     return not (set(first["producer"]) & set(first["trainer"])) or len(set(first["producer"]) | set(first["trainer"])) == 1
 

@@ -32,6 +32,8 @@ def test_affinity_must_be_recorded_in_every_arm_equal_and_apart():
     assert not R.affinities_equal({"offline": {"affinity": AFF}, "online": {"affinity": other}})
     shared = {"producer": [0, 1], "vllm_omp_threads_bind": "0-1", "trainer": [0, 1]}  # equal but not split
     assert not R.affinities_equal({"offline": {"affinity": shared}, "online": {"affinity": shared}})
+    unread = {**AFF, "producer": []}  # vLLM's cores never read (it was gone): no pass
+    assert not R.affinities_equal({"offline": {"affinity": unread}, "online": {"affinity": unread}})
     one = {"producer": [0], "vllm_omp_threads_bind": "0", "trainer": [0]}  # a one-core machine: shared, allowed
     assert R.affinities_equal({"offline": {"affinity": one}, "online": {"affinity": one}})
 
