@@ -72,9 +72,12 @@ compat-matrix: $(STAMP)
 # Not CI: the same documents trained offline (files on disk, then 3 epochs), online (epochs=3,
 # while vLLM produces) and online regenerated; vLLM serves each arm's checkpoints taken every
 # 5 s of wall-clock (~15-35 min on 2 cores). Writes bench/results/online_vs_offline_cpu.{json,png}.
+# REGIME=balanced|disk_limited|fresh_replies: that regime instead (docs/benchmarks.md), cores split
+# between vLLM and the trainer, to bench/results/online_vs_offline_<regime>_cpu.{json,png}.
+REGIME ?= default
 online-vs-offline: $(STAMP)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
-	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py --regime $(REGIME)
 
 # The images' base from Debian packages, for hosts that reach no image registry (needs root,
 # mmdebstrap and a running docker daemon). Elsewhere: BASE_IMAGE=python:3.11-slim.
