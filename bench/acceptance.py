@@ -329,6 +329,23 @@ def stream_and_train(a, verifier: str, wd: Path, extra: list[str]) -> tuple:  # 
     return cmd, train, t_train, t_stack, [{"samples": len(docs), "options": opts}]
 
 
+def train_named_draft(a, prefix: str) -> tuple:  # noqa: ANN001
+    """The first half of a named draft's benchmark (this script's P-EAGLE/DFlash arm,
+    bench/trainer_speed.py): its workdir, the pre-trained verifier, its mask token and
+    :func:`stream_and_train` with the draft's flags. Returns (workdir, verifier, mask, and
+    stream_and_train's tuple)."""
+    from hsstream import pretrain_verifier as PV
+
+    wd = Path(a.workdir or tempfile.mkdtemp(prefix=f"{prefix}-{a.draft}-"))
+    wd.mkdir(parents=True, exist_ok=True)
+    log(f"workdir {wd}")
+    verifier = str(PV.pretrained_verifier())
+    mask = mask_token_id(verifier, a.mask_token_id)
+    extra = ["--draft", a.draft, "--mask-token-id", str(mask), "--block-size", str(a.block_size),
+             "--num-depths", str(a.num_depths)]  # fmt: skip
+    return wd, verifier, mask, stream_and_train(a, verifier, wd, extra)
+
+
 def parallel_draft(a, argv) -> int:  # noqa: ANN001, C901
     """P-EAGLE or DFlash through the same loop as Eagle-3; see the module docstring."""
     import torch
@@ -340,14 +357,7 @@ def parallel_draft(a, argv) -> int:  # noqa: ANN001, C901
     from trainer_client.train.config import TrainConfig
 
     t_all = time.perf_counter()
-    wd = Path(a.workdir or tempfile.mkdtemp(prefix=f"hsstream-acceptance-{a.draft}-"))
-    wd.mkdir(parents=True, exist_ok=True)
-    log(f"workdir {wd}")
-    verifier = str(PV.pretrained_verifier())
-    mask = mask_token_id(verifier, a.mask_token_id)
-    extra = ["--draft", a.draft, "--mask-token-id", str(mask), "--block-size", str(a.block_size),
-             "--num-depths", str(a.num_depths)]  # fmt: skip
-    cmd, train, t_train, t_stack, job_specs = stream_and_train(a, verifier, wd, extra)
+    wd, verifier, mask, (cmd, train, t_train, t_stack, job_specs) = train_named_draft(a, "hsstream-acceptance")
     draft = train["final_dir"]
     log(f"trained {train['steps']} steps on {train['samples']} samples ({train['tokens']} tokens) in "
         f"{train['wall_s']:.0f} s; in-run top-1 per position {[round(x, 3) for x in train['top1']]}")  # fmt: skip

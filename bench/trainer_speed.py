@@ -19,14 +19,13 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.acceptance import LAYERS, log, mask_token_id, stream_and_train, write_result  # noqa: E402
+from bench.acceptance import LAYERS, log, train_named_draft, write_result  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,17 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     a.out = a.out or str(ROOT / "bench" / "results" / f"trainer_speed_{a.draft}_cpu.json")
 
     from hsstream import evaluate as E
-    from hsstream import pretrain_verifier as PV
 
     t_all = time.perf_counter()
-    wd = Path(a.workdir or tempfile.mkdtemp(prefix=f"hsstream-trainer-speed-{a.draft}-"))
-    wd.mkdir(parents=True, exist_ok=True)
-    log(f"workdir {wd}")
-    verifier = str(PV.pretrained_verifier())
-    mask = mask_token_id(verifier, a.mask_token_id)
-    extra = ["--draft", a.draft, "--mask-token-id", str(mask), "--block-size", str(a.block_size),
-             "--num-depths", str(a.num_depths)]  # fmt: skip
-    cmd, train, t_train, t_stack, job_specs = stream_and_train(a, verifier, wd, extra)
+    wd, verifier, mask, (cmd, train, t_train, t_stack, job_specs) = train_named_draft(a, "hsstream-trainer-speed")
     wall = float(train["wall_s"]) or float("nan")
     log(f"trained {train['steps']} steps on {train['samples']} samples ({train['tokens']} tokens) in {wall:.0f} s")
     try:

@@ -81,6 +81,20 @@ def check_mask_embedding(draft: str, model, mask_token_id: int) -> None:  # noqa
         )
 
 
+
+def finish_block_draft(label: str, model, mask_token_id: int, frozen) -> object:  # noqa: ANN001
+    """A built or loaded block draft (DFlash, DSpark) made ready to train: float32 master
+    weights, its mask token's embedding checked, and the parts that are the verifier's own
+    (a full-vocabulary lm_head, ``frozen``) without gradients."""
+    model = model.float()
+    check_mask_embedding(label, model, mask_token_id)
+    if not getattr(model, "use_draft_vocab", True):  # full vocabulary: lm_head is the verifier's, never saved
+        model.lm_head.weight.requires_grad_(False)
+    for name in frozen:
+        for p in getattr(model, name).parameters():
+            p.requires_grad_(False)
+    return model
+
 class DFlash(Draft):
     label = "DFlash"
     name = "dflash"
@@ -119,14 +133,7 @@ class DFlash(Draft):
                 draft_vocab_size=draft_vocab_size, block_size=int(cfg.block_size), mask_token_id=self.mask_token_id,
                 draft_attn_impl=cfg.draft_attn_impl,
             )  # fmt: skip
-        model = model.float()
-        check_mask_embedding(self.label, model, self.mask_token_id)
-        if not getattr(model, "use_draft_vocab", True):  # full vocabulary: lm_head is the verifier's, never saved
-            model.lm_head.weight.requires_grad_(False)
-        for name in self.frozen:
-            for p in getattr(model, name).parameters():
-                p.requires_grad_(False)
-        return model
+        return finish_block_draft(self.label, model, self.mask_token_id, self.frozen)
 
     def forward(self, model, batch):  # noqa: ANN001, ANN201
         _, loss, m = model(**batch, loss_config=self.loss_config, max_anchors=int(self.cfg.max_anchors),

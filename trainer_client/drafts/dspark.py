@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from trainer_client.drafts.base import Draft, DraftConfigError
-from trainer_client.drafts.dflash import ATTN_IMPLS, check_mask_embedding, mask_token
+from trainer_client.drafts.dflash import ATTN_IMPLS, finish_block_draft, mask_token
 
 
 def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
@@ -87,14 +87,7 @@ class DSpark(Draft):
                 draft_attn_impl=cfg.draft_attn_impl, sample_from_anchor=True, markov_rank=int(cfg.markov_rank),
                 markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
             )  # fmt: skip
-        model = model.float()
-        check_mask_embedding(self.label, model, self.mask_token_id)
-        if not getattr(model, "use_draft_vocab", True):  # full vocabulary: lm_head is the verifier's, never saved
-            model.lm_head.weight.requires_grad_(False)
-        for name in self.frozen:
-            for p in getattr(model, name).parameters():
-                p.requires_grad_(False)
-        return model
+        return finish_block_draft(self.label, model, self.mask_token_id, self.frozen)
 
     def forward(self, model, batch):  # noqa: ANN001, ANN201
         _, loss, m = model(**batch, loss_config=self.loss_config, tv_loss_fn=self.tv_loss_fn,
