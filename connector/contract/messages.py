@@ -21,13 +21,16 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
+from connector.contract.arena import Slot
 from connector.contract.errors import ProtocolError
 from connector.contract.sample_file import CHECKSUM_ALGO
 
+#: Version 4: a slot of the arena spool layout (``connector/contract/arena.py``) in the sidecar's
+#: request tag and in the notice (``RequestTag.slot``, ``Notice.slot``; ``file`` is then None).
 #: Version 3: a trainer's HEARTBEAT may carry its training figures (``Heartbeat.train``). Version
 #: 2 brought the lease token (``Deliver.token``, echoed in ACK / RECEIVED / FAIL) and FAIL's
 #: optional ``not_received``. Peers of another version are refused (``VersionMismatch``).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Characters a lease token may have on the wire (the sidecar makes 32 hex digits).
 TOKEN_MAX = 64
 
@@ -84,6 +87,8 @@ class RequestTag(_Model):
 
     key: SampleKey
     attempt: int = Field(ge=0, default=0)
+    #: The arena layout: where the connector writes this sample (None: a file in the spool).
+    slot: Slot | None = None
 
 
 class NoticeStatus(str, Enum):
@@ -106,6 +111,8 @@ class Notice(_Model):
     key: SampleKey | None = None
     attempt: int = 0
     file: str | None = None
+    #: The arena layout: the slot the sample was written to (then ``file`` is None).
+    slot: Slot | None = None
     num_tokens: int = 0
     layer_ids: list[int] = Field(default_factory=list)
     num_hidden_layers: int = 0

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
@@ -54,6 +54,14 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     max_attempts: int = 3
     spool_budget_bytes: int = 2 * 2**30
+    # How samples lie in the spool (connector/contract/arena.py): "files" (one safetensors file
+    # per sample, what drop-in clients get) or "arena" (one shared-memory file the size of the
+    # budget, a slot per sample: no file written, read or unlinked per sample). Sidecar only: the
+    # connector and trainers follow the slot in each request and delivery.
+    spool_layout: Literal["files", "arena"] = "files"
+    # Arena: seconds a slot whose request was abandoned (timed out, its engine down, the sidecar
+    # restarted) waits before it is assigned again, so a late write lands in no one's sample.
+    arena_quarantine_s: float = Field(default=60.0, ge=0)
     max_ready_samples: int = 4096  # ready-but-unconsumed samples before submission pauses
     ledger_path: Path | None = None  # default: see ledger_file()
     vllm_down_deadline_s: float = 600.0

@@ -63,11 +63,11 @@ def _obj(**over):
 @pytest.mark.parametrize(
     "data",
     [
-        pytest.param(json.dumps(_obj(v=4)).encode(), id="v4"),
-        pytest.param(json.dumps(_obj(v=2)).encode(), id="v2"),
+        pytest.param(json.dumps(_obj(v=5)).encode(), id="v5"),
+        pytest.param(json.dumps(_obj(v=3)).encode(), id="v3"),
         pytest.param(json.dumps(_obj(v=1)).encode(), id="v1"),
         pytest.param(json.dumps(_obj(v=0)).encode(), id="v0"),
-        pytest.param(json.dumps(_obj(v="3")).encode(), id="v-string"),
+        pytest.param(json.dumps(_obj(v="4")).encode(), id="v-string"),
         pytest.param(json.dumps({k: v for k, v in _obj().items() if k != "v"}).encode(), id="missing-v"),
         pytest.param(b"{not json", id="not-json"),
         pytest.param(b"", id="empty"),
@@ -88,10 +88,10 @@ def test_notice_decode_rejects(data):
 
 
 def test_unsupported_version_message_names_versions():
-    with pytest.raises(P.VersionMismatch, match=r"version 4 .*speaks 3"):
-        P.Notice.decode(json.dumps(_obj(v=4)))
-    with pytest.raises(P.VersionMismatch, match=r"version 2 .*speaks 3"):
-        P.Notice.decode(json.dumps(_obj(v=2)))
+    with pytest.raises(P.VersionMismatch, match=r"version 5 .*speaks 4"):
+        P.Notice.decode(json.dumps(_obj(v=5)))
+    with pytest.raises(P.VersionMismatch, match=r"version 3 .*speaks 4"):
+        P.Notice.decode(json.dumps(_obj(v=3)))
 
 
 def test_notice_is_immutable():

@@ -1,0 +1,253 @@
+"""The arena spool layout: one shared-memory region per spool, one slot per sample.
+
+With ``HSSTREAM_SPOOL_LAYOUT=arena`` the sidecar creates one file, :data:`ARENA_NAME` in the
+spool directory (tmpfs: shared memory), sized by the spool budget, and assigns every sample it
+can price a *slot* of it at submission (:class:`Slot`, in the request's ``kv_transfer_params``).
+The connector maps the file once per process and writes the sample into its slot; the trainer
+maps it once and yields views of the slot: no file is created, read, renamed or unlinked per
+sample. Drop-in clients (plain vLLM requests) never see a slot: they get files as before.
+
+A slot holds exactly what a sample file holds, in safetensors' own layout (8-byte header
+length, JSON header, data), so the contract's one header parser (``sample_file.parse_header``)
+and checksum rules apply unchanged; only the header is padded with spaces to
+:data:`SLOT_HEADER` bytes, so the data starts at a fixed, page-aligned place the connector can
+copy into before it knows the header (the checksum goes into the header, written last). The
+tensors are in safetensors' order (largest item size first, then by name), so every tensor's
+bytes are aligned to its item size.
+
+The slot's life: assigned (sidecar, in the ledger) → written (connector; header length zeroed
+first, the header itself written last) → READY on its notice → read in place by a trainer →
+freed when the trainer says RECEIVED, which it sends only once no view of the slot is left.
+Each assignment has a new ``generation``; the notice inside the slot's header carries it, and a
+trainer refuses a slot whose header names another generation than its DELIVER (a late write of
+an older attempt), as it refuses a checksum mismatch. The arena's first page names the arena
+(``arena`` id, a random hex string made at creation), so a slot of another arena (the sidecar
+made a new one) is refused instead of read.
+
+Importable without torch (the writer and the readers import it where they need tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from connector.contract.errors import ProtocolError
+from connector.contract.sample_file import InvalidSample
+
+#: The arena's file in the spool directory: a dot name, never one of the connector's sample
+#: names, so the reaper and every "spool is empty" count leave it alone.
+ARENA_NAME = ".hsstream-arena"
+#: Allocation unit and alignment of slots (and of the arena's own header).
+PAGE = 4096
+#: Bytes at a slot's start for the safetensors header length and header; the data follows.
+SLOT_HEADER = 4096
+#: The arena's first page: magic, format version, size, id (JSON after the magic).
+ARENA_MAGIC = b"HSSARENA"
+ARENA_FORMAT = 1
+#: The smallest arena worth making (one page of header, one of data).
+MIN_ARENA_BYTES = 2 * PAGE
+
+
+class ArenaError(ProtocolError):
+    """An arena or slot that cannot be used (wrong arena, out of bounds, unreadable header)."""
+
+
+def round_up(n: int, unit: int = PAGE) -> int:
+    return -(-n // unit) * unit
+
+
+def slot_length(data_bytes: int) -> int:
+    """The slot a sample of ``data_bytes`` tensor bytes needs: the header's room plus the data,
+    in whole pages."""
+    return round_up(SLOT_HEADER + max(0, data_bytes))
+
+
+class Slot(BaseModel):
+    """Where one sample's bytes go in the arena (sidecar → vLLM in ``kv_transfer_params``,
+    connector → sidecar in the notice, sidecar → trainer in the DELIVER)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arena: str = Field(pattern=r"^[0-9a-f]{16,64}$")
+    offset: int = Field(ge=PAGE, multiple_of=PAGE)
+    length: int = Field(ge=PAGE, multiple_of=PAGE, le=1 << 40)
+    generation: int = Field(ge=1)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def header_for(specs: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """A slot's safetensors header for tensors ``(name, safetensors dtype, shape, nbytes)``: the
+    header bytes (8-byte length + JSON padded with spaces to :data:`SLOT_HEADER`) and each
+    tensor's span relative to the data's start. Raises :class:`ArenaError` when the JSON does
+    not fit (a very long model name in the notice)."""
+    order = sorted(specs, key=lambda s: (-_itemsize(s[1]), s[0]))
+    spans: dict[str, tuple[int, int]] = {}
+    at = 0
+    table: dict[str, Any] = {}
+    for name, dtype, shape, nbytes in order:
+        spans[name] = (at, at + nbytes)
+        table[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    body = json.dumps({"__metadata__": metadata, **table}, separators=(",", ":")).encode()
+    room = SLOT_HEADER - 8
+    if len(body) > room:
+        raise ArenaError(f"sample header of {len(body)} bytes does not fit a slot's {room}")
+    return room.to_bytes(8, "little") + body + b" " * (room - len(body)), spans
+
+
+def data_spans(specs: list[tuple[str, str, list[int], int]]) -> dict[str, tuple[int, int]]:
+    """Each tensor's span relative to the data's start, as :func:`header_for` lays them out (the
+    connector copies into them before the header exists)."""
+    order = sorted(specs, key=lambda s: (-_itemsize(s[1]), s[0]))
+    out, at = {}, 0
+    for name, _, _, nbytes in order:
+        out[name] = (at, at + nbytes)
+        at += nbytes
+    return out
+
+
+def written_size(head: bytes | memoryview, capacity: int) -> int:
+    """The bytes of the sample written at the start of a slot (header + data), from its header
+    (``head``: at least the slot's first :data:`SLOT_HEADER` bytes), at most ``capacity``. A slot
+    whose header is not (yet) a complete one of ours is an :class:`~connector.contract.sample_file.InvalidSample`:
+    its writer zeroes the header's length first and writes the header last."""
+    hlen = int.from_bytes(bytes(head[:8]), "little")
+    if hlen != SLOT_HEADER - 8:
+        raise InvalidSample(f"slot not (completely) written: header length {hlen}, a slot's is {SLOT_HEADER - 8}")
+    try:
+        table = json.loads(bytes(head[8:SLOT_HEADER]))
+        end = max((e["data_offsets"][1] for k, e in table.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        raise InvalidSample(f"unreadable slot header: {type(e).__name__}") from None
+    if type(end) is not int or not 0 <= end <= capacity - SLOT_HEADER:
+        raise InvalidSample(f"slot header: data end {end!r} outside the slot's {capacity - SLOT_HEADER} data bytes")
+    return SLOT_HEADER + end
+
+
+_ITEMSIZE = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1}
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ArenaError(f"dtype {dtype!r} cannot be laid out in a slot") from None
+
+
+class Arena:
+    """One process's shared mapping of the arena file. The sidecar :meth:`create` s it; the
+    connector and same-host trainers :meth:`open` it (read-write: the connector writes, the
+    trainer's tensors are views, and torch wants writable memory under a tensor)."""
+
+    def __init__(self, path: Path, fd: int, size: int, arena_id: str) -> None:
+        self.path, self.size, self.id = path, size, arena_id
+        self._fd = fd
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.inode = os.fstat(fd).st_ino
+
+    @classmethod
+    def create(cls, spool: str | os.PathLike[str], size: int, mode: int = 0o600) -> Arena:
+        """A new arena of ``size`` bytes (rounded up to pages) in ``spool``, replacing any old
+        one atomically (written under a temporary name, then renamed): a process that mapped the
+        old one keeps its pages until it notices the new id."""
+        size = max(MIN_ARENA_BYTES, round_up(size))
+        spool = Path(spool)
+        arena_id = secrets.token_hex(16)
+        tmp = spool / f"{ARENA_NAME}.{os.getpid()}.new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            os.ftruncate(fd, size)
+            head = ARENA_MAGIC + json.dumps({"format": ARENA_FORMAT, "size": size, "id": arena_id}).encode()
+            os.pwrite(fd, head.ljust(PAGE, b" "), 0)
+            os.rename(tmp, spool / ARENA_NAME)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        return cls(spool / ARENA_NAME, fd, size, arena_id)
+
+    @classmethod
+    def open(cls, spool: str | os.PathLike[str]) -> Arena:
+        """The arena the sidecar made in ``spool``; :class:`ArenaError` if there is none or its
+        first page is not an arena's."""
+        path = Path(spool) / ARENA_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise ArenaError(f"no arena at {path}: {e.strerror or e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, PAGE, 0)
+            info = _parse_head(head)
+            if info["size"] != size:
+                raise ArenaError(f"arena {path}: {size} bytes, its header says {info['size']}")
+            return cls(path, fd, size, info["id"])
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open_existing(cls, spool: str | os.PathLike[str], size: int) -> Arena | None:
+        """The arena already in ``spool`` if it has exactly ``size`` bytes (rounded), else None:
+        the sidecar keeps it across its restarts, so READY samples' slots stay valid."""
+        try:
+            a = cls.open(spool)
+        except ArenaError:
+            return None
+        if a.size != max(MIN_ARENA_BYTES, round_up(size)):
+            a.close()
+            return None
+        return a
+
+    def check(self, slot: Slot) -> None:
+        if slot.arena != self.id:
+            raise ArenaError(f"slot of arena {slot.arena}, this is {self.id} (the sidecar made a new arena)")
+        if slot.end > self.size:
+            raise ArenaError(f"slot {slot.offset}+{slot.length} past the arena's {self.size} bytes")
+
+    def view(self, slot: Slot) -> memoryview:
+        """The slot's bytes (a view of the shared mapping)."""
+        self.check(slot)
+        return memoryview(self.map)[slot.offset : slot.end]
+
+    def is_current(self) -> bool:
+        """Whether the file at :attr:`path` is still the one mapped (not replaced by a new arena)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # views are still alive (a trainer's tensors): the mapping goes with the last one
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def _parse_head(head: bytes) -> dict[str, Any]:
+    if not head.startswith(ARENA_MAGIC):
+        raise ArenaError("not an arena (bad magic)")
+    try:
+        info = json.loads(head[len(ARENA_MAGIC) :].rstrip(b" \x00"))
+    except ValueError as e:
+        raise ArenaError(f"unreadable arena header: {e}") from None
+    if not isinstance(info, dict) or info.get("format") != ARENA_FORMAT:
+        raise ArenaError(f"arena format {info.get('format') if isinstance(info, dict) else info!r}, "
+                         f"this build reads {ARENA_FORMAT}")  # fmt: skip
+    if type(info.get("size")) is not int or not isinstance(info.get("id"), str):
+        raise ArenaError("arena header without size or id")
+    return info
