@@ -16,9 +16,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from connector import protocol as P
+from connector.contract import arena as A
 from connector.contract.settings import Settings, lower_switch_interval
 from connector.transport import senders_from_settings
 from server import errors
+from server.arena import SlotAllocator, open_arena
 from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
@@ -78,6 +80,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         log.info("spool %s created/marked as ours", spool)
     s.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
+    arena = None
+    if s.spool_layout == "arena":
+        # One shared-memory file of the budget's size (plus its header page), kept across
+        # restarts when the size is unchanged; the ledger's rows hold the slots (recover rebuilds).
+        arena, reused = open_arena(spool, s.spool_budget_bytes + A.PAGE)
+        ledger.attach_slots(SlotAllocator(arena.id, arena.size, quarantine_s=s.arena_quarantine_s))
+        log.info("spool layout: arena %s, %d MiB (%s)", arena.path, arena.size >> 20, "kept" if reused else "new")
     sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids, s.payload_dtype)
     metrics = SidecarMetrics(ledger)  # a ledger listener: counts every move, on the thread that made it
     tokenizer = Tokenizer(s.model or None, max_model_len=max_len)
@@ -102,6 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_message_bytes=s.max_peer_message_bytes, max_hello_jobs=s.max_hello_jobs,
             doorbell=delivery_bell,
             on_unheld=metrics.count_unheld,  # settlements without their lease token
+            arena=arena,
         ),
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,

@@ -25,6 +25,8 @@ from pathlib import Path
 import zmq
 
 from connector import protocol as P
+from connector.contract import arena as A
+from connector.contract.sample_file import InvalidSample
 from connector.contract.rest import TrainerInfo, TrainFigures
 from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
@@ -107,6 +109,11 @@ class Peer:
         )  # fmt: skip
 
 
+#: Transports a sidecar with the arena layout serves: the same host's trainers read the slot in
+#: place; a remote trainer gets the slot's bytes in its DELIVER. (Mooncake reads files.)
+ARENA_TRANSPORTS = ("spool", "zmq")
+
+
 class DeliveryService(SocketThread):
     name = "hsstream-delivery"
 
@@ -127,6 +134,7 @@ class DeliveryService(SocketThread):
         max_hello_jobs: int = 1024,
         doorbell: Doorbell | None = None,
         on_unheld: Callable[[str, int], object] | None = None,
+        arena: A.Arena | None = None,
     ) -> None:
         """``max_message_bytes``: the largest message part a trainer may send (ZeroMQ drops the
         connection of one that sends more, before anything is parsed); ``max_hello_jobs``: the
@@ -162,6 +170,8 @@ class DeliveryService(SocketThread):
                       # sample's latest lease (never delivered to the sender, or a stale copy's)
                       "unheld_acks": 0, "unheld_receiveds": 0, "unheld_fails": 0}  # fmt: skip
         self.on_unheld = on_unheld
+        #: The arena layout's mapping: a remote (zmq) trainer's bytes are read from the slot.
+        self.arena = arena
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
@@ -389,8 +399,29 @@ class DeliveryService(SocketThread):
             sender.release(key)
             P.remove_from_spool(self.spool, file)
 
+    def _slot_bytes(self, slot: A.Slot) -> bytes:
+        """A slot's sample as the bytes a remote trainer gets (what a file would hold); OSError
+        when it cannot be read (the sample is produced again)."""
+        if self.arena is None:
+            raise OSError("a slot's sample, and no arena here")
+        try:
+            view = self.arena.view(slot)
+            return bytes(view[: A.written_size(view[: A.SLOT_HEADER], slot.length)])
+        except (A.ArenaError, InvalidSample) as e:
+            raise OSError(str(e)) from e
+
     def _set_transport(self, owner: bytes, peer: Peer, hello: P.Hello) -> None:
         peer.transport = hello.wanted_transport()
+        if self.arena is not None and peer.transport not in ARENA_TRANSPORTS:
+            why = (f"this sidecar's spool is an arena (HSSTREAM_SPOOL_LAYOUT=arena): it serves transports "
+                   f"{', '.join(ARENA_TRANSPORTS)}, not {peer.transport!r} (which needs files: HSSTREAM_SPOOL_LAYOUT=files)")
+            log.warning("trainer %s: %s", owner.hex(), why)
+            try:
+                self._send(owner, P.encode_msg(P.End(jobs=peer.jobs, reason=why)))
+            except zmq.ZMQError:
+                pass
+            peer.ended = True
+            return
         if peer.transport not in self.senders:
             # Refused with a reason the stream raises, rather than bytes it could not read.
             why = (f"this sidecar does not offer transport {peer.transport!r} (it offers {', '.join(self.senders)}; "
@@ -491,8 +522,11 @@ class DeliveryService(SocketThread):
                           token=s.lease_token or "")  # fmt: skip
             try:
                 # Only a sender that moves the bytes opens the file (the spool's trainer does itself).
-                path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None
-                transfer, payload = sender.offer(owner, s.key, path)
+                if s.notice.slot is not None and sender.sidecar_deletes:  # a remote trainer: the slot's bytes
+                    transfer, payload = None, self._slot_bytes(s.notice.slot)
+                else:
+                    path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None
+                    transfer, payload = sender.offer(owner, s.key, path)
             except (OSError, P.UnsafePathError, TransportError) as e:
                 if isinstance(e, TransportError):
                     log.error("%s: %s", peer.transport, e)

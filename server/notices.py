@@ -127,6 +127,10 @@ class NoticeReceiver(SocketThread):
             return None, None
         self.last_notice_at = time.monotonic()  # a connector is talking (readyz: notices_stopped)
         path = None
+        if n.file is not None and n.slot is not None:
+            self.stats["refused"] += 1
+            log.error("refused notice for %s: it names both a file and a slot", n.request_id)
+            return None, None
         if n.file is not None:
             try:
                 if not P.is_own_name(n.file) or P.is_tmp_name(n.file) or P.is_own_lock_name(n.file):
@@ -146,6 +150,8 @@ class NoticeReceiver(SocketThread):
             return None, None
         try:
             size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
+            if n.slot is not None and n.status == P.NoticeStatus.ok:
+                size = n.slot.length  # what the slot holds of the arena (the ledger checks it is this attempt's)
         except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
             n, path, size = n.model_copy(update={"status": P.NoticeStatus.error, "reason": "file vanished"}), None, 0
         if n.sent_at is not None:

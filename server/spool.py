@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from connector import protocol as P
+from connector.contract.arena import ARENA_NAME
 from server.ledger import Ledger
 
 log = logging.getLogger("hsstream.sidecar")
@@ -44,6 +45,8 @@ class SpoolKeeper:
     def file_bytes(self) -> int:
         total = 0
         for e in os.scandir(self.spool):
+            if e.name.startswith(ARENA_NAME):
+                continue  # the arena's size is its budget, not samples: /v1/stats shows its slots
             try:
                 if e.is_file(follow_symlinks=False):
                     total += e.stat(follow_symlinks=False).st_size

@@ -484,7 +484,7 @@ class Submitter:
                 "prompt": s.token_ids,
                 "max_tokens": 1,
                 "temperature": 0.0,
-                "kv_transfer_params": P.kv_params_for(P.RequestTag(key=s.key, attempt=attempt)),
+                "kv_transfer_params": P.kv_params_for(P.RequestTag(key=s.key, attempt=attempt, slot=s.slot)),
             }
             job = self.ledger.jobs.get(s.key.job)
             sampling = job.sampling if job is not None else None

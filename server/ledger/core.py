@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from connector import protocol as P
+from server.arena import ArenaStats, SlotAllocator
 from server.ledger.budget import SpoolBudget
 from server.ledger.rows import Job, SampleRow
 from server.ledger.states import IN_FLIGHT, State, check_transition
@@ -54,6 +55,9 @@ class LedgerCore:
         #: hand-offs between threads are explicit where they happen (see ``server/app.py``).
         self.listeners: list[Listener] = []
         self._deferred: list[tuple] | None = None  # listener events held back until a commit
+        #: The arena layout's allocator (``server/arena.py``), None with files: samples get a
+        #: slot at submission and give it back in :meth:`_save` when their bytes are free.
+        self._slots: SlotAllocator | None = None
 
     # The connection, for the parts' own queries (tests swap it for a wrapper that fails writes).
     @property
@@ -104,6 +108,8 @@ class LedgerCore:
         """Write a sample through, move it between RAM and SQLite-only, and keep the counts."""
         old = s.saved
         check_transition(old, s.state)
+        if s.slot is not None:
+            self._give_back_slot(s, old)
         self._store.save_sample(s)
         if s.state in IN_FLIGHT:
             self._live[s.key] = s
@@ -122,6 +128,39 @@ class LedgerCore:
             self._deferred.append((s.state, old, 1, len(s.token_ids)))
             return
         self._tell(s.state, old, 1, len(s.token_ids))
+
+    def _give_back_slot(self, s: SampleRow, old: State | None) -> None:
+        """The one place a slot is given back: when its sample leaves flight (QUEUED again or
+        finished), or its bytes were freed while in flight (the trainer's RECEIVED, a lost
+        copy). Given back from SUBMITTED (a writer may still write) or LEASED (a trainer may
+        still read) without the trainer's RECEIVED, it goes into quarantine."""
+        leaving = s.state not in IN_FLIGHT
+        freed = s.state in (State.ready, State.leased) and s.on_disk_bytes == 0
+        if not (leaving or freed):
+            return
+        if self._slots is not None:
+            self._slots.free(s.slot, quarantine=leaving and old in (State.submitted, State.leased))  # type: ignore[arg-type]
+        s.slot = None
+
+    def _has_bytes(self, s: SampleRow, file_exists: Callable[[str], bool]) -> bool:
+        """Whether a READY/LEASED sample's bytes are still there: its file in the spool, or the
+        slot its notice names still its own."""
+        n = s.notice
+        if n is None or not s.on_disk_bytes:
+            return False
+        if n.slot is not None:
+            return s.slot is not None and s.slot == n.slot
+        return bool(n.file) and file_exists(n.file)
+
+    def arena_stats(self) -> ArenaStats | None:
+        """The arena's occupancy (None with files), for ``/v1/stats``."""
+        with self._lock:
+            return self._slots.stats() if self._slots is not None else None
+
+    def attach_slots(self, slots: SlotAllocator) -> None:
+        """The arena layout: from now on samples get slots. Call before :meth:`recover`, which
+        reserves the slots the ledger's rows still hold."""
+        self._slots = slots
 
     def _tell(self, new: State, old: State | None, n: int, tokens: int) -> None:
         for fn in self.listeners:
@@ -242,15 +281,19 @@ class LedgerCore:
             # state and never heard the moves that led to the rows read here: the moves recovery
             # makes are not told to them, or a SUBMITTED → QUEUED would count below zero.
             self._deferred = []
+            samples = list(map(row_to_sample, rows))
+            for s in samples:  # the slot table from the rows: a slot of another arena (or none now) is gone
+                if s.slot is not None and (self._slots is None or not self._slots.reserve(s.slot)):
+                    s.slot = None
             with self._tx():
-                for s in map(row_to_sample, rows):
+                for s in samples:
                     if s.state == State.submitted:
                         s.attempt += 1  # whatever comes back for the old attempt is discarded
                         s.notice, s.on_disk_bytes = None, 0  # an early (regenerate) file is stray now
                         self._reset_prompt(s)
                         self._enqueue(s, front=True)
                         stats["resubmitted"] += 1
-                    elif s.notice and s.notice.file and file_exists(s.notice.file):
+                    elif self._has_bytes(s, file_exists):
                         s.state = State.ready
                         self._ready.setdefault(s.key.job, deque()).append(s)
                         self.reserved_bytes += s.on_disk_bytes

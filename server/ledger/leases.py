@@ -104,7 +104,8 @@ class Leases(LedgerCore):
             if s is None or s.on_disk_bytes == 0 or not self.holds(key, token):
                 return 0
             if s.lease_owner != owner:
-                if s.lease_owner is None and s.state == State.ready:
+                if s.lease_owner is None and s.state == State.ready and not (s.notice and s.notice.slot):
+                    # (a slot is not deleted by its reader: the old copy's RECEIVED says nothing of it)
                     name = s.notice.file if s.notice is not None else None
                     if file_exists is None or name is None or not file_exists(name):
                         self.file_lost(key)
@@ -209,7 +210,7 @@ class Leases(LedgerCore):
             for s in [x for x in self._live.values() if x.state == State.leased and x.lease_owner == owner]:
                 n += 1
                 s.lease_owner = None
-                if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
+                if self._has_bytes(s, file_exists):
                     self._make_ready(s, front=True)
                     continue
                 self.reserved_bytes -= s.on_disk_bytes
@@ -229,7 +230,7 @@ class Leases(LedgerCore):
                     continue
                 n += 1
                 s.lease_owner = None
-                if s.on_disk_bytes and s.notice and s.notice.file and file_exists(s.notice.file):
+                if self._has_bytes(s, file_exists):
                     self._make_ready(s, front=True)
                 else:
                     self.file_lost(key)

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from connector import protocol as P
+from connector.contract.arena import Slot
 from server.ledger.states import TERMINAL, State
 
 
@@ -39,6 +40,9 @@ class SampleRow:
     prompt_len: int = -1  # regenerate mode: token_ids beyond this are vLLM's reply
     qpos: int = 0  # place in the queue while QUEUED
     saved: State | None = None  # the state SQLite holds (per-job counts follow it)
+    #: The arena layout: the slot assigned at submission, held until its bytes are freed
+    #: (``LedgerCore._save`` gives it back); None with files, or when the size was not known.
+    slot: Slot | None = None
     # The notice as JSON, made once per notice rather than at each of its transitions.
     _notice_json: tuple[P.Notice, str] | None = field(default=None, repr=False, compare=False)
 

@@ -36,6 +36,15 @@ class Submission(LedgerCore):
                 self._save(s)
             if not self._spool.fits(s.expected_bytes, budget):
                 return None
+            if self._slots is not None and s.expected_bytes > 0 and job is not None and job.sampling is None \
+                    and self._slots.fits_ever(s.expected_bytes):
+                # The arena: a slot of the priced size (regenerate mode and an unknown shape have
+                # no size before vLLM answers, and a sample larger than the arena: a file).
+                slot = self._slots.alloc(s.expected_bytes)
+                if slot is None:  # no free range that large yet: wait as for a full budget
+                    self._spool.throttled = True
+                    return None
+                s.slot = slot
             s.state = State.submitted
             s.submitted_at = time.monotonic()
             self.reserved_bytes += s.expected_bytes
@@ -136,8 +145,15 @@ class Submission(LedgerCore):
             if smp is None or smp.attempt != n.attempt or smp.state != State.submitted:
                 return NoticeOutcome.refused  # unknown, cancelled, or a late notice for an older attempt
             if smp.notice is not None:  # a repeat: changes nothing
-                return NoticeOutcome.held if smp.notice.file == n.file else NoticeOutcome.refused
+                same = smp.notice.file == n.file and smp.notice.slot == n.slot
+                return NoticeOutcome.held if same else NoticeOutcome.refused
+            if n.slot is not None and n.slot != smp.slot:
+                return NoticeOutcome.refused  # not the slot this attempt was given (forged, or a stale copy)
             self.reserved_bytes -= smp.expected_bytes
+            if smp.slot is not None and n.slot is None and self._slots is not None:
+                # Its writer is done and did not use the slot (wrote a file, or failed): free now.
+                self._slots.free(smp.slot)
+                smp.slot = None
             if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault
                 smp.attempt += 1
                 self._reset_prompt(smp)

@@ -1,0 +1,167 @@
+"""The sidecar's half of the arena layout (``connector/contract/arena.py``): the arena file and
+the allocator of its slots.
+
+The ledger owns the slots (a sample's ``slot`` column, so a restart rebuilds the table from
+the rows that hold one); this allocator only knows which byte ranges are taken. It runs under
+the ledger's lock, so it has no lock of its own.
+
+Policy: first fit at the lowest offset over free ranges kept sorted and merged with their
+neighbours on every free, in whole pages. Samples of one job are mostly of similar sizes, so
+first fit keeps the low end dense and the largest free range at the top; a sample needs one
+contiguous range, so the largest sample that fits is the largest free range
+(``largest_free``), at most the arena's size less its header page. A sample that does not fit
+waits (admission stops as for a full budget) until enough slots are freed and merged; when the
+arena is empty everything merges into one range, so any sample up to the arena's data size is
+served eventually and none waits forever.
+
+A slot given up by a sample that may still be written or read (its request abandoned: timed
+out, its engine marked down, the sidecar restarted; a leased sample cancelled) goes into
+quarantine for ``quarantine_s`` before it can be assigned again, so a late write or read lands
+in no one's sample; the generation in the slot's header catches what lands after that.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from connector.contract import arena as A
+
+log = logging.getLogger("hsstream.sidecar")
+
+
+@dataclass
+class ArenaStats:
+    size: int
+    used_bytes: int
+    slots: int
+    free_bytes: int
+    largest_free: int
+    quarantined_bytes: int
+    refused: int
+
+
+class SlotAllocator:
+    def __init__(self, arena_id: str, size: int, *, quarantine_s: float = 60.0, generation: int | None = None) -> None:
+        self.arena_id = arena_id
+        self.size = size
+        self.quarantine_s = quarantine_s
+        # free ranges (offset, length), sorted by offset, never adjacent (merged)
+        self._starts: list[int] = [A.PAGE] if size > A.PAGE else []
+        self._lens: list[int] = [size - A.PAGE] if size > A.PAGE else []
+        self._taken: dict[int, int] = {}  # offset -> length
+        self._quarantine: list[tuple[float, int, int]] = []  # (free at, offset, length)
+        # Generations only grow, across restarts too (microseconds since the epoch at start, or
+        # past the highest the ledger holds): a late write of an earlier assignment never matches.
+        self._generation = max(generation or 0, int(time.time() * 1e6))
+        self.refused = 0
+
+    # -------------------------------------------------------------- assignment
+    def alloc(self, nbytes: int) -> A.Slot | None:
+        """A slot of at least ``nbytes`` (whole pages), or None when no free range is that large."""
+        self._thaw()
+        need = A.round_up(max(nbytes, A.PAGE))
+        for i, ln in enumerate(self._lens):
+            if ln >= need:
+                off = self._starts[i]
+                if ln == need:
+                    del self._starts[i], self._lens[i]
+                else:
+                    self._starts[i], self._lens[i] = off + need, ln - need
+                self._taken[off] = need
+                self._generation += 1
+                return A.Slot(arena=self.arena_id, offset=off, length=need, generation=self._generation)
+        self.refused += 1
+        return None
+
+    def fits_ever(self, nbytes: int) -> bool:
+        """Whether a sample of ``nbytes`` fits the arena at all (when it is empty)."""
+        return A.round_up(max(nbytes, A.PAGE)) <= self.size - A.PAGE
+
+    def reserve(self, slot: A.Slot) -> bool:
+        """Mark a slot the ledger holds as taken (rebuilding after a restart); False if it is not
+        this arena's or overlaps one already taken (the ledger then drops it)."""
+        if slot.arena != self.arena_id or slot.end > self.size:
+            return False
+        i = bisect.bisect_right(self._starts, slot.offset) - 1
+        if i < 0 or self._starts[i] + self._lens[i] < slot.end:
+            return False  # not inside one free range: taken already
+        off, ln = self._starts[i], self._lens[i]
+        del self._starts[i], self._lens[i]
+        if slot.offset > off:
+            self._insert(off, slot.offset - off)
+        if slot.end < off + ln:
+            self._insert(slot.end, off + ln - slot.end)
+        self._taken[slot.offset] = slot.length
+        self._generation = max(self._generation, slot.generation)
+        return True
+
+    def free(self, slot: A.Slot, *, quarantine: bool = False) -> None:
+        """Give a slot back: at once, or after ``quarantine_s`` (see the module's docstring). A
+        slot not taken (freed twice, another arena's) is ignored."""
+        if slot.arena != self.arena_id or self._taken.get(slot.offset) != slot.length:
+            return
+        del self._taken[slot.offset]
+        if quarantine and self.quarantine_s > 0:
+            self._quarantine.append((time.monotonic() + self.quarantine_s, slot.offset, slot.length))
+        else:
+            self._merge_in(slot.offset, slot.length)
+
+    # -------------------------------------------------------------- free list
+    def _thaw(self) -> None:
+        if not self._quarantine:
+            return
+        now = time.monotonic()
+        keep = []
+        for due, off, ln in self._quarantine:
+            if due <= now:
+                self._merge_in(off, ln)
+            else:
+                keep.append((due, off, ln))
+        self._quarantine = keep
+
+    def _insert(self, off: int, ln: int) -> None:
+        i = bisect.bisect_left(self._starts, off)
+        self._starts.insert(i, off)
+        self._lens.insert(i, ln)
+
+    def _merge_in(self, off: int, ln: int) -> None:
+        i = bisect.bisect_left(self._starts, off)
+        if i > 0 and self._starts[i - 1] + self._lens[i - 1] == off:  # joins the range before
+            i -= 1
+            self._lens[i] += ln
+        else:
+            self._starts.insert(i, off)
+            self._lens.insert(i, ln)
+        if i + 1 < len(self._starts) and self._starts[i] + self._lens[i] == self._starts[i + 1]:
+            self._lens[i] += self._lens[i + 1]
+            del self._starts[i + 1], self._lens[i + 1]
+
+    def stats(self) -> ArenaStats:
+        self._thaw()
+        return ArenaStats(
+            size=self.size, used_bytes=sum(self._taken.values()), slots=len(self._taken),
+            free_bytes=sum(self._lens), largest_free=max(self._lens, default=0),
+            quarantined_bytes=sum(q[2] for q in self._quarantine), refused=self.refused,
+        )  # fmt: skip
+
+
+def open_arena(spool: Path, size: int) -> tuple[A.Arena, bool]:
+    """The spool's arena for a budget of ``size`` bytes: the one already there when it has that
+    size (its slots in the ledger stay valid across a sidecar restart), else a new one. Returns
+    (arena, reused). Leftovers of a creation that was killed half-way are removed."""
+    for e in os.scandir(spool):
+        if e.name.startswith(A.ARENA_NAME + ".") and e.name.endswith(".new"):
+            try:
+                os.unlink(e.path)
+            except FileNotFoundError:
+                pass
+    old = A.Arena.open_existing(spool, size)
+    if old is not None:
+        return old, True
+    log.info("creating the arena %s (%d MiB)", spool / A.ARENA_NAME, size >> 20)
+    return A.Arena.create(spool, size), False
