@@ -74,11 +74,15 @@ def _file(path) -> tuple[dict, bytes]:
     return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
-def _host_path(kv, perm) -> dict[str, torch.Tensor]:
-    """What the writer thread encodes today: the whole request's rows, gathered, then encode."""
+def _rows(kv, perm) -> torch.Tensor:
+    """The request's rows in the file's layer order, gathered at once (today's CPU gather)."""
     g = HiddenStateGatherer(kv, BS, K, perm, _writer(None), encode_at_gather=False)
-    rows = gather_rows(g.view, torch.tensor(BLOCKS), N, g.perm)
-    return PL.codec(PL.FP8_DTYPE).encode(rows)
+    return gather_rows(g.view, torch.tensor(BLOCKS), N, g.perm)
+
+
+def _host_path(kv, perm) -> dict[str, torch.Tensor]:
+    """What the writer thread encodes today: the whole request's rows, then encode."""
+    return PL.codec(PL.FP8_DTYPE).encode(_rows(kv, perm))
 
 
 def _writer(spool) -> SpoolWriter:
@@ -149,7 +153,7 @@ def test_where_the_codec_encodes():
     assert not plain.encode_at_gather
 
 
-def _gather_and_write(spool, kv, perm, *, encode_at_gather: bool, chunk_tokens: int = 9):
+def _gather_and_write(spool, kv, perm, *, encode_at_gather: bool | None, chunk_tokens: int = 9):
     writer = SpoolWriter(spool, None, FP8_SHAPE, num_threads=1)
     jobs, sent = [], []
     real_submit = writer.submit
@@ -157,8 +161,8 @@ def _gather_and_write(spool, kv, perm, *, encode_at_gather: bool, chunk_tokens: 
     writer._publish = sent.append  # the notice the writer would send
     g = HiddenStateGatherer(kv, BS, K, perm, writer, chunk_tokens=chunk_tokens, encode_at_gather=encode_at_gather)
     g.submit(PendingSave("cmpl-8", "hs-8.safetensors", list(range(100, 100 + N)), BLOCKS, TAG.model_dump(mode="json")))
+    assert writer.flush(10)  # the writer waited for the copy (on CUDA): poll now sees it landed
     assert g.poll({"cmpl-8"}) == {"cmpl-8"}
-    assert writer.flush(10)
     writer.close()
     (notice,) = sent
     assert notice.status is P.NoticeStatus.ok, notice.reason
@@ -179,10 +183,8 @@ def test_file_written_from_the_gatherers_encoding_is_todays_file(tmp_path, dtype
     assert hs is None and set(encoded) == {P.HIDDEN_STATES_KEY, PL.SCALES_KEY}  # the writer did not encode
     assert hs_today is not None and encoded_today is None
     # ... and today's path is the one the tests' sample files come from
-    rows = gather_rows(HiddenStateGatherer(kv, BS, K, perm, _writer(None)).view, torch.tensor(BLOCKS), N,
-                       torch.tensor(perm))  # fmt: skip
     ref = sample_files.write_sample(tmp_path / "c", "hs-8.safetensors", layer_ids=LAYERS, num_hidden_layers=12,
-                                    dtype=PL.FP8_DTYPE, hidden_states=rows, token_ids=list(range(100, 100 + N)),
+                                    dtype=PL.FP8_DTYPE, hidden_states=_rows(kv, perm), token_ids=list(range(100, 100 + N)),
                                     request_id="cmpl-8", model="m")  # fmt: skip
     assert n_ours.checksum == n_today.checksum == ref.notice.checksum
     assert n_ours.nbytes == n_today.nbytes == N * (K * H + 4)
@@ -201,7 +203,7 @@ def test_on_cuda_fp8_is_encoded_on_the_side_stream_with_the_host_paths_bytes(tmp
     for d in ("gpu", "cpu", "d2h"):
         (tmp_path / d).mkdir()
     gpu, n_gpu, jobs = _gather_and_write(tmp_path / "gpu", kv, perm, encode_at_gather=None)
-    (hs, encoded), = jobs
+    ((hs, encoded),) = jobs
     assert hs is None and encoded[P.HIDDEN_STATES_KEY].dtype == torch.float8_e4m3fn
     assert all(t.is_pinned() and not t.is_cuda for t in encoded.values())
     cpu, n_cpu, _ = _gather_and_write(tmp_path / "cpu", kv_cpu, perm, encode_at_gather=False)
