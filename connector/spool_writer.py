@@ -36,12 +36,19 @@ class WriteJob:
     file: str
     tag: M.RequestTag | None
     token_ids: list[int]
-    hidden_states: torch.Tensor  # host tensor [T, K, H]; may still be filling (see ready)
+    hidden_states: torch.Tensor | None  # host tensor [T, K, H]; may still be filling (see ready); None: encoded
     ready: Callable[[], None] | None = None  # blocks until the async copy has landed
     nbytes: int = 0  # counted against the writer's bound while it waits
     path: Path | None = None  # a client's own path (allow_custom_save_path); None: spool / file
     lock: WriteLock | None = None  # the companion lock a plain client waits on, held until done
     gather_s: float = 0.0  # time the engine's step spent enqueuing this sample's gather
+    # The payload codec's tensors, already encoded where the rows were (the gatherer, on the GPU
+    # before the copy: PayloadCodec.encode_on_device); the writer then does not encode.
+    encoded: dict[str, torch.Tensor] | None = None
+
+    def host_bytes(self) -> int:
+        ts = self.encoded.values() if self.encoded is not None else [self.hidden_states]
+        return sum(t.numel() * t.element_size() for t in ts)
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ class SpoolWriter:
 
     def submit(self, job: WriteJob) -> bool:
         """Queue a write, or refuse it with a "busy" notice when the queue is full."""
-        nbytes = job.hidden_states.numel() * job.hidden_states.element_size()
+        nbytes = job.host_bytes()
         if not self.has_room(nbytes):
             self.refuse_busy(job.request_id, job.tag)
             return False
@@ -152,12 +159,13 @@ class SpoolWriter:
             if job.ready is not None:
                 job.ready()
             t1 = time.perf_counter()
-            hs = job.hidden_states
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
-            if hs.shape[0] != ids.shape[0]:
-                raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
-            # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on write).
-            tensors = {**PL.codec(self.shape.dtype).encode(hs), SF.TOKEN_IDS_KEY: ids}
+            # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on
+            # write), unless the gatherer encoded on the device (FP8: half the bytes copied).
+            payload = job.encoded if job.encoded is not None else PL.codec(self.shape.dtype).encode(job.hidden_states)
+            if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
+                raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
+            tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
             digest = SF.sample_checksum(tensors, algo=self.checksum_algo)
             t2 = time.perf_counter()
             notice = self._notice(
@@ -192,7 +200,7 @@ class SpoolWriter:
                 pass
             notice = self._notice(job.request_id, job.tag, status=M.NoticeStatus.error, reason=f"write failed: {e!r}")
         finally:
-            job.hidden_states = None  # type: ignore[assignment]  # release pinned memory now
+            job.hidden_states = job.encoded = None  # release pinned memory now
             if job.lock is not None:
                 job.lock.abandon()  # no-op once released; else no file will come
         self._publish(notice)

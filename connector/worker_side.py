@@ -6,9 +6,12 @@ recorded when the step's metadata is bound, :meth:`HiddenStateGatherer.step_star
 into pinned host memory without blocking, and a writer thread waits for the copy's event.
 The saves of a step are known only after its forward has been launched; waiting for the
 whole stream then would hold every copy back by one more forward (~50 ms with 2k-token
-batches on an H200, docs/benchmarks.md). On the CPU backend the
-gather is a plain copy (the forward has already finished when the connector runs). Blocks
-stay allocated (vLLM's delayed free) until the copy has landed; ``poll`` reports them.
+batches on an H200, docs/benchmarks.md). When the payload codec encodes on the device
+(``PayloadCodec.encode_on_device``: FP8), each chunk is encoded on that side stream before its
+copy, so the copy moves the encoded bytes (FP8: half of bf16's) and the writer does not encode.
+On the CPU backend the gather is a plain copy (the forward has already finished when the
+connector runs) and the writer thread encodes, off the engine's step. Blocks stay allocated
+(vLLM's delayed free) until the copy has landed; ``poll`` reports them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 import torch
 
 from connector.cache_layout import block_chunks, gather_rows, token_major_view
+from connector.contract import payload as PL
+from connector.contract.sample_file import HIDDEN_STATES_KEY
 from connector.contract.spool import LockError, WriteLock
 from connector.spool_writer import SpoolWriter, WriteJob
 from connector.step_metadata import LockRequest, PendingSave
@@ -43,13 +48,20 @@ class HiddenStateGatherer:
         perm: list[int] | None,
         writer: SpoolWriter,
         chunk_tokens: int = 8192,
+        encode_at_gather: bool | None = None,
     ) -> None:
+        """``encode_at_gather``: encode here, chunk by chunk, rather than on the writer thread,
+        when the codec allows it (``encode_on_device``); None: on CUDA only. On CPU there are no
+        device-to-host bytes to save, and encoding here would run on the engine's step."""
         self.view = token_major_view(kv_cache, block_size, num_layers)
         self.block_size = block_size
         self.writer = writer
         self.chunk_tokens = chunk_tokens
         self.device = kv_cache.device
         self.cuda = kv_cache.is_cuda
+        self.codec = PL.codec(writer.shape.dtype)
+        want = self.cuda if encode_at_gather is None else encode_at_gather
+        self.encode_at_gather = want and self.codec.encode_on_device
         self.perm = torch.tensor(perm, dtype=torch.long, device=self.device) if perm else None
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._inflight: dict[str, _InFlight] = {}
@@ -65,7 +77,10 @@ class HiddenStateGatherer:
 
     def nbytes_for(self, num_tokens: int) -> int:
         """Host bytes a copy of ``num_tokens`` rows takes (what the writer's bound counts)."""
-        return num_tokens * self.view.shape[2] * self.view.shape[3] * self.view.element_size()
+        k, h = self.view.shape[2], self.view.shape[3]
+        if self.encode_at_gather:
+            return num_tokens * self.codec.bytes_per_position(k, h)
+        return num_tokens * k * h * self.view.element_size()
 
     def submit(self, p: PendingSave, lock: WriteLock | None = None) -> None:
         tag = p.request_tag()
@@ -73,21 +88,49 @@ class HiddenStateGatherer:
         n = len(p.token_ids)
         k, h = self.view.shape[2], self.view.shape[3]
         t0 = time.perf_counter()
+        event = None
         if self.cuda:
             host, event = self._copy_async(p.block_ids, n)
-            self._inflight[p.request_id] = _InFlight(event)
-            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, ready=event.synchronize, path=dest, lock=lock)
+        elif self.encode_at_gather:
+            host = self._empty_host(n, pin_memory=False)
+            self._gather_into(p.block_ids, n, host)
         else:
             blocks = torch.tensor(p.block_ids, dtype=torch.long)
-            host = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
-            self._inflight[p.request_id] = _InFlight(None)
-            job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, path=dest, lock=lock)
+            rows = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
+            host = {HIDDEN_STATES_KEY: rows}
+        self._inflight[p.request_id] = _InFlight(event)
+        hs, encoded = (None, host) if self.encode_at_gather else (host[HIDDEN_STATES_KEY], None)
+        job = WriteJob(p.request_id, p.file, tag, p.token_ids, hs, ready=event.synchronize if event else None,
+                       path=dest, lock=lock, encoded=encoded)  # fmt: skip
         job.gather_s = time.perf_counter() - t0
         self.writer.submit(job)
 
-    def _copy_async(self, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def _empty_host(self, n: int, pin_memory: bool) -> dict[str, torch.Tensor]:
+        """The host tensors a request's copy fills: the codec's when encoding here, else the rows."""
         k, h = self.view.shape[2], self.view.shape[3]
-        host = torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=True)
+        if self.encode_at_gather:
+            return self.codec.empty_encoded(n, k, h, pin_memory=pin_memory)
+        return {HIDDEN_STATES_KEY: torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=pin_memory)}
+
+    def _gather_into(self, block_ids: list[int], n: int, out: dict[str, torch.Tensor]) -> None:
+        """Copy a request's rows, chunk by chunk, into ``out`` (:meth:`_empty_host`), encoding
+        each chunk first when encoding here. On CUDA it runs on the side stream (the caller's
+        context) and only queues work; on CPU tensors the same code runs synchronously."""
+        for first, chunk, ntok in block_chunks(block_ids, n, self.block_size, self.chunk_tokens):
+            ids = torch.tensor(chunk, dtype=torch.long)
+            if self.cuda:
+                # Pinned source + non_blocking: a pageable H2D copy would make the host wait
+                # for the side stream, i.e. for the forward.
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
+            rows = gather_rows(self.view, ids, ntok, self.perm)
+            # Chunks hold whole tokens and an on-device encoding is per token: the same bytes
+            # as encoding the request's rows at once.
+            parts = self.codec.encode(rows) if self.encode_at_gather else {HIDDEN_STATES_KEY: rows}
+            for name, t in parts.items():
+                out[name][first : first + ntok].copy_(t, non_blocking=True)
+
+    def _copy_async(self, block_ids: list[int], n: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
+        host = self._empty_host(n, pin_memory=True)
         stream = self._stream
         assert stream is not None
         if self._step_start is not None:
@@ -95,12 +138,7 @@ class HiddenStateGatherer:
         else:  # no step start seen (a caller outside vLLM's step): everything queued so far
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for first, chunk, ntok in block_chunks(block_ids, n, self.block_size, self.chunk_tokens):
-                # Pinned source + non_blocking: a pageable H2D copy would make the host wait
-                # for the side stream, i.e. for the forward.
-                ids = torch.tensor(chunk, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
-                rows = gather_rows(self.view, ids, ntok, self.perm)
-                host[first : first + ntok].copy_(rows, non_blocking=True)
+            self._gather_into(block_ids, n, host)
             event = torch.cuda.Event()
             event.record(stream)
         return host, event
