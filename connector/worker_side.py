@@ -9,6 +9,14 @@ whole stream then would hold every copy back by one more forward (~50 ms with 2k
 batches on an H200, docs/benchmarks.md). On the CPU backend the
 gather is a plain copy (the forward has already finished when the connector runs). Blocks
 stay allocated (vLLM's delayed free) until the copy has landed; ``poll`` reports them.
+
+A sample with an arena slot (``RequestTag.slot``) is gathered straight into its slot of the
+mapped arena when its payload is the cache's own dtype: on CPU one ``index_select`` into the
+slot's span, on CUDA the device-to-host copy into the mapping, page-locked once per process
+(``MappedArena.register_cuda``). An encoded payload (FP8) is gathered into host memory as for a
+file and its encoding copied into the slot by the writer. The slot's header length is zeroed
+before anything is copied into it; a slot that cannot take the sample gets an error notice
+before any copy.
 """
 
 from __future__ import annotations
@@ -20,9 +28,13 @@ from pathlib import Path
 
 import torch
 
-from connector.cache_layout import block_chunks, gather_rows, token_major_view
+from connector.cache_layout import block_chunks, gather_rows, gather_rows_into, token_major_view
+from connector.contract import arena as A
+from connector.contract import messages as M
+from connector.contract import payload as PL
+from connector.contract import sample_file as SF
 from connector.contract.spool import LockError, WriteLock
-from connector.spool_writer import SpoolWriter, WriteJob
+from connector.spool_writer import MappedArena, SpoolWriter, WriteJob
 from connector.step_metadata import LockRequest, PendingSave
 
 log = logging.getLogger("hsstream.connector")
@@ -67,27 +79,92 @@ class HiddenStateGatherer:
         """Host bytes a copy of ``num_tokens`` rows takes (what the writer's bound counts)."""
         return num_tokens * self.view.shape[2] * self.view.shape[3] * self.view.element_size()
 
+    def in_place(self, p: PendingSave) -> bool:
+        """Whether ``p``'s rows go straight into its arena slot (no host memory of the writer's)."""
+        tag = p.request_tag() if p.tag and p.path is None else None
+        return tag is not None and tag.slot is not None and PL.codec(self.writer.shape.dtype).torch_dtype() == self.view.dtype
+
     def submit(self, p: PendingSave, lock: WriteLock | None = None) -> None:
         tag = p.request_tag()
         dest = Path(p.path) if p.path else None
         n = len(p.token_ids)
         k, h = self.view.shape[2], self.view.shape[3]
         t0 = time.perf_counter()
+        if tag is not None and tag.slot is not None and dest is None:
+            self._submit_slot(p, tag, tag.slot, t0)
+            return
         if self.cuda:
             host, event = self._copy_async(p.block_ids, n)
             self._inflight[p.request_id] = _InFlight(event)
             job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, ready=event.synchronize, path=dest, lock=lock)
         else:
-            blocks = torch.tensor(p.block_ids, dtype=torch.long)
-            host = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
+            host = self._gather_cpu(p.block_ids, n)
             self._inflight[p.request_id] = _InFlight(None)
             job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, path=dest, lock=lock)
         job.gather_s = time.perf_counter() - t0
         self.writer.submit(job)
 
-    def _copy_async(self, block_ids: list[int], n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def _gather_cpu(self, block_ids: list[int], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows into ``out`` (a slot's span) or a new host tensor, with one copy (counted)."""
         k, h = self.view.shape[2], self.view.shape[3]
-        host = torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=True)
+        if out is None:
+            out = torch.empty((n, k, h), dtype=self.view.dtype)
+        if n:
+            blocks = torch.tensor(block_ids, dtype=torch.long)
+            self.writer.count_copied(gather_rows_into(self.view, blocks, n, out, self.perm))
+        return out
+
+    def _submit_slot(self, p: PendingSave, tag: M.RequestTag, slot: A.Slot, t0: float) -> None:
+        """A sample of the arena layout (module docstring). Every refusal is an error notice
+        sent before anything is copied: the slot's bytes stay as they were."""
+        n = len(p.token_ids)
+        k, h = self.view.shape[2], self.view.shape[3]
+        try:
+            mapped = self.writer.arena_for(slot)
+        except A.ArenaError as e:
+            self.mark_done(p.request_id)
+            self.writer.submit_error(p.request_id, tag, f"arena: {e}")
+            return
+        need = self.writer.slot_bytes_for(n)
+        if need > slot.length:
+            self.mark_done(p.request_id)
+            self.writer.submit_error(p.request_id, tag, f"slot of {slot.length} bytes too small for the sample's {need}")
+            return
+        mapped.begin(slot)
+        direct = self.in_place(p) and (not self.cuda or mapped.register_cuda())
+        if not direct:  # an encoded payload (FP8), or no page-locked mapping: via host memory
+            if self.cuda:
+                host, event = self._copy_async(p.block_ids, n)
+                self._inflight[p.request_id] = _InFlight(event)
+                job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, ready=event.synchronize, arena=mapped)
+            else:
+                host = self._gather_cpu(p.block_ids, n)
+                self._inflight[p.request_id] = _InFlight(None)
+                job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, arena=mapped)
+        else:
+            out = self._slot_hidden_states(mapped, slot, n, k, h)
+            if self.cuda:
+                out, event = self._copy_async(p.block_ids, n, out=out)
+                self._inflight[p.request_id] = _InFlight(event)
+                ready = event.synchronize
+            else:
+                self._gather_cpu(p.block_ids, n, out=out)
+                self._inflight[p.request_id] = _InFlight(None)
+                ready = None
+            job = WriteJob(p.request_id, p.file, tag, p.token_ids, out, ready=ready, in_slot=True, arena=mapped)
+        job.gather_s = time.perf_counter() - t0
+        self.writer.submit(job)
+
+    def _slot_hidden_states(self, mapped: MappedArena, slot: A.Slot, n: int, k: int, h: int) -> torch.Tensor:
+        """The hidden states' span of the slot, as the header will lay it out (safetensors' order)."""
+        st = PL.codec(self.writer.shape.dtype).safetensors_dtype
+        es = self.view.element_size()
+        specs = [(SF.HIDDEN_STATES_KEY, st, [n, k, h], n * k * h * es), (SF.TOKEN_IDS_KEY, "I64", [n], 8 * n)]
+        return mapped.tensor(slot, A.data_spans(specs)[SF.HIDDEN_STATES_KEY], self.view.dtype, (n, k, h))
+
+    def _copy_async(self, block_ids: list[int], n: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event]:
+        k, h = self.view.shape[2], self.view.shape[3]
+        host = out if out is not None else torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=True)
         stream = self._stream
         assert stream is not None
         if self._step_start is not None:
@@ -101,6 +178,7 @@ class HiddenStateGatherer:
                 ids = torch.tensor(chunk, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
                 rows = gather_rows(self.view, ids, ntok, self.perm)
                 host[first : first + ntok].copy_(rows, non_blocking=True)
+                self.writer.count_copied(rows.numel() * rows.element_size())  # the device-to-host copy
             event = torch.cuda.Event()
             event.record(stream)
         return host, event
@@ -171,7 +249,8 @@ class WorkerSide:
                     lock.abandon()
                 self.writer.submit_error(p.request_id, p.request_tag(), p.error)
                 continue
-            if not self.writer.has_room(self.gatherer.nbytes_for(len(p.token_ids))):
+            host_bytes = 0 if self.gatherer.in_place(p) else self.gatherer.nbytes_for(len(p.token_ids))
+            if not self.writer.has_room(host_bytes):
                 # Writers are behind: refuse before copying anything (nothing to free later).
                 if lock is not None:
                     lock.abandon()
