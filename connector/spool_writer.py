@@ -202,7 +202,10 @@ class SpoolWriter:
             if m is None or slot.arena != m.id or not m.arena.is_current():
                 arena = A.Arena.open(self.spool)
                 if m is not None:
-                    m.arena.close()  # its mapping stays while writes into it are in flight
+                    # Its fd only: torch.frombuffer holds the mmap object but no buffer export, so
+                    # closing the map would unmap it under writes still in flight. It is unmapped
+                    # when the last of them lets go of it.
+                    os.close(m.arena._fd)
                 self._arena = m = MappedArena(arena)
             if slot.arena != m.id:
                 raise A.ArenaError(f"arena changed: the slot is in arena {slot.arena}, the spool's is {m.id}")
