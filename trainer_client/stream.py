@@ -813,6 +813,7 @@ class HiddenStateStream:
                 self._settle(d, job)
             except StreamError as e:  # the error the loop saw (or will not see now): the lease goes back
                 unread.append(str(e))
+        d = job = None  # type: ignore[assignment]  # the last one's sample (a slot's views) goes now
         if unread:
             log.warning("closing: %d delivered sample(s) not read, their leases go back: %s", len(unread), unread[0])
         self._view_job = None

@@ -238,3 +238,23 @@ def test_the_trainer_copies_no_more_for_a_slot_than_for_a_file(tmp_path, spool):
         got[name] = tm["bytes_copied"]
     assert got["slot"] == got["file"] == 0
     assert 0 < got["slot_p"] <= got["file_p"] + A.SLOT_HEADER  # the slot's header is padded to a page
+
+
+def test_close_sends_the_received_of_slots_dropped_before_it(tmp_path, spool):
+    """A loop that breaks out and drops its sample: close() drains the release and sends the
+    RECEIVED (the last yielded sample is not acked, as for files: it comes back)."""
+    arena = SFX.make_arena(spool)
+    ds = [_slot_sample(spool, arena, i).deliver for i in range(2)]
+    sc = FakeSidecar(tmp_path, ds, end=False)
+    try:
+        with _stream(sc, spool, workers=0) as s:
+            for x in s:
+                if x is not None:
+                    break
+            del x
+        time.sleep(0.3)
+    finally:
+        sc.stop()
+    first = ds[0].notice.key
+    assert ("Received", first) in _said(sc) and ("Ack", first) not in _said(sc)
+    assert s.slots_held == 0
