@@ -99,7 +99,8 @@ class MappedArena:
         "not written" (``arena.written_size`` refuses it)."""
         self.arena.map[slot.offset : slot.offset + 8] = bytes(8)
 
-    def tensor(self, slot: A.Slot, span: tuple[int, int], dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    def tensor(self, slot: A.Slot, span: tuple[int, int], dtype: torch.dtype,
+               shape: tuple[int, ...] | list[int]) -> torch.Tensor:  # fmt: skip
         """The slot's data bytes ``span`` (relative to the data's start) as a tensor; refuses a
         span past the slot's end."""
         a, b = slot.offset + A.SLOT_HEADER + span[0], slot.offset + A.SLOT_HEADER + span[1]
@@ -215,7 +216,8 @@ class SpoolWriter:
     def slot_bytes_for(self, num_tokens: int) -> int:
         """Bytes a sample of ``num_tokens`` takes in a slot (header room, payload, token ids)."""
         c = PL.codec(self.shape.dtype)
-        return A.SLOT_HEADER + num_tokens * (c.bytes_per_position(len(self.shape.layer_ids), self.shape.hidden_size) + 8)
+        per_token = c.bytes_per_position(len(self.shape.layer_ids), self.shape.hidden_size) + 8
+        return A.SLOT_HEADER + num_tokens * per_token
 
     # -- called from the engine's step: must return at once ---------------------------------
     def has_room(self, nbytes: int) -> bool:
@@ -330,7 +332,8 @@ class SpoolWriter:
         """The payload codec's tensors for ``hs``, the bytes of those it made anew counted (FP8's
         values and scales; a model-dtype payload is ``hs`` itself)."""
         out = PL.codec(self.shape.dtype).encode(hs)
-        made = sum(t.numel() * t.element_size() for t in out.values() if t.untyped_storage().data_ptr() != hs.untyped_storage().data_ptr())
+        src = hs.untyped_storage().data_ptr()
+        made = sum(t.numel() * t.element_size() for t in out.values() if t.untyped_storage().data_ptr() != src)
         if made:
             self.count_copied(made)
         return out

@@ -82,7 +82,9 @@ class HiddenStateGatherer:
     def in_place(self, p: PendingSave) -> bool:
         """Whether ``p``'s rows go straight into its arena slot (no host memory of the writer's)."""
         tag = p.request_tag() if p.tag and p.path is None else None
-        return tag is not None and tag.slot is not None and PL.codec(self.writer.shape.dtype).torch_dtype() == self.view.dtype
+        if tag is None or tag.slot is None:
+            return False
+        return PL.codec(self.writer.shape.dtype).torch_dtype() == self.view.dtype
 
     def submit(self, p: PendingSave, lock: WriteLock | None = None) -> None:
         tag = p.request_tag()
@@ -128,7 +130,8 @@ class HiddenStateGatherer:
         need = self.writer.slot_bytes_for(n)
         if need > slot.length:
             self.mark_done(p.request_id)
-            self.writer.submit_error(p.request_id, tag, f"slot of {slot.length} bytes too small for the sample's {need}")
+            self.writer.submit_error(p.request_id, tag,
+                                     f"slot of {slot.length} bytes too small for the sample's {need}")  # fmt: skip
             return
         mapped.begin(slot)
         direct = self.in_place(p) and (not self.cuda or mapped.register_cuda())
@@ -162,7 +165,8 @@ class HiddenStateGatherer:
         specs = [(SF.HIDDEN_STATES_KEY, st, [n, k, h], n * k * h * es), (SF.TOKEN_IDS_KEY, "I64", [n], 8 * n)]
         return mapped.tensor(slot, A.data_spans(specs)[SF.HIDDEN_STATES_KEY], self.view.dtype, (n, k, h))
 
-    def _copy_async(self, block_ids: list[int], n: int, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def _copy_async(self, block_ids: list[int], n: int,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event]:  # fmt: skip
         k, h = self.view.shape[2], self.view.shape[3]
         host = out if out is not None else torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=True)
         stream = self._stream

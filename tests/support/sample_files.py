@@ -149,4 +149,5 @@ def read_slot_tensors(spool: str | Path, slot: A.Slot) -> dict[str, torch.Tensor
     size = A.written_size(head, slot.length)
     spans, _ = SF.parse_header(head, size, PL.safetensors_itemsizes())
     base = torch.frombuffer(arena.map, dtype=torch.uint8)[slot.offset : slot.offset + size]
-    return {k: base[sp.start : sp.end].view(PL.safetensors_torch_dtype(sp.dtype)).view(sp.shape) for k, sp in spans.items()}
+    return {k: base[sp.start : sp.end].view(PL.safetensors_torch_dtype(sp.dtype)).view(sp.shape)
+            for k, sp in spans.items()}  # fmt: skip

@@ -107,7 +107,8 @@ def test_pinned_reads_copy_the_slot_out_and_release_it_at_once(spool):
     sf = _slot_sample(spool, arena)
     released, tm = [], {}
     maps = ArenaMaps(spool)
-    s = load_and_check(spool, sf.deliver, arenas=maps, pin_memory=True, alloc=lambda n: torch.empty(n, dtype=torch.uint8),
+    s = load_and_check(spool, sf.deliver, arenas=maps, pin_memory=True,
+                       alloc=lambda n: torch.empty(n, dtype=torch.uint8),
                        keep=lambda arr: weakref.finalize(arr, released.append, "gone"), timings=tm)  # fmt: skip
     assert not _in_arena(s.hidden_states, maps._arena)
     assert tm["bytes_copied"] == A.written_size(arena.map[A.PAGE : 2 * A.PAGE], sf.notice.slot.length)
@@ -148,7 +149,7 @@ def test_received_waits_for_the_views_and_the_ack_for_the_received(tmp_path, spo
             held = first.hidden_states  # the loop keeps a view of the first sample's slot
             del first
             gc.collect()
-            second = _until(lambda: True, it)
+            second = next(it)
             while second is None:
                 second = next(it)
             for _ in range(10):  # the stream runs (acks the first: ack="use"), the view lives
@@ -231,7 +232,8 @@ def test_the_trainer_copies_no_more_for_a_slot_than_for_a_file(tmp_path, spool):
     file = SFX.write_sample(spool, "hs-f.safetensors", key=P.SampleKey(job="j", index=0), seed=0, tokens=T,
                             layer_ids=LAYERS, hidden=HID)  # fmt: skip
     got = {}
-    for name, sample, pin in (("slot", slot, False), ("file", file, False), ("slot_p", slot, True), ("file_p", file, True)):
+    cases = (("slot", slot, False), ("file", file, False), ("slot_p", slot, True), ("file_p", file, True))
+    for name, sample, pin in cases:
         tm: dict = {}
         load_and_check(spool, sample.deliver, arenas=ArenaMaps(spool), pin_memory=pin, timings=tm,
                        alloc=lambda n: torch.empty(n, dtype=torch.uint8))  # fmt: skip
