@@ -20,11 +20,13 @@ use until no view of them is alive, so its RECEIVED (on which the sidecar frees 
 another sample) waits for that: a ``weakref.finalize`` on the array under the views (any
 thread, often the loop's own, when it drops a sample) only queues the slot, and the iterating
 thread, which alone owns the socket, sends the RECEIVED when it next runs (each turn of its
-loop, each wakeup of its poll, ``ack_through``, close). A sample's ACK never goes before its
-RECEIVED (an ACK first would let the sidecar reuse the bytes under a live view): the loop's
-ack of a sample it still holds views of is deferred until that RECEIVED has gone. A loop that
-keeps views for good keeps their slots: production slows (the arena fills), nothing is
-overwritten. A sample dequantised by the stream (FP8 → ``dequantize``) holds no view: its
+loop, each wakeup of its poll, ``ack_through``, close). ACKs are not held back for it: a loop
+that asks for the next sample while it still holds the last one (``for x in stream``) acks it
+as usual, and the sidecar keeps a consumed sample's slot until its RECEIVED (or until this
+trainer is gone), so no slot is reused under a live view. A loop that keeps views for good
+keeps their slots: production slows (the arena fills), nothing is overwritten. Views are
+valid while the stream is open; after :meth:`close`, until the sidecar drops this trainer
+(``HSSTREAM_TRAINER_TIMEOUT_S``). A sample dequantised by the stream (FP8 → ``dequantize``) holds no view: its
 slot is released as soon as it is decoded.
 """
 
@@ -283,7 +285,6 @@ class HiddenStateStream:
         self._slot_of_key: dict[M.SampleKey, int] = {}
         self._slot_released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._hold_ids = itertools.count(1)
-        self._deferred_acks: dict[M.SampleKey, list[str]] = {}
         self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
 
     @property
@@ -406,14 +407,8 @@ class HiddenStateStream:
                 self._acked.popitem(last=False)
 
     def _send_acks(self, pairs: list[tuple[M.SampleKey, str]]) -> None:
-        """ACK ``pairs`` (key, token); those of an arena slot whose RECEIVED has not gone (its
-        views are alive) wait for it (:meth:`_slot_received`)."""
-        ready = []
-        for k, t in pairs:
-            if k in self._slot_of_key:
-                self._deferred_acks.setdefault(k, []).append(t)
-            else:
-                ready.append((k, t))
+        """ACK ``pairs`` (key, token), a bounded number of keys per message."""
+        ready = pairs
         for lo in range(0, len(ready), ACK_KEYS):  # each message well within the sidecar's size limit
             part = ready[lo : lo + ACK_KEYS]
             self._send(M.Ack(keys=[k for k, _ in part], tokens=[t for _, t in part]))
@@ -464,12 +459,9 @@ class HiddenStateStream:
         return hold
 
     def _slot_received(self, hid: int) -> None:
-        """A checked slot's bytes are no longer used: RECEIVED (every token it came with), then
-        the ACKs that waited for it."""
+        """A checked slot's bytes are no longer used: RECEIVED (every token it came with)."""
         hold = self._forget_hold(hid)
         self._send(M.Received(keys=[hold.key] * len(hold.tokens), tokens=hold.tokens))
-        if (toks := self._deferred_acks.pop(hold.key, None)) is not None:
-            self._send(M.Ack(keys=[hold.key] * len(toks), tokens=toks))
 
     def _slot_settled(self, d: M.Deliver, ok: bool) -> None:
         """A slot delivery's check is over: ``ok``, its RECEIVED goes once its views are gone
@@ -821,8 +813,8 @@ class HiddenStateStream:
             self._collect_deletes(every=True)  # every RECEIVED before the acks
             self._drain_released()  # the slots of samples dropped (those settled just now too)
             if (held := self.slots_held):
-                log.info("closing: %d arena slot(s) still viewed by live tensors: no RECEIVED or ACK for them "
-                         "(their leases lapse and the sidecar takes them back)", held)  # fmt: skip
+                log.info("closing: %d arena slot(s) still viewed by live tensors: no RECEIVED for them (the "
+                         "sidecar takes them back when it drops this trainer)", held)  # fmt: skip
             if self.ack_mode == "use":
                 if self._used:
                     self._used_set.discard(self._used.pop())

@@ -132,13 +132,13 @@ def test_an_abandoned_request_quarantines_its_slot_and_a_busy_notice_frees_it_at
     led.requeue(a.key, a.attempt, "timed out")  # its writer may still write into it
     assert slots.stats().quarantined_bytes == A.PAGE and led.get(a.key).slot is None
     b = led.next_to_submit(10**9)
-    busy = P.Notice(status=P.NoticeStatus.busy, request_id="r", key=b.key, attempt=b.attempt)
+    busy = P.Notice(status=P.NoticeStatus.busy, request_id="r", key=b.key, attempt=b.attempt, slot=b.slot)
     led.on_notice(busy, 0)  # the connector wrote nothing: no quarantine
     st = slots.stats()
     assert st.slots == 0 and st.quarantined_bytes == A.PAGE
 
 
-def test_a_lost_trainer_leaves_its_slots_to_the_next_one_and_an_ack_without_received_quarantines():
+def test_a_lost_trainer_leaves_its_slots_to_the_next_one():
     led, slots = _ledger(q=60.0)
     led.add_job([NewSample([1, 2, 3], None, None, A.PAGE)])
     s = led.next_to_submit(10**9)
@@ -149,7 +149,7 @@ def test_a_lost_trainer_leaves_its_slots_to_the_next_one_and_an_ack_without_rece
     assert again.state == State.ready and again.slot == first.notice.slot
     second = led.lease_next(b"t2", None)
     assert led.ack(b"t2", second.key, second.lease_token)  # no RECEIVED: it may still read
-    assert slots.stats().quarantined_bytes == A.PAGE
+    assert slots.stats().slots == 1 and slots.stats().quarantined_bytes == 0
 
 
 def test_regenerate_jobs_unknown_sizes_and_samples_larger_than_the_arena_get_files():
@@ -229,3 +229,43 @@ def test_the_arena_file_is_kept_for_the_same_size_and_made_anew_for_another(tmp_
         a.check(A.Slot(arena=c.id, offset=A.PAGE, length=A.PAGE, generation=1))
     for x in (a, b, c):
         x.close()
+
+
+def test_a_sample_acked_before_its_received_keeps_its_slot_until_the_received(tmp_path):
+    """``for x in stream`` acks a sample when the next is asked for, while x still views its slot:
+    the slot stays taken after the ACK, and goes on the RECEIVED (or with the trainer)."""
+    path = tmp_path / "ledger.sqlite"
+    led, slots = _ledger(path, q=60.0)
+    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE) for _ in range(2)])
+    a, b = led.next_to_submit(10**9), led.next_to_submit(10**9)
+    for s in (a, b):
+        led.on_notice(_ok(s), A.PAGE)
+    la, lb = led.lease_next(b"t", None), led.lease_next(b"t", None)
+    assert led.ack(b"t", la.key, la.lease_token) and led.get(la.key).state == State.consumed
+    assert slots.stats().slots == 2  # consumed, but its views may be alive: still taken
+    assert led.received(b"other", la.key, la.lease_token) == 0  # not the trainer that holds it
+    assert led.holds(la.key, la.lease_token) and not led.holds(la.key, "nope")
+    assert led.received(b"t", la.key, la.lease_token) == A.PAGE
+    assert slots.stats().slots == 1 and slots.stats().quarantined_bytes == 0
+    assert led._store.load(la.key).slot is None
+    # the second: acked, then the trainer goes away (killed with views): quarantined
+    assert led.ack(b"t", lb.key, lb.lease_token)
+    led.close()
+    led2 = Ledger(path)  # ... and a restart in between: the row says the slot was held
+    slots2 = SlotAllocator(ARENA_ID, 64 * A.PAGE, quarantine_s=60.0)
+    led2.attach_slots(slots2)
+    assert led2.recover(lambda f: False) == {"consumed_slots_quarantined": 1}
+    st = slots2.stats()
+    assert st.slots == 0 and st.quarantined_bytes == A.PAGE and led2._store.load(lb.key).slot is None
+
+
+def test_a_trainer_gone_after_acking_gives_its_kept_slots_back_into_quarantine():
+    led, slots = _ledger(q=60.0)
+    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE)])
+    s = led.next_to_submit(10**9)
+    led.on_notice(_ok(s), A.PAGE)
+    t = led.lease_next(b"t", None)
+    assert led.ack(b"t", t.key, t.lease_token)
+    led.release_owner(b"t", lambda f: False)
+    st = slots.stats()
+    assert st.slots == 0 and st.quarantined_bytes == A.PAGE
