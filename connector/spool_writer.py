@@ -66,6 +66,7 @@ class SpoolWriter:
         max_pending_bytes: int = 2 * 2**30,
         max_queued_notices: int = 4096,
         checksum_algo: str = SF.CHECKSUM_ALGO,
+        checksum_threads: int = 1,
         max_sender_restarts: int = 5,
     ) -> None:
         """Both queues are bounded, and neither bound ever blocks the engine step: over
@@ -78,9 +79,14 @@ class SpoolWriter:
         thread's loop started again on a new socket, up to ``max_sender_restarts`` times in a
         row (a minute without failure starts the count again). Past that it stops for good,
         says so at CRITICAL, and counts ``notice_thread_dead``; the sidecar's ``/readyz`` then
-        reports that notices stopped (its samples time out and none arrives after)."""
+        reports that notices stopped (its samples time out and none arrives after).
+
+        ``checksum_algo`` and ``checksum_threads`` (blake3's threads per sample, 0: all cores)
+        are the connector's ``HSSTREAM_CHECKSUM`` / ``HSSTREAM_CHECKSUM_THREADS``: one thread
+        by default, since the writers share vLLM's cores (``sample_file.CONNECTOR_CHECKSUM_ALGO``)."""
         self.spool = Path(spool_dir)
         self.checksum_algo = checksum_algo
+        self.checksum_threads = checksum_threads
         self.shape = shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="hsstream-write")
         self._notices: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, max_queued_notices))
@@ -158,7 +164,7 @@ class SpoolWriter:
                 raise ValueError(f"{hs.shape[0]} hidden-state rows for {ids.shape[0]} tokens")
             # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on write).
             tensors = {**PL.codec(self.shape.dtype).encode(hs), SF.TOKEN_IDS_KEY: ids}
-            digest = SF.sample_checksum(tensors, algo=self.checksum_algo)
+            digest = SF.sample_checksum(tensors, algo=self.checksum_algo, threads=self.checksum_threads)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
