@@ -36,12 +36,14 @@ HEADER_NOTICE_KEY = "hsstream.notice"
 CHECKSUM_ALGOS = ("blake3", "xxh3-128")
 CHECKSUM_ALGO = "blake3"
 #: What the connector writes unless told otherwise (``HSSTREAM_CHECKSUM``): xxh3-128 (xxHash's
-#: XXH3, 128 bits) on one thread. The checksum only has to catch torn or corrupted bytes (the
-#: spool and the notice socket are this user's alone, and nothing keys the digest, so a
-#: cryptographic hash guards against no one), and it is computed inside vLLM's worker, whose
-#: cores the engine needs: on the H200 host xxh3-128 took 2.1 ms and 2.1 ms of CPU per 33.5 MB
-#: sample where blake3 took 6.2 ms on one thread, 2.2 ms on four (7.5 ms of CPU), 0.8 ms on all
-#: 16 (9.3 ms of CPU) (``bench/checksum_cost.py``, docs/benchmarks.md).
+#: XXH3, 128 bits) on one thread. It is computed inside vLLM's worker, whose cores the engine
+#: needs: on the H200 host xxh3-128 took 2.1 ms and 2.1 ms of CPU per 33.5 MB sample where
+#: blake3 took 6.2 ms on one thread, 2.2 ms on four (7.5 ms of CPU), 0.8 ms on all 16 (9.3 ms of
+#: CPU) (``bench/checksum_cost.py``, docs/benchmarks.md). It has to catch torn or corrupted
+#: bytes, not forged ones: the spool and the sockets are this user's or CURVE's; only bytes read
+#: over Mooncake's unauthenticated TCP could be changed on the way, and there blake3 (its digest
+#: arriving over CURVE) would also catch a deliberate change: set blake3 where Mooncake runs
+#: over a network that is not trusted.
 CONNECTOR_CHECKSUM_ALGO = "xxh3-128"
 
 #: Upper bound of a file's safetensors header (tensor table + our notice as metadata).
