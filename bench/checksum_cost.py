@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, (ws, cs) in alone.items():
         s = summary(ws, cs, nbytes)
         rows.append({"arm": k, "algo": arm[k][0], "threads": arm[k][1], **s})
-        print(f"{k:40s} {s['ms_p50']:8.2f} {s['ms_p99']:8.2f} {s['gb_per_s_p50']:7.2f} {s['cpu_ms_per_sample_p50']:8.2f}")
+        cpu = s["cpu_ms_per_sample_p50"]
+        print(f"{k:40s} {s['ms_p50']:8.2f} {s['ms_p99']:8.2f} {s['gb_per_s_p50']:7.2f} {cpu:8.2f}")
     brows = []
     if a.writers > 1:
         print(f"\nburst ({a.writers} samples at once, one per writer thread; per-sample wall)\n" + hdr[:-9])
