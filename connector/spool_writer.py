@@ -161,6 +161,7 @@ class SpoolWriter:
         max_pending_bytes: int = 2 * 2**30,
         max_queued_notices: int = 4096,
         checksum_algo: str = SF.CHECKSUM_ALGO,
+        checksum_threads: int = 1,
         max_sender_restarts: int = 5,
     ) -> None:
         """Both queues are bounded, and neither bound ever blocks the engine step: over
@@ -173,9 +174,14 @@ class SpoolWriter:
         thread's loop started again on a new socket, up to ``max_sender_restarts`` times in a
         row (a minute without failure starts the count again). Past that it stops for good,
         says so at CRITICAL, and counts ``notice_thread_dead``; the sidecar's ``/readyz`` then
-        reports that notices stopped (its samples time out and none arrives after)."""
+        reports that notices stopped (its samples time out and none arrives after).
+
+        ``checksum_algo`` and ``checksum_threads`` (blake3's threads per sample, 0: all cores)
+        are the connector's ``HSSTREAM_CHECKSUM`` / ``HSSTREAM_CHECKSUM_THREADS``: one thread
+        by default, since the writers share vLLM's cores (``sample_file.CONNECTOR_CHECKSUM_ALGO``)."""
         self.spool = Path(spool_dir)
         self.checksum_algo = checksum_algo
+        self.checksum_threads = checksum_threads
         self.shape = shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="hsstream-write")
         self._notices: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, max_queued_notices))
@@ -295,7 +301,7 @@ class SpoolWriter:
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
-            digest = SF.sample_checksum(tensors, algo=self.checksum_algo)
+            digest = SF.sample_checksum(tensors, algo=self.checksum_algo, threads=self.checksum_threads)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
@@ -380,7 +386,7 @@ class SpoolWriter:
                     continue
                 v.copy_(tensors[k])
                 self.count_copied(v.numel() * v.element_size())
-            digest = SF.sample_checksum(views, algo=self.checksum_algo)  # over the slot's own bytes
+            digest = SF.sample_checksum(views, algo=self.checksum_algo, threads=self.checksum_threads)  # over the slot's own bytes
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
