@@ -549,6 +549,10 @@ class HiddenStateStream:
                 if time.monotonic() > deadline:
                     why = (" (nothing could be sent: no connection; for tcp:// check the CURVE keys)"
                            if self._outbox else " (is it running, and is the job producing?)")  # fmt: skip
+                    if held := self.slots_held:
+                        why += (f"; this loop still holds views of {held} arena slot(s): their bytes stay taken "
+                                "until the tensors are dropped, and a full arena produces nothing more (copy "
+                                "what you keep: sample.hidden_states.clone())")  # fmt: skip
                     raise StreamError(f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s{why}")
                 if self.idle_s is not None and time.monotonic() - idle_since >= self.idle_s:
                     self._waited, self._waiting_since = self.waited_s, None  # the loop's own time
