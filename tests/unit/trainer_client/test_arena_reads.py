@@ -262,3 +262,34 @@ def test_close_sends_the_received_of_slots_dropped_before_it(tmp_path, spool):
     first = ds[0].notice.key
     assert ("Received", first) in _said(sc) and ("Ack", first) not in _said(sc)
     assert s.slots_held == 0
+
+
+def test_close_copies_out_the_last_sample_a_loop_still_holds_and_sends_its_received(tmp_path, spool):
+    """``for x in stream`` ends with x still viewing the last slot: close() gives x private copies
+    in place (its values unchanged), so the slot's RECEIVED goes and the sidecar can reuse it."""
+    arena = SFX.make_arena(spool)
+    ds = [_slot_sample(spool, arena, i).deliver for i in range(2)]
+    sc = FakeSidecar(tmp_path, ds, end=False)
+    try:
+        with _stream(sc, spool) as s:
+            got = 0
+            for x in s:
+                if x is not None:
+                    got += 1
+                    before = x.hidden_states.clone()
+                    if got == 2:
+                        break
+            slot = next(d.notice.slot for d in ds if d.notice.key == x.key)
+            data = slice(slot.offset + A.SLOT_HEADER, slot.end)
+            saved = bytes(arena.map[data])
+            arena.map[data] = bytes(len(saved))  # through another mapping of the same arena ...
+            assert not x.hidden_states.any()  # ... x sees it: a view of the slot
+            arena.map[data] = saved
+            assert torch.equal(x.hidden_states, before) and s.slots_held >= 1
+        time.sleep(0.3)
+        arena.map[data] = bytes(len(saved))  # the slot reused by another sample, say
+    finally:
+        sc.stop()
+    assert ("Received", x.key) in _said(sc)
+    assert torch.equal(x.hidden_states, before)  # its own copy now
+    assert s.slots_held == 0
