@@ -85,8 +85,9 @@ def make_gatherer(kv, block_size: int, layers: int, hidden: int, spool: Path, en
     return g, w
 
 
-def one(arm: str, g, w, blocks: list[int], n: int, cuda: bool) -> tuple[float, dict, int]:  # noqa: ANN001
-    """One request through ``arm``: (seconds submit -> encoded host tensors, the tensors, D2H bytes)."""
+def one(arm: str, g, w, blocks: list[int], n: int, cuda: bool) -> tuple[float, dict, int, float]:  # noqa: ANN001
+    """One request through ``arm``: (seconds submit -> encoded host tensors, the tensors, D2H
+    bytes, seconds submit -> copy landed)."""
     from connector.contract.sample_file import HIDDEN_STATES_KEY
 
     b0 = w.stats["bytes_copied"]
@@ -99,9 +100,10 @@ def one(arm: str, g, w, blocks: list[int], n: int, cuda: bool) -> tuple[float, d
         host = g._empty_host(n, pin_memory=False)
         g._gather_into(blocks, n, host)
     moved = w.stats["bytes_copied"] - b0
+    t1 = time.perf_counter()
     enc = host if g.encode_at_gather else w._encode(host[HIDDEN_STATES_KEY])
     dt = time.perf_counter() - t0
-    return dt, enc, moved
+    return dt, enc, moved, t1 - t0
 
 
 def same_bytes(a: dict, b: dict) -> bool:
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     gs = {arm: make_gatherer(kv, args.block_size, args.layers, args.hidden, spool, arm == "device") for arm in ARMS}
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     moved: dict[str, list[int]] = {a: [] for a in ARMS}
+    landed: dict[str, list[float]] = {a: [] for a in ARMS}
     equal_rounds = 0
     try:
         for r in range(args.warmup + args.rounds):
@@ -135,10 +138,11 @@ def run(args: argparse.Namespace) -> dict:
             enc = {}
             for arm in order:
                 g, w = gs[arm]
-                dt, enc[arm], b = one(arm, g, w, blocks, args.tokens, cuda)
+                dt, enc[arm], b, t_copy = one(arm, g, w, blocks, args.tokens, cuda)
                 if r >= args.warmup:
                     times[arm].append(dt)
                     moved[arm].append(b)
+                    landed[arm].append(t_copy)
             if r >= args.warmup:
                 equal_rounds += same_bytes(enc["host"], enc["device"])
     finally:
@@ -150,6 +154,8 @@ def run(args: argparse.Namespace) -> dict:
     bf16_bytes = args.tokens * args.layers * args.hidden * 2
     arms = {a: {"p50_ms": round(1000 * statistics.median(times[a]), 3), "p99_ms": round(1000 * pct(times[a], 0.99), 3),
                 "mean_ms": round(1000 * statistics.mean(times[a]), 3), "n": len(times[a]),
+                "copy_landed_p50_ms": round(1000 * statistics.median(landed[a]), 3),
+                "host_encode_p50_ms": round(1000 * statistics.median(x - y for x, y in zip(times[a], landed[a])), 3),
                 "d2h_bytes": moved[a][0] if len(set(moved[a])) == 1 else moved[a],
                 "encode_at_gather": a == "device"} for a in ARMS}  # fmt: skip
     out = {
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> dict:
         "arms": arms,
         "device_vs_host_p50": round(arms["device"]["p50_ms"] / arms["host"]["p50_ms"], 4) if arms["host"]["p50_ms"] else None,
         "bytes_equal": equal_rounds == args.rounds, "bytes_equal_rounds": equal_rounds,
+        "torch_threads": torch.get_num_threads(),  # the host quantise's intra-op threads (vLLM's writer: its own)
     }  # fmt: skip
     return out
 
@@ -178,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-blocks", type=int, default=8192, help="cache blocks (8192 x 16 tokens: 2 GiB at this shape)")
+    ap.add_argument("--num-blocks", type=int, default=4096, help="cache blocks (4096 x 16 tokens: 2 GiB at this shape)")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU tensors, small shape, few rounds (tests the code)")

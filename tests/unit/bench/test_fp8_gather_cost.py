@@ -25,10 +25,10 @@ def test_one_flipped_byte_of_the_device_arm_makes_bytes_equal_false(tmp_path, mo
     real = F.one
 
     def flipped(arm, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        dt, enc, moved = real(arm, *a, **kw)
+        dt, enc, moved, landed = real(arm, *a, **kw)
         if arm == "device":
             enc["hidden_states"].view(torch.uint8).view(-1)[7] ^= 1
-        return dt, enc, moved
+        return dt, enc, moved, landed
 
     monkeypatch.setattr(F, "one", flipped)
     out = tmp_path / "fp8.json"
