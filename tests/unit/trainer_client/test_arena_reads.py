@@ -293,3 +293,22 @@ def test_close_copies_out_the_last_sample_a_loop_still_holds_and_sends_its_recei
     assert ("Received", x.key) in _said(sc)
     assert torch.equal(x.hidden_states, before)  # its own copy now
     assert s.slots_held == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
+def test_on_cuda_a_slot_goes_to_the_device_from_the_registered_arena_and_is_released(tmp_path, spool):
+    """With ``device="cuda"`` the stream page-locks the arena once (its slot views are pinned, so
+    the copy is one DMA), yields the hidden states on the device equal to the slot's, and the
+    slot's RECEIVED goes at once (no view of it is kept)."""
+    arena = SFX.make_arena(spool)
+    w = _slot_sample(spool, arena, 0)
+    sc = FakeSidecar(tmp_path, [w.deliver], end=False)
+    try:
+        with _stream(sc, spool, device="cuda") as s:
+            x = next(v for v in s if v is not None)
+            assert x.hidden_states.is_cuda
+            assert torch.equal(x.hidden_states.cpu(), SFX.read_slot_tensors(spool, w.deliver.notice.slot)[SF.HIDDEN_STATES_KEY])
+            assert all(s._arenas._registered.values()) and s._arenas._registered  # noqa: SLF001
+            _until(lambda: ("Received", x.key) in _said(sc), iter(s))
+    finally:
+        sc.stop()
