@@ -97,6 +97,7 @@ class MappedArena:
                 ptr = self.bytes.data_ptr()
                 err = cudart.cudaHostRegister(ptr, self.arena.size, 0)
                 if int(getattr(err, "value", err)) != 0:
+                    A.clear_cuda_error()  # else the failure stays the thread's error, and the next launch raises it
                     log.warning("cudaHostRegister of the arena (%d bytes) failed (%s): slots are written "
                                 "through a pinned buffer", self.arena.size, err)  # fmt: skip
                     return False

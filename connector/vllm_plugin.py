@@ -65,7 +65,7 @@ class StreamConnectorMetadata(KVConnectorMetadata):
 #: Every kv_connector_extra_config key we read; any other is named in a warning at start-up.
 KNOWN_EXTRA_KEYS = frozenset({
     "shared_storage_path", "num_writer_threads", "allow_custom_save_path", "use_synchronization_lock",  # Example's
-    "notice_endpoint", "layer_ids", "layer_order", "payload_dtype", "checksum", "checksum_threads",  # ours
+    "notice_endpoint", "layer_ids", "layer_order", "payload_dtype", "checksum", "checksum_threads", "fp8_on_device",  # ours
 })  # fmt: skip
 LAYER_ORDERS = ("config", "sorted")
 NO_NOTICES = "none"
@@ -99,6 +99,7 @@ class ConnectorOptions:
     use_lock: bool = True
     switch_interval_ms: float = 1.0
     checksum_threads: int = 1  # blake3's per sample (0: all cores); see sample_file.CONNECTOR_CHECKSUM_ALGO
+    fp8_on_device: bool = False  # FP8 quantised on the GPU before the copy (HSSTREAM_FP8_ON_DEVICE)
 
     @property
     def file_layer_ids(self) -> list[int]:
@@ -185,6 +186,7 @@ class ConnectorOptions:
             use_lock=_flag(extra, "use_synchronization_lock", True),
             switch_interval_ms=env.switch_interval_ms,
             checksum_threads=threads,
+            fp8_on_device=_flag(extra, "fp8_on_device", env.fp8_on_device),
         )
 
 
@@ -280,6 +282,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             len(o.file_layer_ids),
             storage_permutation(o.file_layer_ids),
             self._writer,
+            encode_at_gather=o.fp8_on_device,  # opt-in: on the H200 its bytes differ from the host's (docs)
         )
         self._worker = WorkerSide(gatherer, self._writer)
         # The writer and notice threads share this process's interpreter with vLLM's worker loop,

@@ -85,6 +85,7 @@ class ArenaMaps:
             err = torch.cuda.cudart().cudaHostRegister(ptr, arena.size, 0)
             ok = int(getattr(err, "value", err)) == 0
             if not ok:
+                A.clear_cuda_error()  # else the next kernel launch would raise it
                 log.warning("cudaHostRegister of the arena (%d bytes) failed (%s): slots are copied to the GPU "
                             "from pageable memory", arena.size, err)  # fmt: skip
             self._registered[arena.id] = ok

@@ -238,6 +238,20 @@ class Arena:
             pass
 
 
+def clear_cuda_error() -> None:
+    """Reset this thread's CUDA error after a refused ``cudaHostRegister`` (torch's binding has
+    no ``cudaGetLastError``): left set, the next kernel launch would raise it. A file mapping
+    outside tmpfs is refused (the kernel does not pin such pages for long), so this happens."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
 def _parse_head(head: bytes) -> dict[str, Any]:
     if not head.startswith(ARENA_MAGIC):
         raise ArenaError("not an arena (bad magic)")

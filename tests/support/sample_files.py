@@ -9,6 +9,9 @@ product's, never re-coded here. A test that needs a broken file asks for one (``
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -122,6 +125,17 @@ def write_sample(
         save_file(tensors, str(path), metadata=SF.header_metadata(notice))
     return SampleFile(path, notice, M.Deliver(notice=notice, expected_token_ids=ids),
                       tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY])  # fmt: skip
+
+
+@contextlib.contextmanager
+def shm_spool():
+    """A spool directory on /dev/shm (tmpfs), removed after: where arenas live in production, and
+    the only file mappings CUDA can page-lock (``cudaHostRegister`` refuses other files')."""
+    d = Path(tempfile.mkdtemp(prefix="hsstream-test-arena-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def make_arena(spool: str | Path, size: int = 1 << 20, *, fill: int | None = None) -> A.Arena:

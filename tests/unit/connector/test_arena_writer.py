@@ -190,7 +190,12 @@ def test_the_scheduler_names_the_slot_and_no_path():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
-def test_on_cuda_the_rows_go_straight_into_the_registered_slot(spool):
+def test_on_cuda_the_rows_go_straight_into_the_registered_slot():
+    with SFX.shm_spool() as spool:
+        _rows_into_the_registered_slot(spool)
+
+
+def _rows_into_the_registered_slot(spool):
     arena = SFX.make_arena(spool, 64 * A.PAGE, fill=PATTERN)
     kv = _cache("new").cuda()
     w, sent = _writer(spool)

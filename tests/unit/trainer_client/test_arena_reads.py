@@ -296,10 +296,15 @@ def test_close_copies_out_the_last_sample_a_loop_still_holds_and_sends_its_recei
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
-def test_on_cuda_a_slot_goes_to_the_device_from_the_registered_arena_and_is_released(tmp_path, spool):
+def test_on_cuda_a_slot_goes_to_the_device_from_the_registered_arena_and_is_released(tmp_path):
     """With ``device="cuda"`` the stream page-locks the arena once (its slot views are pinned, so
     the copy is one DMA), yields the hidden states on the device equal to the slot's, and the
     slot's RECEIVED goes at once (no view of it is kept)."""
+    with SFX.shm_spool() as spool:
+        _slot_to_device(tmp_path, spool)
+
+
+def _slot_to_device(tmp_path, spool):
     arena = SFX.make_arena(spool)
     w = _slot_sample(spool, arena, 0)
     sc = FakeSidecar(tmp_path, [w.deliver], end=False)
