@@ -290,7 +290,10 @@ def quantize_fp8(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     amax = hs.abs().amax(dim=tuple(range(1, hs.dim())), keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    # Divided by a tensor, not the Python number: CUDA divides a tensor by a CPU scalar as a
+    # multiplication by its reciprocal (1/448 is inexact), which the host does not, so the
+    # scales (and every byte after them) differed by an ulp between the two paths on the H200.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     return (hs / scale).to(torch.float8_e4m3fn), scale
 
 
