@@ -208,79 +208,125 @@ def hops(x, out: dict[str, list[float]]) -> float | None:  # noqa: ANN001
 
 
 # ---------------------------------------------------------------------------------- stand-in
-def stand_in(port: int, spool: str, notice_ep: str) -> None:
-    """The vLLM stand-in (its own process): the connector's real scheduler side, worker side,
-    gatherer and writer, on a CPU cache of the Qwen3-8B shape."""
-    import asyncio
-    import queue
-    import threading
-    import uuid
-    from types import SimpleNamespace
+class StandIn:
+    """The connector's real parts as vLLM's processes hold them, on a CPU cache: the scheduler
+    side (request -> ``PendingSave`` and the answer's ``kv_transfer_params``), and the worker
+    side with its gatherer and ``SpoolWriter`` (gather, checksum, file or slot, notice), driven by
+    :meth:`engine`, a loop of steps as vLLM's worker runs them. The cache holds ``cache_requests``
+    requests' worth of blocks, handed out round-robin in a scattered order (never written: the
+    values stay finite for the trainer's checks)."""
 
-    import torch
-    import uvicorn
+    def __init__(self, spool: str, notice_ep: str | None, *, layer_ids: list[int] = LAYER_IDS,
+                 num_hidden_layers: int = QWEN3_8B["num_hidden_layers"], hidden: int = QWEN3_8B["hidden_size"],
+                 tokens: int = TOKENS, block_size: int = BLOCK_SIZE, cache_requests: int = CACHE_REQUESTS) -> None:  # fmt: skip
+        import queue
 
-    from connector.contract.settings import Settings, lower_switch_interval
-    from connector.layers import storage_permutation
-    from connector.scheduler_side import SchedulerSide
-    from connector.spool_writer import ShapeInfo, SpoolWriter
-    from connector.worker_side import HiddenStateGatherer, WorkerSide
+        import torch
 
-    env = Settings()
-    k, h = len(LAYER_IDS), QWEN3_8B["hidden_size"]
-    per_req = TOKENS // BLOCK_SIZE
-    nblocks = CACHE_REQUESTS * per_req
-    g = torch.Generator().manual_seed(0)
-    phys = torch.empty((nblocks, BLOCK_SIZE, k, h), dtype=torch.bfloat16)
-    for b in range(nblocks):  # finite values (the trainer checks); a block at a time (no float32 copy of it all)
-        phys[b] = torch.randn((BLOCK_SIZE, k, h), generator=g)
-    kv = phys.permute(0, 2, 1, 3)  # vLLM 0.30+ hands the cache over as [blocks, K, block_size, H]
-    order = torch.randperm(nblocks, generator=g).tolist()  # a request's blocks are scattered
-    writer = SpoolWriter(spool, notice_ep, ShapeInfo(LAYER_IDS, QWEN3_8B["num_hidden_layers"], h, "bfloat16", MODEL_NAME),
-                         num_threads=env.num_writer_threads, max_pending_bytes=env.max_pending_write_bytes,
-                         max_queued_notices=env.max_queued_notices, checksum_algo=env.checksum)  # fmt: skip
-    worker = WorkerSide(HiddenStateGatherer(kv, BLOCK_SIZE, k, storage_permutation(LAYER_IDS), writer), writer)
-    sched = SchedulerSide(spool, allow_custom_save_path=False, use_lock=True)
-    lower_switch_interval(env.switch_interval_ms)  # as the plug-in does beside vLLM's loop
-    todo: queue.Queue = queue.Queue()
-    state = {"pace_s": 0.0, "steps": 0, "next": 0}
+        from connector.contract.settings import Settings
+        from connector.layers import storage_permutation
+        from connector.scheduler_side import SchedulerSide
+        from connector.spool_writer import ShapeInfo, SpoolWriter
+        from connector.worker_side import HiddenStateGatherer, WorkerSide
 
-    def engine() -> None:
-        """vLLM's worker loop, reduced to the connector's part: one step at a time, taking every
-        finished request's save (paced: one per interval)."""
+        env = Settings()
+        k = len(layer_ids)
+        self.block_size = block_size
+        self.nblocks = cache_requests * -(-tokens // block_size)
+        g = torch.Generator().manual_seed(0)
+        phys = torch.empty((self.nblocks, block_size, k, hidden), dtype=torch.bfloat16)
+        for b in range(self.nblocks):  # a block at a time: no float32 copy of the whole cache
+            phys[b] = torch.randn((block_size, k, hidden), generator=g)
+        self.cache = phys
+        kv = phys.permute(0, 2, 1, 3)  # vLLM 0.30+ hands the cache over as [blocks, K, block_size, H]
+        self.order = torch.randperm(self.nblocks, generator=g).tolist()  # a request's blocks are scattered
+        self.writer = SpoolWriter(spool, notice_ep, ShapeInfo(list(layer_ids), num_hidden_layers, hidden, "bfloat16",
+                                                              MODEL_NAME),
+                                  num_threads=env.num_writer_threads, max_pending_bytes=env.max_pending_write_bytes,
+                                  max_queued_notices=env.max_queued_notices, checksum_algo=env.checksum)  # fmt: skip
+        self.worker = WorkerSide(HiddenStateGatherer(kv, block_size, k, storage_permutation(layer_ids), self.writer),
+                                 self.writer)  # fmt: skip
+        self.sched = SchedulerSide(spool, allow_custom_save_path=False, use_lock=True)
+        self.switch_interval_ms = env.switch_interval_ms
+        self.todo: queue.Queue = queue.Queue()
+        self.pace_s = 0.0
+        self.steps = 0
+        self._next = 0
+
+    def complete(self, req: dict) -> dict:
+        """A ``/v1/completions`` request, finished at once (its forward is not ours to run): the
+        scheduler side's part, its save queued for the engine; returns the answer's body."""
+        import uuid
+        from types import SimpleNamespace
+
+        ids = [int(t) for t in req["prompt"]]
+        rid = f"cmpl-{uuid.uuid4().hex}-0"
+        request = SimpleNamespace(request_id=rid, kv_transfer_params=req.get("kv_transfer_params"),
+                                  prompt_token_ids=ids, all_token_ids=[*ids, 0], num_computed_tokens=len(ids),
+                                  status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))  # fmt: skip
+        need, at = -(-len(ids) // self.block_size), self._next
+        self._next = (at + need) % self.nblocks
+        self.sched.request_scheduled(request)
+        _, params = self.sched.request_finished(request, [self.order[(at + i) % self.nblocks] for i in range(need)])
+        for p in self.sched.take_pending():
+            self.todo.put(p)
+        return {"id": rid, "object": "text_completion", "choices": [{"index": 0, "text": "x"}],
+                "kv_transfer_params": params}  # fmt: skip
+
+    def engine(self) -> None:
+        """vLLM's worker loop reduced to the connector's part: each step takes every save queued
+        since the last (paced: one, ``pace_s`` after the last step); None in the queue stops it."""
+        import queue
+
         last = 0.0
         while True:
-            items = [todo.get()]
+            items = [self.todo.get()]
             if items[0] is None:
                 return
-            pace = state["pace_s"]
-            if pace:
-                time.sleep(max(0.0, last + pace - time.monotonic()))
+            if self.pace_s:
+                time.sleep(max(0.0, last + self.pace_s - time.monotonic()))
             else:
                 while True:
                     try:
-                        items.append(todo.get_nowait())
+                        items.append(self.todo.get_nowait())
                     except queue.Empty:
                         break
-            if items[-1] is None:
-                items.pop()
-                todo.put(None)
+                if items[-1] is None:
+                    items.pop()
+                    self.todo.put(None)
             last = time.monotonic()
-            worker.step_starts()
-            worker.step(items, {p.request_id for p in items})
-            state["steps"] += 1
+            self.worker.step_starts()
+            self.worker.step(items, {p.request_id for p in items})
+            self.steps += 1
 
-    threading.Thread(target=engine, name="engine", daemon=True).start()
+    def stats(self) -> dict:
+        with self.writer._lock:  # noqa: SLF001 - a consistent copy of the counters
+            w = dict(self.writer.stats)
+        return {"writer": w, "steps": self.steps, "queued": self.todo.qsize()}
+
+    def close(self) -> None:
+        self.todo.put(None)
+        self.writer.flush(30)
+        self.writer.close()
+
+
+def stand_in(port: int, spool: str, notice_ep: str) -> None:
+    """The vLLM stand-in (its own process): :class:`StandIn` behind a bare ASGI app; each
+    completion is answered at once, its write follows on the writer threads."""
+    import threading
+
+    import uvicorn
+
+    from connector.contract.settings import lower_switch_interval
+
+    si = StandIn(spool, notice_ep)
+    lower_switch_interval(si.switch_interval_ms)  # as the plug-in does beside vLLM's loop
+    threading.Thread(target=si.engine, name="engine", daemon=True).start()
     models = json.dumps({"data": [{"id": MODEL_NAME, "max_model_len": 4 * TOKENS}]}).encode()
 
     async def app(scope, receive, send):  # noqa: ANN001, ANN202
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
         if scope["type"] != "http":
-            return
+            return  # lifespan: unsupported, uvicorn goes on without it
         body = b""
         while True:
             m = await receive()
@@ -289,27 +335,11 @@ def stand_in(port: int, spool: str, notice_ep: str) -> None:
                 break
         out, path = models, scope["path"]
         if path == "/v1/completions":
-            req = json.loads(body)
-            ids = [int(t) for t in req["prompt"]]
-            rid = f"cmpl-{uuid.uuid4().hex}-0"
-            request = SimpleNamespace(request_id=rid, kv_transfer_params=req.get("kv_transfer_params"),
-                                      prompt_token_ids=ids, all_token_ids=[*ids, 0], num_computed_tokens=len(ids),
-                                      status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))  # fmt: skip
-            need = -(-len(ids) // BLOCK_SIZE)
-            at = state["next"]
-            state["next"] = (at + need) % nblocks
-            blocks = [order[(at + i) % nblocks] for i in range(need)]
-            sched.request_scheduled(request)
-            _, params = sched.request_finished(request, blocks)
-            for p in sched.take_pending():
-                todo.put(p)
-            out = json.dumps({"id": rid, "choices": [{"text": "x", "index": 0}], "kv_transfer_params": params}).encode()
+            out = json.dumps(si.complete(json.loads(body))).encode()
         elif path == "/bench/stats":
-            with writer._lock:  # noqa: SLF001 - a consistent copy of the counters
-                stats = dict(writer.stats)
-            out = json.dumps({"writer": stats, "steps": state["steps"], "queued": todo.qsize()}).encode()
+            out = json.dumps(si.stats()).encode()
         elif path == "/bench/pace":
-            state["pace_s"] = float(json.loads(body)["ms"]) / 1000
+            si.pace_s = float(json.loads(body)["ms"]) / 1000
             out = b"{}"
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": out})
@@ -317,9 +347,7 @@ def stand_in(port: int, spool: str, notice_ep: str) -> None:
     try:
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     finally:
-        todo.put(None)
-        writer.flush(30)
-        writer.close()
+        si.close()
 
 
 # ---------------------------------------------------------------------------------- one arm

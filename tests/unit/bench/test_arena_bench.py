@@ -58,3 +58,47 @@ def test_a_round_is_ok_only_when_every_sample_was_consumed_and_yielded():
     assert B.ok_round({"saturated": job, "paced": dict(job)})
     assert not B.ok_round({"saturated": {**job, "consumed": 3}})
     assert not B.ok_round({"saturated": job, "paced": {**job, "failed": 1}})
+
+
+def test_the_stand_in_writes_what_the_stream_accepts_with_the_connectors_own_code(tmp_path):
+    """The stand-in's sample (scheduler side, worker side, gatherer, writer, notice socket) is the
+    rows of the request's scattered blocks, in the layer order asked for, read back and checked by
+    the stream's own reader; a wrong expectation (other token ids) is refused by that reader."""
+    import threading
+
+    import pytest
+    import torch
+    import zmq
+
+    from connector import protocol as P
+    from trainer_client.sample_checks import load_and_check
+
+    spool = tmp_path / "spool"
+    spool.mkdir(mode=0o700)
+    ep = f"ipc://{tmp_path}/notice.sock"
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(ep)
+    layers, n = [3, 1], 40  # not ascending (vLLM stores ascending: a permutation), not whole blocks
+    si = B.StandIn(str(spool), ep, layer_ids=layers, num_hidden_layers=4, hidden=64, tokens=n, block_size=16,
+                   cache_requests=2)  # fmt: skip
+    t = threading.Thread(target=si.engine, daemon=True)
+    t.start()
+    try:
+        ids = list(range(7, 7 + n))
+        tag = P.RequestTag(key=P.SampleKey(job="j", index=0), attempt=1)
+        out = si.complete({"prompt": ids, "kv_transfer_params": P.kv_params_for(tag)})
+        assert out["kv_transfer_params"]
+        assert pull.poll(20_000), "no notice from the stand-in's writer"
+        notice = P.Notice.decode(pull.recv())
+        assert notice.status == P.NoticeStatus.ok and notice.key == tag.key and notice.layer_ids == layers
+        smp = load_and_check(spool, P.Deliver(notice=notice, expected_token_ids=ids))
+        blocks = [si.order[i] for i in range(-(-n // 16))]
+        want = si.cache[blocks].reshape(-1, 2, 64)[:n][:, [1, 0]]  # storage [1, 3] -> asked [3, 1]
+        assert torch.equal(smp.hidden_states, want) and smp.token_ids.tolist() == ids
+        with pytest.raises(P.InvalidSample):
+            load_and_check(spool, P.Deliver(notice=notice, expected_token_ids=[0] * n))
+        assert si.stats()["steps"] == 1
+    finally:
+        si.close()
+        t.join(10)
+        pull.close(linger=0)
