@@ -154,12 +154,12 @@ def sample_file_bytes(tokens: int = TOKENS) -> int:
 
 
 def write_model_config(d: Path) -> Path:
-    """A config-only verifier folder of Qwen3-8B's shape: the sidecar prices samples from it (no
-    tokenizer: the jobs send token ids)."""
+    """A config-only verifier folder of Qwen3-8B's shape: the sidecar prices samples from it. No
+    ``model_type``: transformers would then make an empty tokenizer of it (vocabulary 0, every
+    token id refused); without one it finds none and the sidecar admits token ids unchecked."""
     d.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **QWEN3_8B, "intermediate_size": 12288,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-           "max_position_embeddings": 40960}  # fmt: skip
+    cfg = {**QWEN3_8B, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960}  # fmt: skip
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -488,6 +488,11 @@ class Arm:
         shutil.rmtree(self.run, ignore_errors=True)
 
 
+def lean(r: dict) -> dict:
+    """A round for the JSON's detail: without its per-sample lists (the summaries hold them)."""
+    return {k: (lean(v) if isinstance(v, dict) else v) for k, v in r.items() if k not in ("latency_ms", "hops_ms")}
+
+
 def ok_round(r: dict) -> bool:
     jobs = [r["saturated"], *([r["paced"]] if "paced" in r else [])]
     return all(j["consumed"] == j["samples"] and not j["failed"] and j["yielded"] == j["samples"] for j in jobs)
@@ -522,11 +527,11 @@ def tiny_section(a: argparse.Namespace) -> dict:
 
     model = str(build_tiny_verifier())
     stacks = {}
-    for layout in ARMS:
+    for layout in a.arms:
         st = Stack(model, TINY_LAYER_IDS, Path(tempfile.mkdtemp(prefix=f"hsstream-arena-tiny-{layout}-")))
         st.env.update(HSSTREAM_SPOOL_LAYOUT=layout, HSSTREAM_MAX_CONCURRENCY=str(a.tiny_concurrency))
         stacks[layout] = st
-    rounds: dict[str, list[dict]] = {k: [] for k in ARMS}
+    rounds: dict[str, list[dict]] = {k: [] for k in a.arms}
 
     def procs(st) -> tuple[int, int]:  # noqa: ANN001
         by = {c.name: c.proc.pid for c in st.children}
@@ -569,7 +574,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         for layout, st in stacks.items():  # warm-up: every connection of the concurrency opened
             job(st, max(8, 2 * a.tiny_concurrency), seed=99)
         for r in range(a.tiny_rounds):
-            for layout in ARMS if r % 2 == 0 else ARMS[::-1]:
+            for layout in a.arms if r % 2 == 0 else a.arms[::-1]:
                 res = job(stacks[layout], a.tiny_samples, seed=r)
                 rounds[layout].append({"arm": layout, "round": r, "latency_ms": res["latency_ms"],
                                        "hops_ms": res["hops_ms"], "saturated": res,
@@ -584,7 +589,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
             st.stop()
             st.remove_spool()
     arms = {k: summarize_arm(v) for k, v in rounds.items()}
-    ratios, checks = compare(arms["files"], arms["arena"])
+    ratios, checks = compare(arms["files"], arms["arena"]) if len(arms) == 2 else ({}, {})
     print_table("tiny verifier through real vLLM (CPU); latency = saturated job's", arms, ratios)
     return {
         "what": f"tiny verifier (hidden 128, layers {TINY_LAYER_IDS}, bf16) through real vLLM (CPU) and the real "
@@ -596,8 +601,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         "concurrency": a.tiny_concurrency, "arms": arms, "arena_vs_files": ratios,
         "checks": {**checks, "all_samples_consumed": all(ok_round(x) for v in rounds.values() for x in v)},
         "left_in_spool": left,
-        "rounds_detail": [{k: v for k, v in x.items() if k not in ("latency_ms", "hops_ms")} for v in rounds.values()
-                          for x in v],
+        "rounds_detail": [lean(x) for v in rounds.values() for x in v],
     }  # fmt: skip
 
 
@@ -615,6 +619,7 @@ def main() -> int:
     ap.add_argument("--max-p50-ratio", type=float, default=0.6, help="acceptance: arena p50 <= this x files'")
     ap.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=True,
                     help="also the tiny verifier through real vLLM (two Stacks)")
+    ap.add_argument("--tiny-only", action="store_true", help="(development) the tiny section alone")
     ap.add_argument("--tiny-rounds", type=int, default=5)
     ap.add_argument("--tiny-samples", type=int, default=64)
     ap.add_argument("--tiny-prompt-len", type=int, default=256)
@@ -632,6 +637,31 @@ def main() -> int:
         a.rounds, a.samples, a.paced_samples, a.tiny = 1, 12, 6, False
     import torch
 
+    doc: dict[str, Any] = {
+        "benchmark": "arena", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python bench/arena.py " + " ".join(sys.argv[1:]),
+        "host": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__,
+    }  # fmt: skip
+    ok = True
+    if not a.tiny_only:
+        ok = main_section(a, doc)
+    if a.tiny or a.tiny_only:
+        try:
+            doc["tiny"] = tiny_section(a)
+            ok = ok and doc["tiny"]["checks"].get("all_samples_consumed", False)
+        except Exception as e:  # noqa: BLE001 - the main section's figures are written anyway
+            doc["tiny"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            print("tiny section failed:", doc["tiny"]["error"], flush=True)
+            ok = False
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", a.out)
+    return 0 if ok else 1
+
+
+def main_section(a: argparse.Namespace, doc: dict) -> bool:
+    """The Qwen3-8B shape through the stand-in: both stacks, interleaved rounds; fills ``doc``."""
     model_dir = write_model_config(Path(tempfile.mkdtemp(prefix="hsstream-arena-bench-model-")))
     arms = {k: Arm(k, a, model_dir) for k in a.arms}
     rounds: dict[str, list[dict]] = {k: [] for k in arms}
@@ -659,14 +689,12 @@ def main() -> int:
             arm.stop()
         shutil.rmtree(model_dir, ignore_errors=True)
     summ = {k: summarize_arm(v) for k, v in rounds.items()}
-    doc: dict[str, Any] = {
-        "benchmark": "arena", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-        "command": "python bench/arena.py " + " ".join(sys.argv[1:]),
+    doc.update({
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
         "what": "notice -> tensor, CPU per sample, bytes copied per sample and samples/s of the two spool layouts, "
                 "1,024-token samples of the Qwen3-8B shape through the connector's real code (stand-in vLLM), the "
                 "real sidecar and a HiddenStateStream, arms interleaved",
-        "host": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
-        "torch": torch.__version__, "rounds": a.rounds,
+        "rounds": a.rounds,
         "shape": {"model": "Qwen3-8B", "tokens": TOKENS, "layer_ids": LAYER_IDS, "hidden_size": QWEN3_8B["hidden_size"],
                   "dtype": "bfloat16", "hidden_state_bytes": TOKENS * len(LAYER_IDS) * QWEN3_8B["hidden_size"] * 2,
                   "block_size": BLOCK_SIZE, "cache_layout": "[blocks, K, block_size, H] view of [blocks, block_size, K, H]"},
@@ -681,7 +709,7 @@ def main() -> int:
                   "HiddenStateStream.stats['bytes_copied'] (stream) over each saturated job / its samples",
                   "samples_per_s: samples / (last yield - job submitted), saturated job, median over rounds"],
         "arms": summ,
-    }  # fmt: skip
+    })  # fmt: skip
     ok = all(ok_round(x) for v in rounds.values() for x in v) and not any(left.values())
     if "files" in summ and "arena" in summ:
         doc["arena_vs_files"], checks = compare(summ["files"], summ["arena"], a.max_p50_ratio)
@@ -689,19 +717,8 @@ def main() -> int:
         print_table(f"Qwen3-8B shape, {TOKENS} tokens, {a.rounds} rounds", summ, doc["arena_vs_files"])
         print("checks:", doc["checks"])
     doc["left_in_spool"] = left
-    doc["rounds_detail"] = [{k: v for k, v in x.items() if k not in ("latency_ms", "hops_ms")} for v in rounds.values()
-                            for x in v]  # fmt: skip
-    if a.tiny:
-        try:
-            doc["tiny"] = tiny_section(a)
-        except Exception as e:  # noqa: BLE001 - the main section's figures are written anyway
-            doc["tiny"] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            print("tiny section failed:", doc["tiny"]["error"], flush=True)
-            ok = False
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print("wrote", a.out)
-    return 0 if ok else 1
+    doc["rounds_detail"] = [lean(x) for v in rounds.values() for x in v]
+    return ok
 
 
 if __name__ == "__main__":
