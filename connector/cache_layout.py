@@ -69,3 +69,45 @@ def block_chunks(block_ids: Sequence[int], num_tokens: int, block_size: int, max
         chunk = ids[start : start + per]
         first = start * block_size
         yield first, chunk, min(num_tokens - first, len(chunk) * block_size)
+
+
+def gather_rows_into(
+    view: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_tokens: int,
+    out: torch.Tensor,
+    perm: torch.Tensor | None = None,
+) -> int:
+    """Rows ``[num_tokens, K, H]`` of a request, and their layers in ``perm`` order, copied into
+    ``out`` (contiguous, e.g. a view of the arena slot the sample goes to) with ONE copy; returns
+    the bytes copied (what ``SpoolWriter.stats["bytes_copied"]`` counts).
+
+    :func:`gather_rows` copies the request's whole blocks (the last one's unused rows too) and a
+    second time to reorder the layers; here one ``index_select`` takes each (token, layer) row of
+    ``H`` values straight from the cache's storage, seen as ``[rows, H]``, whatever the order of
+    its token and layer axes (both vLLM layouts). A cache whose rows are not whole ``H``-runs of
+    its storage (never seen) falls back to :func:`gather_rows` plus a copy, counted as such."""
+    bs, k, h = view.shape[1], view.shape[2], view.shape[3]
+    need = -(-num_tokens // bs)
+    if block_ids.numel() < need:
+        raise CacheLayoutError(f"request has {block_ids.numel()} blocks, {need} needed for {num_tokens} tokens")
+    if tuple(out.shape) != (num_tokens, k, h) or out.dtype != view.dtype or not out.is_contiguous():
+        raise CacheLayoutError(f"gather target {tuple(out.shape)} {out.dtype} is not a contiguous "
+                               f"{(num_tokens, k, h)} {view.dtype}")  # fmt: skip
+    s0, s1, s2, s3 = view.stride()
+    if s3 != 1 or s0 % h or s1 % h or s2 % h or view.storage_offset() % h or out.device != view.device:
+        rows = gather_rows(view, block_ids, num_tokens, perm)
+        out.copy_(rows)
+        blocks_bytes, out_bytes = need * bs * k * h * view.element_size(), out.numel() * out.element_size()
+        return blocks_bytes + (out_bytes if perm is not None else 0) + out_bytes
+    if num_tokens == 0:
+        return 0
+    dev = view.device
+    t = torch.arange(num_tokens, device=dev)
+    blocks = block_ids[:need].to(dev)[t // bs]
+    layers = perm if perm is not None else torch.arange(k, device=dev)
+    elem = (blocks * s0 + (t % bs) * s1)[:, None] + layers.to(dev)[None, :] * s2  # [T, K] element offsets
+    nrows = ((view.shape[0] - 1) * s0 + (bs - 1) * s1 + (k - 1) * s2) // h + 1
+    flat = view.as_strided((nrows, h), (h, 1), view.storage_offset())
+    torch.index_select(flat, 0, (elem // h).reshape(-1), out=out.view(num_tokens * k, h))
+    return out.numel() * out.element_size()

@@ -3,7 +3,8 @@
 It sees requests when they are first scheduled (to decide where each file goes, and to have
 the worker take the file's lock before any client can see the path) and when they finish
 (with their block ids and the sidecar's tag), turning each into a ``PendingSave`` for the
-workers, shipped in the next step's metadata. It never touches tensors, so it is plain
+workers, shipped in the next step's metadata. A tag with an arena slot travels in the
+``PendingSave``'s tag; its response names the slot (``KV_PARAMS_SLOT_KEY``), never a path. It never touches tensors, so it is plain
 Python and testable without vLLM.
 """
 
@@ -114,6 +115,9 @@ class SchedulerSide:
             self._pending.append(PendingSave(rid, name, token_ids, list(block_ids), tag_d, path=target.path))
             return True, {M.KV_PARAMS_PATH_KEY: target.path}
         self._pending.append(PendingSave(rid, name, token_ids, list(block_ids), tag_d))
+        if tag is not None and tag.slot is not None:
+            # The arena layout: no file will exist, so no path to one; the slot instead.
+            return True, {M.KV_PARAMS_SLOT_KEY: tag.slot.model_dump(mode="json")}
         return True, {M.KV_PARAMS_PATH_KEY: f"{self.spool_dir}/{name}", "hsstream_file": name}
 
     def take_pending(self) -> list[PendingSave]:

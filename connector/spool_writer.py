@@ -5,6 +5,20 @@ enqueues. Files are written under a hidden temporary name and renamed into place
 reader never sees a half-written file; the notice is sent only after the rename. One thread
 owns the PUSH socket (ZeroMQ sockets are not thread-safe); writers hand it notices through a
 queue. The connector connects, the sidecar binds: engines can come and go freely.
+
+A sample whose tag carries a :class:`~connector.contract.arena.Slot` (the arena layout) is
+written into that slot of the spool's one arena file instead (:meth:`SpoolWriter._write_slot`):
+its header length zeroed first, its tensors copied into their spans (the hidden states usually
+gathered there directly by the worker, ``worker_side.py``), the checksum taken over the slot's
+own bytes, the header written last, then the notice (``file`` None, ``slot`` set). Nothing is
+ever written outside the slot.
+
+``stats["bytes_copied"]`` counts the bytes each sample costs in copies on this host, counted at
+the copies themselves (the benchmark compares the layouts by it): the gather into host memory
+(CPU ``index_select``, or the device-to-host copy; a gather straight into a slot is that one
+copy), the encode when it makes new tensors (FP8: the quantised values and scales it returns),
+and the write (the file's bytes, header included, as safetensors writes them from the
+tensors' memory; or every tensor and the header copied into a slot).
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +38,7 @@ import torch
 import zmq
 from safetensors.torch import save_file
 
+from connector.contract import arena as A
 from connector.contract import messages as M, sample_file as SF, spool as SP
 from connector.contract import payload as PL
 from connector.contract.spool import WriteLock
@@ -45,10 +61,82 @@ class WriteJob:
     # The payload codec's tensors, already encoded where the rows were (the gatherer, on the GPU
     # before the copy: PayloadCodec.encode_on_device); the writer then does not encode.
     encoded: dict[str, torch.Tensor] | None = None
+    #: Arena layout: ``hidden_states`` is already the slot's own span (gathered into it), only
+    #: the token ids and the header are left to write; else the writer copies it in.
+    in_slot: bool = False
+    arena: MappedArena | None = None  # the mapping the slot is in (None: the writer's current one)
 
     def host_bytes(self) -> int:
+        """Host memory this job holds while it waits (hidden states already in their slot: none
+        beyond the arena's)."""
+        if self.in_slot:
+            return 0
         ts = self.encoded.values() if self.encoded is not None else [self.hidden_states]
         return sum(t.numel() * t.element_size() for t in ts)
+
+
+class MappedArena:
+    """This process's mapping of one arena (one per arena id), as a uint8 tensor the slots'
+    tensors are views of. Kept alive by the writes still using it: an arena replaced by the
+    sidecar stays mapped (and, on CUDA, registered) until its last write is done."""
+
+    def __init__(self, arena: A.Arena) -> None:
+        self.arena = arena
+        self.id = arena.id
+        self.bytes = torch.frombuffer(arena.map, dtype=torch.uint8)
+        self.cuda_registered = False
+        self._reg_lock = threading.Lock()
+
+    def register_cuda(self) -> bool:
+        """Page-lock the whole mapping for the device once (``cudaHostRegister``), so a gather's
+        device-to-host copy lands in the slot as one non-blocking DMA. False if the driver
+        refuses (the caller copies through a pinned buffer instead)."""
+        with self._reg_lock:
+            if not self.cuda_registered:
+                cudart = torch.cuda.cudart()
+                ptr = self.bytes.data_ptr()
+                err = cudart.cudaHostRegister(ptr, self.arena.size, 0)
+                if int(getattr(err, "value", err)) != 0:
+                    log.warning("cudaHostRegister of the arena (%d bytes) failed (%s): slots are written "
+                                "through a pinned buffer", self.arena.size, err)  # fmt: skip
+                    return False
+                self.cuda_registered = True
+                # Unregistered when the mapping goes (after the last write that used it).
+                weakref.finalize(self, cudart.cudaHostUnregister, ptr)
+            return True
+
+    def begin(self, slot: A.Slot) -> None:
+        """Zero the slot's header length: until the header is written last, the slot reads as
+        "not written" (``arena.written_size`` refuses it)."""
+        self.arena.map[slot.offset : slot.offset + 8] = bytes(8)
+
+    def tensor(self, slot: A.Slot, span: tuple[int, int], dtype: torch.dtype,
+               shape: tuple[int, ...] | list[int]) -> torch.Tensor:  # fmt: skip
+        """The slot's data bytes ``span`` (relative to the data's start) as a tensor; refuses a
+        span past the slot's end."""
+        a, b = slot.offset + A.SLOT_HEADER + span[0], slot.offset + A.SLOT_HEADER + span[1]
+        if b > slot.end or a > b:
+            raise A.ArenaError(f"span {span} past the slot's {slot.length - A.SLOT_HEADER} data bytes")
+        return self.bytes[a:b].view(dtype).view(tuple(shape))
+
+    def write_header(self, slot: A.Slot, header: bytes) -> None:
+        """The header, its length last (the slot is complete from then on)."""
+        if len(header) != A.SLOT_HEADER:
+            raise A.ArenaError(f"slot header of {len(header)} bytes, a slot's is {A.SLOT_HEADER}")
+        self.arena.map[slot.offset + 8 : slot.offset + A.SLOT_HEADER] = header[8:]
+        self.arena.map[slot.offset : slot.offset + 8] = header[:8]
+
+
+class SlotTooSmall(A.ArenaError):
+    """The sample does not fit the slot it was given (the sidecar priced it for fewer bytes)."""
+
+
+#: safetensors' dtype names of the torch dtypes a sample's tensors have.
+def _st_name(dtype: torch.dtype) -> str:
+    for name in PL.safetensors_itemsizes():
+        if PL.safetensors_torch_dtype(name) == dtype:
+            return name
+    raise A.ArenaError(f"{dtype} cannot be laid out in a slot")
 
 
 @dataclass(frozen=True)
@@ -73,6 +161,7 @@ class SpoolWriter:
         max_pending_bytes: int = 2 * 2**30,
         max_queued_notices: int = 4096,
         checksum_algo: str = SF.CHECKSUM_ALGO,
+        checksum_threads: int = 1,
         max_sender_restarts: int = 5,
     ) -> None:
         """Both queues are bounded, and neither bound ever blocks the engine step: over
@@ -85,16 +174,25 @@ class SpoolWriter:
         thread's loop started again on a new socket, up to ``max_sender_restarts`` times in a
         row (a minute without failure starts the count again). Past that it stops for good,
         says so at CRITICAL, and counts ``notice_thread_dead``; the sidecar's ``/readyz`` then
-        reports that notices stopped (its samples time out and none arrives after)."""
+        reports that notices stopped (its samples time out and none arrives after).
+
+        ``checksum_algo`` and ``checksum_threads`` (blake3's threads per sample, 0: all cores)
+        are the connector's ``HSSTREAM_CHECKSUM`` / ``HSSTREAM_CHECKSUM_THREADS``: one thread
+        by default, since the writers share vLLM's cores (``sample_file.CONNECTOR_CHECKSUM_ALGO``)."""
         self.spool = Path(spool_dir)
         self.checksum_algo = checksum_algo
+        self.checksum_threads = checksum_threads
         self.shape = shape
         self._pool = ThreadPoolExecutor(max_workers=max(1, num_threads), thread_name_prefix="hsstream-write")
         self._notices: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, max_queued_notices))
         self.max_queued_notices = max(1, max_queued_notices)
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
-        self.stats = {"busy": 0, "notices_dropped": 0, "notice_thread_restarts": 0, "notice_thread_dead": 0}
+        #: ``bytes_copied``: see the module docstring (the copies' own sizes, summed as they happen).
+        self.stats = {"busy": 0, "notices_dropped": 0, "notice_thread_restarts": 0, "notice_thread_dead": 0,
+                      "bytes_copied": 0}  # fmt: skip
+        self._arena: MappedArena | None = None  # the arena layout's mapping, opened at its first slot
+        self._arena_lock = threading.Lock()
         self.max_sender_restarts = max_sender_restarts
         self._endpoint = notice_endpoint
         self._sender: threading.Thread | None = None
@@ -105,6 +203,38 @@ class SpoolWriter:
         if notice_endpoint:
             self._sender = threading.Thread(target=self._sender_main, name="hsstream-notice", daemon=True)
             self._sender.start()
+
+    def count_copied(self, nbytes: int) -> None:
+        """Add a copy's bytes to ``stats["bytes_copied"]`` (any thread)."""
+        with self._lock:
+            self.stats["bytes_copied"] += int(nbytes)
+
+    # -- the arena layout --------------------------------------------------------------------
+    def arena_for(self, slot: A.Slot) -> MappedArena:
+        """The mapping ``slot`` is in: the arena is opened once per process and again when a slot
+        names another arena or the file was replaced (the sidecar made a new one). Raises
+        :class:`~connector.contract.arena.ArenaError` ("arena changed") if the spool's arena is
+        still not the slot's, or the slot lies past its end."""
+        with self._arena_lock:
+            m = self._arena
+            if m is None or slot.arena != m.id or not m.arena.is_current():
+                arena = A.Arena.open(self.spool)
+                if m is not None:
+                    # Its fd only: torch.frombuffer holds the mmap object but no buffer export, so
+                    # closing the map would unmap it under writes still in flight. It is unmapped
+                    # when the last of them lets go of it.
+                    os.close(m.arena._fd)
+                self._arena = m = MappedArena(arena)
+            if slot.arena != m.id:
+                raise A.ArenaError(f"arena changed: the slot is in arena {slot.arena}, the spool's is {m.id}")
+            m.arena.check(slot)
+            return m
+
+    def slot_bytes_for(self, num_tokens: int) -> int:
+        """Bytes a sample of ``num_tokens`` takes in a slot (header room, payload, token ids)."""
+        c = PL.codec(self.shape.dtype)
+        per_token = c.bytes_per_position(len(self.shape.layer_ids), self.shape.hidden_size) + 8
+        return A.SLOT_HEADER + num_tokens * per_token
 
     # -- called from the engine's step: must return at once ---------------------------------
     def has_room(self, nbytes: int) -> bool:
@@ -139,6 +269,8 @@ class SpoolWriter:
     # -- writer threads ----------------------------------------------------------------------
     def _notice(self, request_id: str, tag: M.RequestTag | None, **kw: object) -> M.Notice:
         s = self.shape
+        if tag is not None and tag.slot is not None:
+            kw.setdefault("slot", tag.slot)  # every notice of a slot sample names it (ok, error, busy)
         return M.Notice(
             request_id=request_id,
             key=tag.key if tag else None,
@@ -152,6 +284,9 @@ class SpoolWriter:
         )
 
     def _write(self, job: WriteJob) -> None:
+        if job.tag is not None and job.tag.slot is not None and job.path is None:
+            self._write_slot(job, job.tag.slot)
+            return
         dest = job.path or self.spool / job.file
         tmp = dest.parent / SP.tmp_name_for(dest.name)
         t0 = time.perf_counter()
@@ -162,11 +297,11 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on
             # write), unless the gatherer encoded on the device (FP8: half the bytes copied).
-            payload = job.encoded if job.encoded is not None else PL.codec(self.shape.dtype).encode(job.hidden_states)
+            payload = job.encoded if job.encoded is not None else self._encode(job.hidden_states)
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
-            digest = SF.sample_checksum(tensors, algo=self.checksum_algo)
+            digest = SF.sample_checksum(tensors, algo=self.checksum_algo, threads=self.checksum_threads)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
@@ -185,6 +320,7 @@ class SpoolWriter:
             )
             # Token ids are the users' prompts: 0600 before the name is visible. safetensors 0.8
             # writes 0600 itself; older releases (GPU images pin their own) follow the umask.
+            self.count_copied(os.stat(tmp).st_size)  # the file's bytes, as safetensors wrote them
             os.chmod(tmp, SP.FILE_MODE)
             os.rename(tmp, dest)
             if job.lock is not None:
@@ -203,6 +339,80 @@ class SpoolWriter:
             job.hidden_states = job.encoded = None  # release pinned memory now
             if job.lock is not None:
                 job.lock.abandon()  # no-op once released; else no file will come
+        self._publish(notice)
+        with self._lock:
+            self._pending -= 1
+            self._pending_bytes -= job.nbytes
+            self._idle.notify_all()
+
+    def _encode(self, hs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The payload codec's tensors for ``hs``, the bytes of those it made anew counted (FP8's
+        values and scales; a model-dtype payload is ``hs`` itself)."""
+        out = PL.codec(self.shape.dtype).encode(hs)
+        src = hs.untyped_storage().data_ptr()
+        made = sum(t.numel() * t.element_size() for t in out.values() if t.untyped_storage().data_ptr() != src)
+        if made:
+            self.count_copied(made)
+        return out
+
+    def _write_slot(self, job: WriteJob, slot: A.Slot) -> None:
+        """The arena layout's write (module docstring): into ``slot``, never past its end."""
+        t0 = time.perf_counter()
+        try:
+            if job.ready is not None:
+                job.ready()
+            t1 = time.perf_counter()
+            mapped = job.arena or self.arena_for(slot)
+            mapped.begin(slot)  # already zero when the gatherer copied into it: a no-op then
+            hs = job.hidden_states
+            ids = torch.tensor(job.token_ids, dtype=torch.int64)
+            if job.encoded is not None:  # encoded on the device: copied into the slot below
+                payload = job.encoded
+            else:
+                payload = {SF.HIDDEN_STATES_KEY: hs} if job.in_slot else self._encode(hs)
+            if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
+                raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
+            tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
+            specs = [(k, _st_name(t.dtype), list(t.shape), t.numel() * t.element_size()) for k, t in tensors.items()]
+            need = A.SLOT_HEADER + sum(sp[3] for sp in specs)
+            if need > slot.length:
+                raise SlotTooSmall(f"sample of {need} bytes does not fit its slot of {slot.length}")
+            spans = A.data_spans(specs)
+            views = {k: mapped.tensor(slot, spans[k], t.dtype, t.shape) for k, t in tensors.items()}
+            for k, v in views.items():
+                if job.in_slot and k == SF.HIDDEN_STATES_KEY:
+                    if v.data_ptr() != hs.data_ptr():
+                        raise A.ArenaError("hidden states gathered outside their span of the slot")
+                    continue
+                v.copy_(tensors[k])
+                self.count_copied(v.numel() * v.element_size())
+            digest = SF.sample_checksum(views, algo=self.checksum_algo, threads=self.checksum_threads)  # over the slot's own bytes
+            t2 = time.perf_counter()
+            notice = self._notice(
+                job.request_id,
+                job.tag,
+                status=M.NoticeStatus.ok,
+                file=None,
+                slot=slot,
+                num_tokens=int(ids.shape[0]),
+                nbytes=sum(sp[3] for sp in specs if sp[0] != SF.TOKEN_IDS_KEY),
+                checksum=digest,
+                checksum_algo=self.checksum_algo,
+            )
+            header, _ = A.header_for(specs, SF.header_metadata(notice))
+            mapped.write_header(slot, header)
+            self.count_copied(len(header))
+            t3 = time.perf_counter()
+            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
+        except BaseException as e:  # noqa: BLE001 - every failure must become a notice
+            log.exception("hidden-state write into slot %s+%s failed for %s", slot.offset, slot.length, job.request_id)
+            notice = self._notice(job.request_id, job.tag, status=M.NoticeStatus.error, reason=f"write failed: {e!r}")
+        finally:
+            job.hidden_states = None  # type: ignore[assignment]
+            job.arena = None
+            if job.lock is not None:
+                job.lock.abandon()
         self._publish(notice)
         with self._lock:
             self._pending -= 1

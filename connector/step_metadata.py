@@ -19,7 +19,7 @@ class PendingSave:
     file: str
     token_ids: list[int]
     block_ids: list[int]
-    tag: dict | None = None  # RequestTag as JSON-able dict
+    tag: dict | None = None  # RequestTag as JSON-able dict (an arena slot in its "slot": file unused)
     error: str | None = None  # set: send an error notice, there is nothing to copy
     path: str | None = None  # a client's own path (allow_custom_save_path); None: spool / file
 

@@ -65,7 +65,7 @@ class StreamConnectorMetadata(KVConnectorMetadata):
 #: Every kv_connector_extra_config key we read; any other is named in a warning at start-up.
 KNOWN_EXTRA_KEYS = frozenset({
     "shared_storage_path", "num_writer_threads", "allow_custom_save_path", "use_synchronization_lock",  # Example's
-    "notice_endpoint", "layer_ids", "layer_order", "payload_dtype",  # ours
+    "notice_endpoint", "layer_ids", "layer_order", "payload_dtype", "checksum", "checksum_threads",  # ours
 })  # fmt: skip
 LAYER_ORDERS = ("config", "sorted")
 NO_NOTICES = "none"
@@ -98,6 +98,7 @@ class ConnectorOptions:
     allow_custom_save_path: bool = False
     use_lock: bool = True
     switch_interval_ms: float = 1.0
+    checksum_threads: int = 1  # blake3's per sample (0: all cores); see sample_file.CONNECTOR_CHECKSUM_ALGO
 
     @property
     def file_layer_ids(self) -> list[int]:
@@ -156,6 +157,10 @@ class ConnectorOptions:
         algo = str(extra.get("checksum") or env.checksum)
         if algo not in SF.CHECKSUM_ALGOS:
             raise ConnectorConfigError(f"checksum {algo!r} is not one of {list(SF.CHECKSUM_ALGOS)} (HSSTREAM_CHECKSUM)")
+        threads = extra.get("checksum_threads", env.checksum_threads)
+        if type(threads) is not int or threads < 0:  # the setting's own bound is checked by Settings
+            raise ConnectorConfigError(f"kv_connector_extra_config.checksum_threads must be an integer >= 0 "
+                                       f"(0: all cores), got {threads!r}")  # fmt: skip
         model = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
         payload_dtype = str(extra.get("payload_dtype") or env.payload_dtype)
         try:
@@ -179,6 +184,7 @@ class ConnectorOptions:
             allow_custom_save_path=_flag(extra, "allow_custom_save_path", False),
             use_lock=_flag(extra, "use_synchronization_lock", True),
             switch_interval_ms=env.switch_interval_ms,
+            checksum_threads=threads,
         )
 
 
@@ -266,6 +272,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             max_pending_bytes=o.max_pending_write_bytes,
             max_queued_notices=o.max_queued_notices,
             checksum_algo=o.checksum_algo,
+            checksum_threads=o.checksum_threads,
         )
         gatherer = HiddenStateGatherer(
             kv_caches[names[0]],

@@ -12,6 +12,14 @@ copy, so the copy moves the encoded bytes (FP8: half of bf16's) and the writer d
 On the CPU backend the gather is a plain copy (the forward has already finished when the
 connector runs) and the writer thread encodes, off the engine's step. Blocks stay allocated
 (vLLM's delayed free) until the copy has landed; ``poll`` reports them.
+
+A sample with an arena slot (``RequestTag.slot``) is gathered straight into its slot of the
+mapped arena when its payload is the cache's own dtype: on CPU one ``index_select`` into the
+slot's span, on CUDA the device-to-host copy into the mapping, page-locked once per process
+(``MappedArena.register_cuda``). An encoded payload (FP8) is gathered (and on CUDA encoded)
+into host memory as for a file and copied into the slot by the writer. The slot's header length
+is zeroed before anything is copied into it; a slot that cannot take the sample gets an error
+notice before any copy.
 """
 
 from __future__ import annotations
@@ -23,11 +31,14 @@ from pathlib import Path
 
 import torch
 
-from connector.cache_layout import block_chunks, gather_rows, token_major_view
+from connector.cache_layout import block_chunks, gather_rows, gather_rows_into, token_major_view
+from connector.contract import arena as A
+from connector.contract import messages as M
 from connector.contract import payload as PL
+from connector.contract import sample_file as SF
 from connector.contract.sample_file import HIDDEN_STATES_KEY
 from connector.contract.spool import LockError, WriteLock
-from connector.spool_writer import SpoolWriter, WriteJob
+from connector.spool_writer import MappedArena, SpoolWriter, WriteJob
 from connector.step_metadata import LockRequest, PendingSave
 
 log = logging.getLogger("hsstream.connector")
@@ -82,12 +93,22 @@ class HiddenStateGatherer:
             return num_tokens * self.codec.bytes_per_position(k, h)
         return num_tokens * k * h * self.view.element_size()
 
+    def in_place(self, p: PendingSave) -> bool:
+        """Whether ``p``'s rows go straight into its arena slot (no host memory of the writer's)."""
+        tag = p.request_tag() if p.tag and p.path is None else None
+        if tag is None or tag.slot is None:
+            return False
+        return PL.codec(self.writer.shape.dtype).torch_dtype() == self.view.dtype
+
     def submit(self, p: PendingSave, lock: WriteLock | None = None) -> None:
         tag = p.request_tag()
         dest = Path(p.path) if p.path else None
         n = len(p.token_ids)
         k, h = self.view.shape[2], self.view.shape[3]
         t0 = time.perf_counter()
+        if tag is not None and tag.slot is not None and dest is None:
+            self._submit_slot(p, tag, tag.slot, t0)
+            return
         event = None
         if self.cuda:
             host, event = self._copy_async(p.block_ids, n)
@@ -95,15 +116,74 @@ class HiddenStateGatherer:
             host = self._empty_host(n, pin_memory=False)
             self._gather_into(p.block_ids, n, host)
         else:
-            blocks = torch.tensor(p.block_ids, dtype=torch.long)
-            rows = gather_rows(self.view, blocks, n, self.perm) if n else torch.empty((0, k, h), dtype=self.view.dtype)
-            host = {HIDDEN_STATES_KEY: rows}
+            host = {HIDDEN_STATES_KEY: self._gather_cpu(p.block_ids, n)}
         self._inflight[p.request_id] = _InFlight(event)
         hs, encoded = (None, host) if self.encode_at_gather else (host[HIDDEN_STATES_KEY], None)
         job = WriteJob(p.request_id, p.file, tag, p.token_ids, hs, ready=event.synchronize if event else None,
                        path=dest, lock=lock, encoded=encoded)  # fmt: skip
         job.gather_s = time.perf_counter() - t0
         self.writer.submit(job)
+
+    def _gather_cpu(self, block_ids: list[int], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows into ``out`` (a slot's span) or a new host tensor, with one copy (counted)."""
+        k, h = self.view.shape[2], self.view.shape[3]
+        if out is None:
+            out = torch.empty((n, k, h), dtype=self.view.dtype)
+        if n:
+            blocks = torch.tensor(block_ids, dtype=torch.long)
+            self.writer.count_copied(gather_rows_into(self.view, blocks, n, out, self.perm))
+        return out
+
+    def _submit_slot(self, p: PendingSave, tag: M.RequestTag, slot: A.Slot, t0: float) -> None:
+        """A sample of the arena layout (module docstring). Every refusal is an error notice
+        sent before anything is copied: the slot's bytes stay as they were."""
+        n = len(p.token_ids)
+        k, h = self.view.shape[2], self.view.shape[3]
+        try:
+            mapped = self.writer.arena_for(slot)
+        except A.ArenaError as e:
+            self.mark_done(p.request_id)
+            self.writer.submit_error(p.request_id, tag, f"arena: {e}")
+            return
+        need = self.writer.slot_bytes_for(n)
+        if need > slot.length:
+            self.mark_done(p.request_id)
+            self.writer.submit_error(p.request_id, tag,
+                                     f"slot of {slot.length} bytes too small for the sample's {need}")  # fmt: skip
+            return
+        mapped.begin(slot)
+        direct = self.in_place(p) and (not self.cuda or mapped.register_cuda())
+        if not direct:  # an encoded payload (FP8), or no page-locked mapping: via host memory
+            if self.cuda:
+                host, event = self._copy_async(p.block_ids, n)
+                self._inflight[p.request_id] = _InFlight(event)
+                hs, encoded = (None, host) if self.encode_at_gather else (host[HIDDEN_STATES_KEY], None)
+                job = WriteJob(p.request_id, p.file, tag, p.token_ids, hs, ready=event.synchronize, arena=mapped,
+                               encoded=encoded)  # fmt: skip
+            else:
+                host = self._gather_cpu(p.block_ids, n)
+                self._inflight[p.request_id] = _InFlight(None)
+                job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, arena=mapped)
+        else:
+            out = self._slot_hidden_states(mapped, slot, n, k, h)
+            if self.cuda:
+                _, event = self._copy_async(p.block_ids, n, out={HIDDEN_STATES_KEY: out})
+                self._inflight[p.request_id] = _InFlight(event)
+                ready = event.synchronize
+            else:
+                self._gather_cpu(p.block_ids, n, out=out)
+                self._inflight[p.request_id] = _InFlight(None)
+                ready = None
+            job = WriteJob(p.request_id, p.file, tag, p.token_ids, out, ready=ready, in_slot=True, arena=mapped)
+        job.gather_s = time.perf_counter() - t0
+        self.writer.submit(job)
+
+    def _slot_hidden_states(self, mapped: MappedArena, slot: A.Slot, n: int, k: int, h: int) -> torch.Tensor:
+        """The hidden states' span of the slot, as the header will lay it out (safetensors' order)."""
+        st = PL.codec(self.writer.shape.dtype).safetensors_dtype
+        es = self.view.element_size()
+        specs = [(SF.HIDDEN_STATES_KEY, st, [n, k, h], n * k * h * es), (SF.TOKEN_IDS_KEY, "I64", [n], 8 * n)]
+        return mapped.tensor(slot, A.data_spans(specs)[SF.HIDDEN_STATES_KEY], self.view.dtype, (n, k, h))
 
     def _empty_host(self, n: int, pin_memory: bool) -> dict[str, torch.Tensor]:
         """The host tensors a request's copy fills: the codec's when encoding here, else the rows."""
@@ -128,9 +208,13 @@ class HiddenStateGatherer:
             parts = self.codec.encode(rows) if self.encode_at_gather else {HIDDEN_STATES_KEY: rows}
             for name, t in parts.items():
                 out[name][first : first + ntok].copy_(t, non_blocking=True)
+                self.writer.count_copied(t.numel() * t.element_size())  # into host memory (on CUDA: the D2H)
 
-    def _copy_async(self, block_ids: list[int], n: int) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
-        host = self._empty_host(n, pin_memory=True)
+    def _copy_async(self, block_ids: list[int], n: int,
+                    out: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:  # fmt: skip
+        """Queue the request's copy on the side stream into ``out`` (a slot's span) or new pinned
+        buffers; returns them with the event the writer waits on."""
+        host = out if out is not None else self._empty_host(n, pin_memory=True)
         stream = self._stream
         assert stream is not None
         if self._step_start is not None:
@@ -209,7 +293,8 @@ class WorkerSide:
                     lock.abandon()
                 self.writer.submit_error(p.request_id, p.request_tag(), p.error)
                 continue
-            if not self.writer.has_room(self.gatherer.nbytes_for(len(p.token_ids))):
+            host_bytes = 0 if self.gatherer.in_place(p) else self.gatherer.nbytes_for(len(p.token_ids))
+            if not self.writer.has_room(host_bytes):
                 # Writers are behind: refuse before copying anything (nothing to free later).
                 if lock is not None:
                     lock.abandon()

@@ -117,10 +117,24 @@ class Stack:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def spool_files(self) -> list[str]:
-        """Everything in the spool but the sidecar's ownership marker."""
+        """Everything in the spool but the sidecar's ownership marker and the arena file (whose
+        slots :meth:`held_slots` counts)."""
+        from connector.contract.arena import ARENA_NAME
         from connector.protocol import SPOOL_MARKER
 
-        return sorted(n for n in os.listdir(self.spool) if n != SPOOL_MARKER) if self.spool.exists() else []
+        keep = (SPOOL_MARKER, ARENA_NAME)
+        return sorted(n for n in os.listdir(self.spool) if n not in keep) if self.spool.exists() else []
+
+    def held_slots(self) -> int:
+        """Slots samples hold in the sidecar's arena (0 with files, or when it does not answer)."""
+        from connector.contract.rest_client import SidecarClient, SidecarError
+
+        try:
+            with SidecarClient(self.api, token=self.env.get("HSSTREAM_API_TOKEN", ""), timeout=10) as c:
+                a = c.stats().arena
+        except SidecarError:
+            return 0
+        return a.slots if a is not None else 0
 
     def remove_spool(self) -> None:
         shutil.rmtree(self.spool, ignore_errors=True)

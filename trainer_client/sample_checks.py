@@ -8,6 +8,13 @@ Order of the work for one file: ``load_and_check`` builds a :class:`_SampleCheck
 checks the header and, for a CUDA device, returns a feed that sends each part of the hidden
 states to ``device_copy.DeviceCopy`` as it arrives; once the file is in, ``host_checks`` runs
 the rest and ``load_and_check`` collects the device copy.
+
+A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in place
+(``sample_reader.read_slot``): its tensors are views of the slot, unless the sample goes to a
+device or into pinned memory, where they are copied from the slot at once. The slot's header
+must hold this delivery's notice (same key, attempt and slot generation): anything else is a
+late write of another attempt, an :class:`InvalidSample`. Once the hidden states are on the device
+its token ids are copied out too (a few bytes), so nothing holds the slot.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from connector.contract.sample_file import InvalidSample
 from trainer_client.device_copy import DeviceCopy, to_device_checked
 from trainer_client.finite import all_finite
 from trainer_client.sample import Sample
-from trainer_client.sample_reader import read_sample_file
+from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot
 
 def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
                    pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
                    alloc: Callable[[int], torch.Tensor] | None = None,
-                   timings: dict[str, float] | None = None) -> Sample:  # fmt: skip
+                   timings: dict[str, float] | None = None, arenas: ArenaMaps | None = None,
+                   keep: Callable | None = None) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
     a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`.
@@ -47,11 +55,19 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     device: checked on the host. On a CUDA device each part of the hidden states is
     copied as soon as it is read (:class:`_SampleChecks`), so the copy overlaps the read, and
     the finiteness check there overlaps the host's checksum; a sample refused later has its
-    device copy dropped, never returned. ``timings`` receives each phase's seconds.
+    device copy dropped, never returned. ``timings`` receives each phase's seconds, and
+    ``bytes_copied`` the host bytes copied to get the tensors (a file read into a buffer, a
+    transport's payload copied or parsed, a slot copied out; not a mapped file's pages, not the
+    copy to the device).
+
+    ``arenas``: the stream's arena mapping, for a delivery of a slot (module docstring);
+    ``keep`` is handed the array the slot's views keep alive (``read_slot``). A slot this
+    trainer cannot reach raises ``sample_reader.SlotNotReadable``.
     """
     tm = timings if timings is not None else {}
     n = d.notice
-    if n.file is None or (require_key and n.key is None):
+    in_slot = n.slot is not None and n.file is None and payload is None
+    if (n.file is None and n.slot is None) or (require_key and n.key is None):
         raise InvalidSample("delivery without a file or key")
     if n.checksum_algo not in SF.CHECKSUM_ALGOS:
         raise InvalidSample(f"unknown checksum algorithm {n.checksum_algo!r}")
@@ -59,7 +75,19 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
         raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
     dev = torch.device(device) if device is not None else None
     checks = _SampleChecks(n, dev, checksum_threads, tm)
-    if payload is not None:
+    copied = 0
+    if in_slot:
+        if arenas is None:
+            raise InvalidSample("delivery of an arena slot, and no arena to read it from")
+        arena = arenas.get(n.slot)  # type: ignore[arg-type]
+        # To a CUDA device: copied there from the slot itself; into pinned memory: one copy out.
+        copy = pin_memory and (dev is None or dev.type != "cuda")
+        pinned = alloc or (lambda k: torch.empty(k, dtype=torch.uint8, pin_memory=True))
+        tensors = read_slot(arena, n.slot, copy_into=pinned if copy else None, keep=keep,  # type: ignore[arg-type]
+                            on_meta=lambda meta: _check_slot_notice(meta, n), timings=tm, on_header=checks.start)
+        if not copy:
+            tm["in_slot"] = 1  # the tensors are views of the slot (the stream clones the ids if it decodes)
+    elif payload is not None:
         tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm, on_header=checks.start)
     else:
         if spool is None:
@@ -68,6 +96,7 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
         tensors = read_sample_file(SP.resolve_in_spool(spool, n.file), pin_memory=pin_memory, alloc=alloc, timings=tm,
                                    on_header=checks.start)  # fmt: skip
         tm.setdefault("read_s", time.perf_counter() - t0)  # unpinned: safetensors maps the file
+    tm["bytes_copied"] = tm.get("bytes_copied", 0) + copied
     hs, ids, scales = checks.host_checks(tensors)
     if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
         raise InvalidSample("token ids differ from the ones submitted")
@@ -78,7 +107,29 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
         hs, scales = checks.copy.finish()
     elif dev is not None and dev.type != "cpu":
         hs, scales = to_device_checked(hs, scales, dev, tm)
+    if dev is not None and dev.type != "cpu" and tm.pop("in_slot", 0):
+        ids = ids.clone()  # the hidden states are on the device: nothing else holds the slot
+        tm["bytes_copied"] += ids.numel() * ids.element_size()
     return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n, scales)
+
+
+def _check_slot_notice(meta: dict[str, str], n: M.Notice) -> None:
+    """The slot's header must hold the delivered sample's notice: same key, attempt and slot
+    generation. Another is a write of another attempt (late, or into a slot since reassigned)."""
+    raw = meta.get(SF.HEADER_NOTICE_KEY)
+    if raw is None:
+        raise InvalidSample(f"slot header without {SF.HEADER_NOTICE_KEY}")
+    try:
+        hn = M.Notice.decode(raw)
+    except M.ProtocolError as e:
+        raise InvalidSample(f"slot header: bad notice: {e}") from e
+    assert n.slot is not None
+    if hn.key != n.key or hn.attempt != n.attempt or hn.slot is None or hn.slot.generation != n.slot.generation:
+        raise InvalidSample(
+            f"slot holds another write (key {hn.key}, attempt {hn.attempt}, generation "
+            f"{hn.slot.generation if hn.slot else None}), not the delivered {n.key} attempt {n.attempt} "
+            f"generation {n.slot.generation}"
+        )
 
 
 class _SampleChecks:

@@ -3,6 +3,11 @@ in parts on a few threads, its header parsed first by the contract's one parser
 (``connector/contract/sample_file.py``) so that checks and a GPU copy can start before the data
 is all in (``on_header``). Nothing here checks a sample against its notice: that is
 ``sample_checks.py``, which hands this module its callback.
+
+A sample of the arena layout (``connector/contract/arena.py``) is not read at all: its slot is
+parsed in place (:func:`read_slot`) and its tensors are views of the arena, mapped once per
+stream (:class:`ArenaMaps`). The slot stays in use while any of them is alive; the caller learns
+when none is (``keep``: the numpy array under every view, for a ``weakref.finalize``).
 """
 
 from __future__ import annotations
@@ -20,12 +25,108 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
+from connector.contract import arena as A
 from connector.contract import payload as PL
 from connector.contract import sample_file as SF
 from connector.contract.sample_file import MAX_HEADER_BYTES, InvalidSample
 
-__all__ = ["HEAD_BYTES", "MAX_HEADER_BYTES", "READ_PART", "READ_THREADS", "InvalidSample", "OnHeader",
-           "read_into_buffer", "read_parallel", "read_sample_file", "shared_pool"]
+__all__ = ["HEAD_BYTES", "MAX_HEADER_BYTES", "READ_PART", "READ_THREADS", "ArenaMaps", "InvalidSample", "OnHeader",
+           "SlotNotReadable", "read_into_buffer", "read_parallel", "read_sample_file", "read_slot", "shared_pool"]
+
+
+class SlotNotReadable(Exception):
+    """A delivered slot this trainer cannot reach: no arena in its spool, another arena than the
+    slot's (the sidecar made a new one), a slot past its end. Not the sample's fault: the stream
+    reports it FAIL ``not_received`` (produced again, no attempt spent)."""
+
+
+class ArenaMaps:
+    """One stream's mapping of its spool's arena: opened at the first slot, and again when a slot
+    names another arena (a new one replaced it); thread-safe (the check workers share it). A
+    mapping replaced while views of it live stays mapped until the last view goes."""
+
+    def __init__(self, spool: str | os.PathLike[str]) -> None:
+        self.spool = spool
+        self._arena: A.Arena | None = None
+        self._lock = threading.Lock()
+
+    def get(self, slot: A.Slot) -> A.Arena:
+        with self._lock:
+            a = self._arena
+            if a is None or a.id != slot.arena:
+                try:
+                    new = A.Arena.open(self.spool)
+                except A.ArenaError as e:
+                    raise SlotNotReadable(str(e)) from e
+                if a is not None:  # its fd only: a worker may be reading the old mapping now, views may live
+                    os.close(a._fd)
+                self._arena = a = new
+            if a.id != slot.arena:
+                raise SlotNotReadable(f"slot of arena {slot.arena}, the spool's arena is {a.id}")
+            try:
+                a.check(slot)
+            except A.ArenaError as e:
+                raise SlotNotReadable(str(e)) from e
+            return a
+
+    def close(self) -> None:
+        with self._lock:
+            if self._arena is not None:
+                self._arena.close()  # the mapping itself goes with the last view of it
+                self._arena = None
+
+
+def read_slot(arena: A.Arena, slot: A.Slot, *, copy_into: Callable[[int], torch.Tensor] | None = None,
+              keep: Callable[[np.ndarray], None] | None = None, on_meta: Callable[[dict[str, str]], None] | None = None,
+              timings: dict[str, float] | None = None, on_header: OnHeader | None = None) -> dict:  # fmt: skip
+    """A slot's tensors, as views of the arena (zero-copy), or, with ``copy_into`` (a pinned
+    buffer's allocator), copied into one buffer at once, so the slot is free as soon as this
+    returns. Its size comes from its header (``arena.written_size``: a slot not completely
+    written is an :class:`InvalidSample`), its tensors from the contract's one parser (every
+    malformed header an :class:`InvalidSample`); ``on_meta`` sees the header's metadata before
+    any tensor is made (the stream checks that the header's notice is the delivered one).
+    ``keep`` is given the numpy array every view of the slot keeps alive (torch.from_numpy
+    holds it): finalizing it means the slot's bytes are no longer used. ``timings``: ``read_s``
+    (parsing, and the copy if any)."""
+    t0 = time.perf_counter()
+    mv = memoryview(arena.map)[slot.offset : slot.offset + A.SLOT_HEADER]
+    try:
+        head = bytes(mv)
+    finally:
+        mv.release()
+    size = A.written_size(head, slot.length)
+    arr = np.frombuffer(arena.map, dtype=np.uint8, count=size, offset=slot.offset)
+    if copy_into is not None:
+        buf = copy_into(size)
+        view = buf.numpy()
+        view[:] = arr
+        _count(timings, size)
+        if keep is not None:
+            keep(arr)
+        del arr  # the slot is free from here
+        head = view[: A.SLOT_HEADER].tobytes()  # everything from the copy: what is checked is what is used
+        A.written_size(head, slot.length)
+        base, out_view = buf, view
+    else:
+        if keep is not None:
+            keep(arr)
+        base, out_view = torch.from_numpy(arr), arr
+    spans, meta = SF.parse_header(head, size, PL.safetensors_itemsizes())
+    if on_meta is not None:
+        on_meta(meta)
+    tensors = {name: base[sp.start : sp.end].view(PL.safetensors_torch_dtype(sp.dtype)).view(sp.shape)
+               for name, sp in spans.items()}  # fmt: skip
+    del out_view
+    if timings is not None:
+        timings["read_s"] = time.perf_counter() - t0
+    if on_header is not None:
+        if copy_into is not None:
+            feed = on_header(tensors, {name: (sp.start, sp.end) for name, sp in spans.items()})
+            if feed is not None:
+                feed(0, size)
+        elif (feed := on_header(tensors, None)) is not None:
+            feed(0, 0)
+    return tensors
 
 
 def read_sample_file(path: Path | None = None, payload: bytes | memoryview | None = None, *,
@@ -49,6 +150,7 @@ def read_sample_file(path: Path | None = None, payload: bytes | memoryview | Non
             if payload is not None:
                 SF.header_length(bytes(payload[:8]), len(payload))  # its limit is ours
                 out = safetensors_load(payload)
+                _count(timings, len(payload))  # parsed into new tensors: a copy
             else:
                 with open(path, "rb") as f:  # type: ignore[arg-type]
                     SF.header_length(f.read(8), os.fstat(f.fileno()).st_size)
@@ -197,6 +299,7 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
     t0 = time.perf_counter()
     buf = alloc(size)
     t1 = time.perf_counter()
+    _count(timings, size)  # the whole file into the buffer
     view = buf.numpy()
     if payload is not None:
         view[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -225,6 +328,13 @@ def read_into_buffer(path: Path | None, payload: bytes | memoryview | None, allo
     if timings is not None:
         timings["alloc_s"], timings["read_s"] = t1 - t0, time.perf_counter() - t1
     return tensors
+
+
+def _count(timings: dict[str, float] | None, nbytes: int) -> None:
+    """A copy of ``nbytes`` into host memory, for ``timings["bytes_copied"]`` (the stream's
+    ``stats["bytes_copied"]``)."""
+    if timings is not None:
+        timings["bytes_copied"] = timings.get("bytes_copied", 0) + nbytes
 
 
 def _tensors_in(buf: torch.Tensor, view: np.ndarray, size: int) -> tuple[dict, dict[str, tuple[int, int]]]:

@@ -12,13 +12,32 @@ results come back to it, as they finish (or in delivery order: ``ordered``).
 This module is the client (the socket, credit, leases, acks). What it yields is
 ``sample.py``'s :class:`Sample`; a delivery is read by ``sample_reader.py``, checked by
 ``sample_checks.py`` (finiteness: ``finite.py``) and copied to a GPU by ``device_copy.py``.
+
+The arena layout (``connector/contract/arena.py``: ``notice.slot`` set, ``file`` None): the
+sample is read in place, its hidden states yielded as views of the arena's slot (unless copied
+to a device or into pinned memory), and nothing is renamed or deleted. The slot's bytes are in
+use until no view of them is alive, so its RECEIVED (on which the sidecar frees the slot for
+another sample) waits for that: a ``weakref.finalize`` on the array under the views (any
+thread, often the loop's own, when it drops a sample) only queues the slot, and the iterating
+thread, which alone owns the socket, sends the RECEIVED when it next runs (each turn of its
+loop, each wakeup of its poll, ``ack_through``, close). ACKs are not held back for it: a loop
+that asks for the next sample while it still holds the last one (``for x in stream``) acks it
+as usual, and the sidecar keeps a consumed sample's slot until its RECEIVED (or until this
+trainer is gone), so no slot is reused under a live view. A loop that keeps views for good
+keeps their slots: production slows (the arena fills), nothing is overwritten. Views are
+valid while the stream is open; after :meth:`close`, until the sidecar drops this trainer
+(``HSSTREAM_TRAINER_TIMEOUT_S``). A sample dequantised by the stream (FP8 → ``dequantize``) holds no view: its
+slot is released as soon as it is decoded.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import queue
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -46,7 +65,7 @@ from trainer_client.finite import all_finite
 from trainer_client.host_buffers import HostBuffers
 from trainer_client.sample import Sample
 from trainer_client.sample_checks import load_and_check, read_hidden_states
-from trainer_client.sample_reader import read_into_buffer, read_parallel, read_sample_file
+from trainer_client.sample_reader import ArenaMaps, SlotNotReadable, read_into_buffer, read_parallel, read_sample_file
 
 #: The stream's public names, with those of the modules it is built from (the sample, its reading
 #: and checks), so ``from trainer_client.stream import …`` reaches them all.
@@ -59,6 +78,21 @@ log = logging.getLogger("hsstream.trainer")
 
 class StreamError(RuntimeError):
     pass
+
+
+@dataclass(eq=False)
+class _SlotHold:
+    """One delivered arena slot while this trainer may use its bytes: read by a worker (``kept``
+    once its views' array is registered), checked (``settled``) or refused (``dead``), and
+    ``released`` once no view is left. Its RECEIVED (every token it was delivered with) goes
+    when it is both settled and released."""
+
+    key: M.SampleKey
+    tokens: list[str]
+    kept: bool = False
+    settled: bool = False
+    released: bool = False
+    dead: bool = False
 
 
 def _unlink(path: Path) -> None:
@@ -236,9 +270,27 @@ class HiddenStateStream:
         # wait_s: time the iterator spent with nothing from the sidecar (waiting for data);
         # load_s: reading and validating samples (summed over the workers); check_wait_s: time
         # the iterator waited for a worker with nothing else to do.
+        # bytes_copied: host bytes copied to get the yielded samples' tensors (a file read into a
+        # buffer, a transport's payload copied or parsed, a slot copied out into pinned memory, the
+        # token ids out of a slot), counted where the copies are made; not a mapped file's or a
+        # slot's pages read in place, not copies to a device (sample_checks.load_and_check).
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "not_received": 0, "duplicates": 0, "bytes": 0,
-                      "reconnects": 0, "wait_s": 0.0, "load_s": 0.0, "check_wait_s": 0.0}  # fmt: skip
+                      "bytes_copied": 0, "reconnects": 0, "wait_s": 0.0, "load_s": 0.0,
+                      "check_wait_s": 0.0}  # fmt: skip
+        # The arena layout (module docstring): the spool's arena, mapped at the first slot; each
+        # slot delivered and not yet RECEIVED; the slots whose views are gone (from any thread);
+        # ACKs waiting for their sample's RECEIVED.
+        self._arenas = ArenaMaps(self.spool)
+        self._slot_holds: dict[int, _SlotHold] = {}
+        self._slot_of_key: dict[M.SampleKey, int] = {}
+        self._slot_released: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._hold_ids = itertools.count(1)
         self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
+
+    @property
+    def slots_held(self) -> int:
+        """Arena slots of checked samples whose RECEIVED waits for their views to go."""
+        return sum(1 for h in self._slot_holds.values() if h.settled and not h.released)
 
     @property
     def waited_s(self) -> float:
@@ -347,13 +399,85 @@ class HiddenStateStream:
         keys = [k for k in keys if k not in self._acked]
         if keys and self._sock is not None:
             self._collect_deletes(wait_for=set(keys))  # a sample's RECEIVED before its ACK
-            for lo in range(0, len(keys), ACK_KEYS):  # each message well within the sidecar's size limit
-                part = keys[lo : lo + ACK_KEYS]
-                self._send(M.Ack(keys=part, tokens=[self._tokens.pop(k, "") for k in part]))
+            self._drain_released()
+            self._send_acks([(k, self._tokens.pop(k, "")) for k in keys])
             for k in keys:
                 self._acked[k] = None
             while len(self._acked) > self.acked_memory:
                 self._acked.popitem(last=False)
+
+    def _send_acks(self, pairs: list[tuple[M.SampleKey, str]]) -> None:
+        """ACK ``pairs`` (key, token), a bounded number of keys per message."""
+        ready = pairs
+        for lo in range(0, len(ready), ACK_KEYS):  # each message well within the sidecar's size limit
+            part = ready[lo : lo + ACK_KEYS]
+            self._send(M.Ack(keys=[k for k, _ in part], tokens=[t for _, t in part]))
+
+    # -- the arena layout's slots ------------------------------------------------------------------
+    @staticmethod
+    def _is_slot(d: M.Deliver) -> bool:
+        return d.notice.slot is not None and d.notice.file is None
+
+    def _hold(self, d: M.Deliver) -> Any:
+        """A new hold for a slot delivery; returns the ``keep`` its reader registers the views'
+        array with (the finalizer only queues the hold's id: it may run on any thread)."""
+        hid = next(self._hold_ids)
+        hold = _SlotHold(d.notice.key, [d.token])  # type: ignore[arg-type]
+        self._slot_holds[hid] = hold
+        self._slot_of_key[hold.key] = hid
+        released = self._slot_released
+
+        def keep(arr: Any) -> None:
+            hold.kept = True
+            weakref.finalize(arr, released.put, hid)
+
+        return keep
+
+    def _drain_released(self) -> None:
+        """The slots whose views are gone (queued by their finalizers): RECEIVED for the checked
+        ones; a refused one's hold is dropped. On the iterating thread only."""
+        if self._sock is None:
+            return
+        while True:
+            try:
+                hid = self._slot_released.get_nowait()
+            except queue.Empty:
+                return
+            hold = self._slot_holds.get(hid)
+            if hold is None:
+                continue
+            hold.released = True
+            if hold.settled:
+                self._slot_received(hid)
+            elif hold.dead:
+                self._forget_hold(hid)
+
+    def _forget_hold(self, hid: int) -> _SlotHold:
+        hold = self._slot_holds.pop(hid)
+        if self._slot_of_key.get(hold.key) == hid:
+            del self._slot_of_key[hold.key]
+        return hold
+
+    def _slot_received(self, hid: int) -> None:
+        """A checked slot's bytes are no longer used: RECEIVED (every token it came with)."""
+        hold = self._forget_hold(hid)
+        self._send(M.Received(keys=[hold.key] * len(hold.tokens), tokens=hold.tokens))
+
+    def _slot_settled(self, d: M.Deliver, ok: bool) -> None:
+        """A slot delivery's check is over: ``ok``, its RECEIVED goes once its views are gone
+        (now, if none was kept); else it was refused (FAIL) and its release sends nothing."""
+        hid = self._slot_of_key.get(d.notice.key)  # type: ignore[arg-type]
+        if hid is None:
+            return
+        self._drain_released()
+        hold = self._slot_holds[hid]
+        if ok:
+            hold.settled = True
+            if hold.released or not hold.kept:
+                self._slot_received(hid)
+        else:
+            hold.dead = True
+            self._forget_hold(hid)  # a late finalizer finds no hold: nothing is sent
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Sample]:
@@ -372,6 +496,7 @@ class HiddenStateStream:
         idle_since = time.monotonic()
         end: M.End | None = None
         while True:
+            self._drain_released()  # the views the loop dropped: their RECEIVEDs before its acks
             if self.ack_mode == "use" and self._used:
                 self.ack_all_used()
             self._flush()
@@ -392,6 +517,7 @@ class HiddenStateStream:
                 self._waiting_since = None
                 sample.timings["handed"] = time.time()
                 yield sample
+                del sample  # the loop's, not ours: a slot's RECEIVED waits for its views to go
                 self._waiting_since = time.monotonic()
                 idle_since = time.monotonic()
                 continue
@@ -414,6 +540,7 @@ class HiddenStateStream:
             self.stats["check_wait_s" if busy else "wait_s"] += time.perf_counter() - t0
             self._pool.clear_wakeups()
             self._deletes.clear_wakeups()  # its finished deletes are collected at the loop's top
+            self._drain_released()
             if sock not in events:
                 if busy:
                     continue  # a worker is on it: the sidecar's silence and our deadline wait
@@ -455,7 +582,7 @@ class HiddenStateStream:
             self._acked.move_to_end(key)  # the sidecar has not seen our ack yet: keep it fresh
             self.stats["duplicates"] += 1
             self._drop_copy(d)
-            self._send(M.Ack(keys=[key], tokens=[d.token]))
+            self._send_acks([(key, d.token)])  # after the RECEIVED of a slot still in use
             return False
         self._tokens[key] = d.token  # the latest lease: the one our ack must name
         if key in self._used_set:
@@ -468,7 +595,7 @@ class HiddenStateStream:
             # Redelivered while a worker still has it: that copy is yielded; this one's file is
             # freed unless it is the very file the worker reads (then that worker's settling does).
             self.stats["duplicates"] += 1
-            if d.notice.file != self._held[key]:
+            if d.notice.file != self._held[key] or self._is_slot(d):
                 self._drop_copy(d)
             return False
         return True
@@ -491,22 +618,34 @@ class HiddenStateStream:
             return
         received = time.time()
         data = self._fetch(d, payload)
+        keep = self._hold(d) if self._is_slot(d) and data is None else None
         if self.pin_memory and not self.host_buffers.stats["warmed"]:
             # Before the first burst: one cached pinned block per sample the pool may hold.
             n = d.notice
             self.host_buffers.warm(n.nbytes + 8 * n.num_tokens + SF.HEADER_ALLOWANCE, self.credit + 1)
-        job = self._pool.submit(d, self._load, d, data, received)
+        job = self._pool.submit(d, self._load, d, data, received, keep)
         self._held[d.notice.key] = d.notice.file  # type: ignore[index]
         if isinstance(data, memoryview):
             self._view_job = job
 
-    def _load(self, d: M.Deliver, data: bytes | memoryview | None, received: float) -> Sample:
-        """Read and check one delivery (on a worker: touches no socket and no stream state)."""
+    def _load(self, d: M.Deliver, data: bytes | memoryview | None, received: float, keep: Any = None) -> Sample:
+        """Read and check one delivery (on a worker: touches no socket and no stream state;
+        ``keep`` registers a slot's views, see :meth:`_hold`)."""
         tm: dict[str, float] = {"received": received, "started": time.time()}
-        spool = self.spool if self._receiver is not None and self._receiver.reads_spool else None
+        reads_spool = self._receiver is not None and self._receiver.reads_spool
+        spool = self.spool if reads_spool else None
         sample = load_and_check(spool, d, data, pin_memory=self.pin_memory, device=self.device,
-                                alloc=self.host_buffers.alloc, timings=tm)  # fmt: skip
-        sample = sample.dequantized(self.dequantize)
+                                alloc=self.host_buffers.alloc, timings=tm, arenas=self._arenas if reads_spool else None,
+                                keep=keep)  # fmt: skip
+        decoded = sample.dequantized(self.dequantize)
+        if decoded is not sample and tm.pop("in_slot", 0):
+            # Decoded into new tensors: the slot's last views are the token ids; copied out, the
+            # slot is released as soon as this returns.
+            decoded.token_ids = decoded.token_ids.clone()
+            tm["bytes_copied"] = tm.get("bytes_copied", 0) + decoded.token_ids.numel() * 8
+        sample = decoded
+        del decoded
+        tm.pop("in_slot", None)
         tm["checked"] = time.time()
         sample.timings = tm
         return sample
@@ -517,6 +656,10 @@ class HiddenStateStream:
         self._held.pop(key, None)  # type: ignore[arg-type]
         try:
             sample = job.result()
+        except SlotNotReadable as e:  # before ValueError's handler: not the sample's fault
+            self._slot_settled(d, False)
+            self._not_received(d, e)
+            return None
         except OSError as e:
             if not self._reads_a_marked_spool():
                 # A wrong spool_dir: reporting the sample failed, or not received, would churn
@@ -530,6 +673,7 @@ class HiddenStateStream:
             self._not_received(d, e)
             return None
         except (InvalidSample, M.ProtocolError, ValueError) as e:
+            self._slot_settled(d, False)
             self._unread_run = 0
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
@@ -540,8 +684,12 @@ class HiddenStateStream:
         tm = sample.timings
         if "started" in tm and "checked" in tm:
             self.stats["load_s"] += tm["checked"] - tm["started"]
-        # The tensors are in memory (read or copied out of the file): the file can go now.
         self.stats["bytes"] += d.notice.nbytes
+        self.stats["bytes_copied"] += int(tm.get("bytes_copied", 0))
+        if self._is_slot(d) and self._slot_of_key.get(d.notice.key) is not None:  # type: ignore[arg-type]
+            self._slot_settled(d, True)  # its RECEIVED once no view of the slot is left
+            return sample
+        # The tensors are in memory (read or copied out of the file): the file can go now.
         self._drop_copy(d, aside=True)
         return sample
 
@@ -555,7 +703,7 @@ class HiddenStateStream:
         except OSError:  # e.g. another user's 0700 spool
             return False
 
-    def _not_received(self, d: M.Deliver, e: OSError) -> None:
+    def _not_received(self, d: M.Deliver, e: Exception) -> None:
         """A delivered file is gone or unreadable in our spool (deleted by hand or by a clean-up,
         or a transient read error): the sample is fine, we just never had it. FAIL with
         ``not_received`` has the sidecar produce it again without spending an attempt. A long
@@ -564,16 +712,17 @@ class HiddenStateStream:
         key = d.notice.key
         self.stats["not_received"] += 1
         self._unread_run += 1
-        why = e.strerror or str(e)
+        why = getattr(e, "strerror", None) or str(e)
+        where = d.notice.file if d.notice.file is not None else f"its arena slot {d.notice.slot}"
         log.warning("sample %s not received: cannot read %s in %s (%s); the sidecar produces it again",
-                    key, d.notice.file, self.spool, why)  # fmt: skip
+                    key, where, self.spool, why)  # fmt: skip
         self._tokens.pop(key, None)  # type: ignore[arg-type]
         self._send(M.Fail(key=key, reason=f"not received: {why}"[:500], not_received=True,  # type: ignore[arg-type]
                           token=d.token))
         if self._unread_run >= max(16, 2 * self.credit):
             raise StreamError(
                 f"{self._unread_run} delivered files in a row could not be read in spool_dir {self.spool} "
-                f"(last: {d.notice.file!r}: {why}). Is spool_dir the spool of the sidecar at {self.endpoint}?"
+                f"(last: {where!r}: {why}). Is spool_dir the spool of the sidecar at {self.endpoint}?"
             ) from e
 
     def _collect_deletes(self, wait_for: Iterable[M.SampleKey] = (), *, every: bool = False) -> None:
@@ -596,9 +745,10 @@ class HiddenStateStream:
         if not self._admit(d):
             return None
         data = self._fetch(d, payload)
+        keep = self._hold(d) if self._is_slot(d) and data is None else None
         job: Future = Future()
         try:
-            job.set_result(self._load(d, data, time.time()))
+            job.set_result(self._load(d, data, time.time(), keep))
         except Exception as e:  # noqa: BLE001 - settled below exactly as a worker's result
             job.set_exception(e)
         return self._settle(d, job)
@@ -607,7 +757,17 @@ class HiddenStateStream:
         """Free the delivered file (ours to delete when we read the spool; else the sidecar
         deletes its own on RECEIVED) and tell the sidecar its spool bytes are free. ``aside``:
         renamed out of the spool now (for the sidecar, as if deleted), its bytes freed by the
-        deleter thread, unless that has no thread or is full."""
+        deleter thread, unless that has no thread or is full. An arena slot is never touched:
+        a copy delivered again while the first one's slot is in use has its RECEIVED go with
+        that one's (the sidecar frees the slot on either)."""
+        if self._is_slot(d):
+            hid = self._slot_of_key.get(d.notice.key)  # type: ignore[arg-type]
+            if hid is not None:
+                self._slot_holds[hid].tokens.append(d.token)
+                return
+            if d.notice.key is not None:
+                self._send(M.Received(keys=[d.notice.key], tokens=[d.token]))
+            return
         if self._receiver is not None and self._receiver.reads_spool:
             if aside and self._deletes.workers and not self._deletes.full:
                 if (retired := SP.retire_from_spool(self.spool, d.notice.file)) is not None:
@@ -645,11 +805,16 @@ class HiddenStateStream:
                 self._settle(d, job)
             except StreamError as e:  # the error the loop saw (or will not see now): the lease goes back
                 unread.append(str(e))
+        d = job = None  # type: ignore[assignment]  # the last one's sample (a slot's views) goes now
         if unread:
             log.warning("closing: %d delivered sample(s) not read, their leases go back: %s", len(unread), unread[0])
         self._view_job = None
         if self._sock is not None:
             self._collect_deletes(every=True)  # every RECEIVED before the acks
+            self._drain_released()  # the slots of samples dropped (those settled just now too)
+            if (held := self.slots_held):
+                log.info("closing: %d arena slot(s) still viewed by live tensors: no RECEIVED for them (the "
+                         "sidecar takes them back when it drops this trainer)", held)  # fmt: skip
             if self.ack_mode == "use":
                 if self._used:
                     self._used_set.discard(self._used.pop())
@@ -661,6 +826,7 @@ class HiddenStateStream:
             self._sock.close(linger=0 if self._outbox else 2000)
             self._sock = None
         self._deletes.close()  # the retired copies' deletes finish first
+        self._arenas.close()  # the mapping itself stays while views of it live
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

@@ -42,6 +42,9 @@ KV_PARAMS_KEY = "hsstream"
 KV_PARAMS_PATH_KEY = "hidden_states_path"
 #: Key of the response's ``kv_transfer_params`` that says why no file will come.
 KV_PARAMS_ERROR_KEY = "hidden_states_error"
+#: Key of the response's ``kv_transfer_params`` for a sample of the arena layout: the slot it is
+#: written to (``Slot`` as JSON), in place of a ``hidden_states_path`` (no file exists).
+KV_PARAMS_SLOT_KEY = "hsstream_slot"
 
 
 class VersionMismatch(ProtocolError):

@@ -356,6 +356,18 @@ class EngineInfo(BaseModel):
     down_for_s: float | None
 
 
+class ArenaUsage(BaseModel):
+    """The arena spool layout's occupancy (``HSSTREAM_SPOOL_LAYOUT=arena``)."""
+
+    size: int = Field(description="bytes of the arena file, its header page included")
+    used_bytes: int = Field(description="bytes of the slots samples hold now")
+    slots: int = Field(description="slots held now")
+    free_bytes: int
+    largest_free: int = Field(description="the largest sample that fits now (one contiguous range)")
+    quarantined_bytes: int = Field(description="slots given up by abandoned requests, not yet assignable")
+    refused: int = Field(description="times a sample waited for want of a free range")
+
+
 class Stats(BaseModel):
     """``GET /v1/stats``: the sidecar's counters, for diagnosis (``/v1/overview`` is the summary)."""
 
@@ -372,3 +384,5 @@ class Stats(BaseModel):
     submitter: dict[str, int]
     states: dict[str, int]
     in_flight: int
+    spool_layout: str = "files"
+    arena: ArenaUsage | None = None

@@ -31,11 +31,20 @@ HEADER_NOTICE_KEY = "hsstream.notice"
 
 #: Checksum kinds a file's notice may name (``Notice.checksum_algo``). The connector writes
 #: the one configured (``HSSTREAM_CHECKSUM``), the reader verifies whichever the notice names.
-#: blake3 is the default; "xxh3-128" (xxHash's XXH3, 128 bits) is several times cheaper per
-#: byte and enough to catch torn or corrupted files, for hosts where checking must keep up
-#: with a GPU.
+#: ``CHECKSUM_ALGO`` (blake3) is what a notice without the field means, and these functions'
+#: default: the wire format's, unchanged.
 CHECKSUM_ALGOS = ("blake3", "xxh3-128")
 CHECKSUM_ALGO = "blake3"
+#: What the connector writes unless told otherwise (``HSSTREAM_CHECKSUM``): xxh3-128 (xxHash's
+#: XXH3, 128 bits) on one thread. It is computed inside vLLM's worker, whose cores the engine
+#: needs: on the H200 host xxh3-128 took 2.1 ms and 2.1 ms of CPU per 33.5 MB sample where
+#: blake3 took 6.2 ms on one thread, 2.2 ms on four (7.5 ms of CPU), 0.8 ms on all 16 (9.3 ms of
+#: CPU) (``bench/checksum_cost.py``, docs/benchmarks.md). It has to catch torn or corrupted
+#: bytes, not forged ones: the spool and the sockets are this user's or CURVE's; only bytes read
+#: over Mooncake's unauthenticated TCP could be changed on the way, and there blake3 (its digest
+#: arriving over CURVE) would also catch a deliberate change: set blake3 where Mooncake runs
+#: over a network that is not trusted.
+CONNECTOR_CHECKSUM_ALGO = "xxh3-128"
 
 #: Upper bound of a file's safetensors header (tensor table + our notice as metadata).
 HEADER_ALLOWANCE = 4096
@@ -56,7 +65,9 @@ def checksum(*buffers: Any, algo: str = CHECKSUM_ALGO, threads: int = 1) -> str:
     One definition for files on the spool and bytes sent over the network. Both kinds release
     the GIL on large inputs, so checking never stalls the engine or the training loop.
     ``threads`` (blake3 only; 0 = as many as useful) does not change the digest: the writer
-    inside vLLM keeps one thread, the trainer, which must keep up with a GPU, uses all.
+    inside vLLM keeps one (``HSSTREAM_CHECKSUM_THREADS``: more threads shorten a sample's
+    checksum but cost more CPU in all, taken from the engine), the trainer, which must keep up
+    with a GPU, uses all.
     """
     if algo == "blake3":
         import blake3

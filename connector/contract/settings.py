@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from connector.contract import endpoints as E
+from connector.contract.sample_file import CONNECTOR_CHECKSUM_ALGO
 
 
 def _default_run_dir() -> str:
@@ -135,7 +136,12 @@ class Settings(BaseSettings):
     # Layer order in the files: "config" (the order of layer_ids) or "sorted" (ascending, as
     # vLLM's Example connector writes; what speculators expects: it takes the last as layer N).
     layer_order: str = "config"
-    checksum: str = "blake3"  # one of protocol.CHECKSUM_ALGOS, named in every notice
+    # The connector's checksum, one of sample_file.CHECKSUM_ALGOS, named in every notice (the
+    # reader verifies that kind): xxh3-128 by default, the cheapest in the engine's CPU
+    # (sample_file.CONNECTOR_CHECKSUM_ALGO says why). blake3's threads per checksum (0: all
+    # cores): each shortens a sample's checksum and adds CPU taken from the engine; xxh3 has one.
+    checksum: str = CONNECTOR_CHECKSUM_ALGO
+    checksum_threads: int = Field(default=1, ge=0, le=1024)
     # How hidden states are stored (connector/contract/payload.py): "model" (the verifier's dtype) or
     # "fp8_e4m3" (hs-connectors' FP8 layout, per-token scales: ~0.5x the bytes). Read by the
     # connector (writes it) and the sidecar (prices samples by it before the first notice).

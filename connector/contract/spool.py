@@ -29,6 +29,7 @@ import re
 import stat
 from pathlib import Path
 
+from connector.contract.arena import ARENA_NAME
 from connector.contract.errors import ProtocolError
 
 FILE_SUFFIX = ".safetensors"
@@ -222,10 +223,15 @@ def is_marked_spool(spool: str | os.PathLike[str]) -> bool:
 
 def own_spool_entries(spool: str | os.PathLike[str]) -> list[str]:
     """Names in ``spool`` that are ours to delete: the connector's files and temporary files,
-    and only in a marked spool (an unmarked directory may be anything, e.g. a model folder)."""
+    the sidecar's arena (``arena.ARENA_NAME``, and one it was making), and only in a marked
+    spool (an unmarked directory may be anything, e.g. a model folder)."""
     if not is_marked_spool(spool):
         return []
-    return [e.name for e in os.scandir(spool) if is_own_name(e.name) and e.is_file(follow_symlinks=False)]
+
+    def ours(name: str) -> bool:
+        return is_own_name(name) or name == ARENA_NAME or (name.startswith(ARENA_NAME + ".") and name.endswith(".new"))
+
+    return [e.name for e in os.scandir(spool) if ours(e.name) and e.is_file(follow_symlinks=False)]
 
 
 def claim_spool(spool: str | os.PathLike[str]) -> bool:

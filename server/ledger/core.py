@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from connector import protocol as P
+from connector.contract.arena import Slot
 from server.arena import ArenaStats, SlotAllocator
 from server.ledger.budget import SpoolBudget
 from server.ledger.rows import Job, SampleRow
@@ -58,6 +59,10 @@ class LedgerCore:
         #: The arena layout's allocator (``server/arena.py``), None with files: samples get a
         #: slot at submission and give it back in :meth:`_save` when their bytes are free.
         self._slots: SlotAllocator | None = None
+        #: Slots of samples acked before their RECEIVED (the trainer asked past a sample it still
+        #: holds views of): key -> (slot, trainer, lease token), kept until that RECEIVED or until
+        #: the trainer is gone, and on disk in the row's ``slot`` meanwhile (a restart quarantines them).
+        self._consumed_slots: dict[P.SampleKey, tuple[Slot, bytes, str]] = {}
 
     # The connection, for the parts' own queries (tests swap it for a wrapper that fails writes).
     @property
@@ -134,6 +139,8 @@ class LedgerCore:
         finished), or its bytes were freed while in flight (the trainer's RECEIVED, a lost
         copy). Given back from SUBMITTED (a writer may still write) or LEASED (a trainer may
         still read) without the trainer's RECEIVED, it goes into quarantine."""
+        if s.state == State.consumed and s.key in self._consumed_slots:
+            return  # its trainer may still read it: given back on its RECEIVED (``Leases.received``)
         leaving = s.state not in IN_FLIGHT
         freed = s.state in (State.ready, State.leased) and s.on_disk_bytes == 0
         if not (leaving or freed):
@@ -156,6 +163,15 @@ class LedgerCore:
         """The arena's occupancy (None with files), for ``/v1/stats``."""
         with self._lock:
             return self._slots.stats() if self._slots is not None else None
+
+    def _drop_consumed_slot(self, key: P.SampleKey, *, quarantine: bool) -> int:
+        """Give back a consumed sample's slot kept for its trainer; returns its bytes."""
+        slot, _, _ = self._consumed_slots.pop(key)
+        if self._slots is not None:
+            self._slots.free(slot, quarantine=quarantine)
+        self._db.execute("UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?",
+                         (key.job, key.epoch, key.index))  # fmt: skip
+        return slot.length
 
     def attach_slots(self, slots: SlotAllocator) -> None:
         """The arena layout: from now on samples get slots. Call before :meth:`recover`, which
@@ -281,6 +297,15 @@ class LedgerCore:
             # state and never heard the moves that led to the rows read here: the moves recovery
             # makes are not told to them, or a SUBMITTED → QUEUED would count below zero.
             self._deferred = []
+            with self._tx():  # slots consumed samples held for a trainer before the restart: quarantined
+                for jid, ep, idx, slot in self._db.execute(
+                    "SELECT job_id, epoch, idx, slot FROM samples WHERE slot IS NOT NULL AND state = 'consumed'"
+                ).fetchall():
+                    held = Slot.model_validate_json(slot)
+                    if self._slots is not None and self._slots.reserve(held):
+                        self._slots.free(held, quarantine=True)
+                    self._db.execute("UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?", (jid, ep, idx))
+                    stats["consumed_slots_quarantined"] += 1
             samples = list(map(row_to_sample, rows))
             for s in samples:  # the slot table from the rows: a slot of another arena (or none now) is gone
                 if s.slot is not None and (self._slots is None or not self._slots.reserve(s.slot)):

@@ -83,6 +83,8 @@ class Leases(LedgerCore):
         """Whether ``token`` is the secret of ``key``'s latest lease: the proof that whoever
         sends it was delivered the sample. Nothing else lets a trainer settle one."""
         with self._lock:
+            if (held := self._consumed_slots.get(key)) is not None:  # its job may be compacted already
+                return bool(token) and hmac.compare_digest(held[2], token)  # type: ignore[arg-type]
             s = self.get(key)
             return bool(s is not None and s.lease_token and token and hmac.compare_digest(s.lease_token, token))
 
@@ -100,6 +102,11 @@ class Leases(LedgerCore):
         stays READY: taking it for lost would drop the new file from the ledger and leave it
         in the spool for the reaper. ``file_exists`` None: cannot tell, taken as gone."""
         with self._lock:
+            if (held := self._consumed_slots.get(key)) is not None:
+                # Acked before this RECEIVED (its views outlived the ack): the slot is free now.
+                if held[1] != owner or not self.holds(key, token):
+                    return 0
+                return self._drop_consumed_slot(key, quarantine=False)
             s = self._live.get(key)
             if s is None or s.on_disk_bytes == 0 or not self.holds(key, token):
                 return 0
@@ -136,6 +143,9 @@ class Leases(LedgerCore):
                 self.reserved_bytes -= s.expected_bytes
             if orphans is not None and s.on_disk_bytes and s.notice is not None and s.notice.file:
                 orphans.append((key, s.notice.file))
+            if s.slot is not None and s.on_disk_bytes and s.lease_owner == owner and self._slots is not None:
+                # Acked while its trainer may still hold views (no RECEIVED yet): the slot stays its.
+                self._consumed_slots[key] = (s.slot, owner, token)  # type: ignore[assignment]
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes = 0
             s.lease_owner = None
@@ -160,7 +170,7 @@ class Leases(LedgerCore):
             saved = ([(s, s.state, s.saved, s.on_disk_bytes, s.lease_owner) for s in samples],
                      [(j, j.tokens_consumed, j.bytes_consumed, Counter(j.state_counts), j.finished)
                       for j in jobs.values()],
-                     self.reserved_bytes, self._n_ready)  # fmt: skip
+                     self.reserved_bytes, self._n_ready, set(self._consumed_slots))  # fmt: skip
             self._deferred = []
             try:
                 left: list[tuple[P.SampleKey, str]] = []
@@ -174,6 +184,8 @@ class Leases(LedgerCore):
                 for j, tok, nb, counts, fin in saved[1]:
                     j.tokens_consumed, j.bytes_consumed, j.state_counts, j.finished = tok, nb, counts, fin
                 self.reserved_bytes, self._n_ready = saved[2], saved[3]
+                for k in set(self._consumed_slots) - saved[4]:  # kept for acks that did not apply
+                    del self._consumed_slots[k]
                 self._deferred = None
                 raise
             self._tell_deferred()
@@ -207,6 +219,8 @@ class Leases(LedgerCore):
         """A trainer went away: its leases go back to READY if the file is there, else QUEUED."""
         n = 0
         with self._lock:
+            for key in [k for k, (_, o, _) in self._consumed_slots.items() if o == owner]:
+                self._drop_consumed_slot(key, quarantine=True)  # its views, if any, may still be read
             for s in [x for x in self._live.values() if x.state == State.leased and x.lease_owner == owner]:
                 n += 1
                 s.lease_owner = None

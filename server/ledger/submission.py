@@ -150,8 +150,8 @@ class Submission(LedgerCore):
             if n.slot is not None and n.slot != smp.slot:
                 return NoticeOutcome.refused  # not the slot this attempt was given (forged, or a stale copy)
             self.reserved_bytes -= smp.expected_bytes
-            if smp.slot is not None and n.slot is None and self._slots is not None:
-                # Its writer is done and did not use the slot (wrote a file, or failed): free now.
+            if smp.slot is not None and (n.slot is None or n.status != P.NoticeStatus.ok) and self._slots is not None:
+                # Its writer is done and did not use the slot (wrote a file, was busy or failed): free now.
                 self._slots.free(smp.slot)
                 smp.slot = None
             if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault

@@ -8,7 +8,7 @@ from collections import Counter
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from connector.contract.rest import EngineInfo, Overview, SampleSize, Stats
+from connector.contract.rest import ArenaUsage, EngineInfo, Overview, SampleSize, Stats
 from server.dependencies import ServicesDep, require_token
 from server.overview import overview
 
@@ -38,6 +38,8 @@ async def stats(svc: ServicesDep) -> Stats:
         submitter=sub.stats,
         states=dict(sum((Counter(j.counts()) for j in list(ledger.jobs.values())), Counter())),
         in_flight=ledger.in_flight(),
+        spool_layout=svc.settings.spool_layout,
+        arena=ArenaUsage(**vars(a)) if (a := ledger.arena_stats()) is not None else None,
     )
 
 

@@ -72,6 +72,11 @@ def wait_spool_empty(stack: Stack, timeout: float = REAPER_WAIT_S) -> list[str]:
     t0 = time.monotonic()
     while (left := stack.spool_files()) and time.monotonic() - t0 < timeout:
         time.sleep(0.1)
+    # The arena layout: no slot still held (a quarantined one is free, only not yet reusable).
+    while not left and stack.held_slots() and time.monotonic() - t0 < timeout:
+        time.sleep(0.1)
+    if not left and stack.held_slots():
+        left = [f"{stack.held_slots()} arena slot(s) still held"]
     return left
 
 

@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from connector.contract import arena as A
 from connector.contract import messages as M, sample_file as SF
+from connector.contract import payload as PL
 from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob
 
 #: What ``corrupt`` may ask for: "checksum" changes one stored bit after the checksum was taken
@@ -26,7 +28,7 @@ CORRUPTIONS = ("checksum", "nan")
 
 
 class SampleFile(NamedTuple):
-    path: Path
+    path: Path  # the arena layout: the arena's file
     notice: M.Notice
     deliver: M.Deliver
     hidden_states: torch.Tensor  # as stored in the file (FP8: the quantised values)
@@ -58,6 +60,7 @@ def write_sample(
     model: str = "m",
     algo: str = SF.CHECKSUM_ALGO,
     corrupt: str | None = None,
+    slot: A.Slot | None = None,
     **notice_kw: Any,
 ) -> SampleFile:
     """Write one sample file into ``spool`` as the connector does, and return it with its notice.
@@ -66,7 +69,12 @@ def write_sample(
     e.g. ``float8_e4m3fn``); left out, random values of ``tokens`` × ``layer_ids`` × ``hidden``
     from ``seed``. ``plain``: a plain vLLM request's file (no sample key). ``notice_kw``
     overrides notice fields after the write (a bad field: the header's notice and the delivered
-    one both carry it)."""
+    one both carry it).
+
+    ``slot``: the arena layout, the sample written into that slot of the arena in ``spool``
+    (:func:`make_arena`) by the same writer; ``notice_kw`` then changes only the delivered
+    notice (the slot's header keeps the writer's: e.g. another ``slot`` generation), and
+    ``corrupt="checksum"`` flips a stored bit in the slot."""
     spool = Path(spool)
     layer_ids = list(layer_ids or [1, 2])
     model_dtype = dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
@@ -89,7 +97,7 @@ def write_sample(
     w = SpoolWriter(spool, None, shape, num_threads=1, checksum_algo=algo)
     sent: list[M.Notice] = []
     w._publish = sent.append  # type: ignore[method-assign]  # the notice the writer would send
-    tag = None if plain else M.RequestTag(key=key or M.SampleKey(job="j", index=0), attempt=attempt)
+    tag = None if plain else M.RequestTag(key=key or M.SampleKey(job="j", index=0), attempt=attempt, slot=slot)
     w.submit(WriteJob(request_id or name, name, tag, ids, hs))
     try:
         assert w.flush(30), "the writer did not finish"
@@ -99,6 +107,13 @@ def write_sample(
     if notice.status != M.NoticeStatus.ok:
         raise RuntimeError(f"the writer failed: {notice.reason}")
     notice = notice.model_copy(update={"sent_at": time.time(), **notice_kw})
+    if slot is not None:
+        tensors = read_slot_tensors(spool, slot)
+        if corrupt == "checksum":
+            tensors[SF.HIDDEN_STATES_KEY].view(-1).view(torch.uint8)[0] ^= 1
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        return SampleFile(spool / A.ARENA_NAME, notice, M.Deliver(notice=notice, expected_token_ids=ids),
+                          tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY])  # fmt: skip
     path = spool / name
     tensors = load_file(str(path))
     if corrupt == "checksum" or notice_kw:
@@ -107,3 +122,32 @@ def write_sample(
         save_file(tensors, str(path), metadata=SF.header_metadata(notice))
     return SampleFile(path, notice, M.Deliver(notice=notice, expected_token_ids=ids),
                       tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY])  # fmt: skip
+
+
+def make_arena(spool: str | Path, size: int = 1 << 20, *, fill: int | None = None) -> A.Arena:
+    """A new arena in ``spool`` (as the sidecar makes it); ``fill``: every byte after its first
+    page set to this value, so a test can see which bytes a writer touched."""
+    arena = A.Arena.create(spool, size)
+    if fill is not None:
+        arena.map[A.PAGE :] = bytes([fill]) * (arena.size - A.PAGE)
+    return arena
+
+
+def slot_for(arena: A.Arena, offset: int, length: int, generation: int = 1) -> A.Slot:
+    return A.Slot(arena=arena.id, offset=offset, length=length, generation=generation)
+
+
+def slot_bytes(tokens: int, layers: int, hidden: int, dtype: str = "bfloat16") -> int:
+    """The slot a sample of this shape needs (what the sidecar would assign)."""
+    return A.slot_length(tokens * (PL.bytes_per_position(layers, hidden, dtype) + 8))
+
+
+def read_slot_tensors(spool: str | Path, slot: A.Slot) -> dict[str, torch.Tensor]:
+    """A written slot's tensors as views of a fresh mapping of the arena (the contract's parser)."""
+    arena = A.Arena.open(spool)
+    head = bytes(arena.map[slot.offset : slot.offset + A.SLOT_HEADER])
+    size = A.written_size(head, slot.length)
+    spans, _ = SF.parse_header(head, size, PL.safetensors_itemsizes())
+    base = torch.frombuffer(arena.map, dtype=torch.uint8)[slot.offset : slot.offset + size]
+    return {k: base[sp.start : sp.end].view(PL.safetensors_torch_dtype(sp.dtype)).view(sp.shape)
+            for k, sp in spans.items()}  # fmt: skip

@@ -131,3 +131,24 @@ def test_switch_interval_from_the_environment(tmp_path, monkeypatch):
     assert plugin.ConnectorOptions.from_vllm(vllm_config([2], base)).switch_interval_ms == 1.0
     monkeypatch.setenv("HSSTREAM_SWITCH_INTERVAL_MS", "0")
     assert plugin.ConnectorOptions.from_vllm(vllm_config([2], base)).switch_interval_ms == 0.0
+
+
+def test_checksum_kind_and_threads_from_the_environment_or_the_extra_config(tmp_path, monkeypatch, caplog):
+    """xxh3-128 on one thread unless told (sample_file.CONNECTOR_CHECKSUM_ALGO says why);
+    ``checksum`` and ``checksum_threads`` in the extra config are known keys."""
+    for k in ("HSSTREAM_CHECKSUM", "HSSTREAM_CHECKSUM_THREADS"):
+        monkeypatch.delenv(k, raising=False)
+    base = {"shared_storage_path": str(tmp_path)}
+    o = plugin.ConnectorOptions.from_vllm(vllm_config([2], base))
+    assert (o.checksum_algo, o.checksum_threads) == ("xxh3-128", 1)
+    monkeypatch.setenv("HSSTREAM_CHECKSUM", "blake3")
+    monkeypatch.setenv("HSSTREAM_CHECKSUM_THREADS", "0")
+    o = plugin.ConnectorOptions.from_vllm(vllm_config([2], base))
+    assert (o.checksum_algo, o.checksum_threads) == ("blake3", 0)
+    with caplog.at_level("WARNING", logger="hsstream.connector"):
+        o = plugin.ConnectorOptions.from_vllm(vllm_config([2], {**base, "checksum": "xxh3-128", "checksum_threads": 4}))
+    assert (o.checksum_algo, o.checksum_threads) == ("xxh3-128", 4)
+    assert not [r for r in caplog.records if "unknown key" in r.getMessage()]
+    for bad in (-1, "2", True):
+        with pytest.raises(plugin.ConnectorConfigError, match="checksum_threads must be an integer >= 0"):
+            plugin.ConnectorOptions.from_vllm(vllm_config([2], {**base, "checksum_threads": bad}))

@@ -48,6 +48,8 @@ def test_streamed_states_match_hf(stack, tiny_model):
     job = submit(stack, samples)
     got, stats = consume(stack, job)
     assert len(got) == len(samples) and stats["invalid"] == 0
+    # the connector's default checksum (sample_file.CONNECTOR_CHECKSUM_ALGO), verified by the stream
+    assert {s.notice.checksum_algo for s in got} == {"xxh3-128"}
     by_label = {s.label: s for s in got}
     for smp in samples[:-1]:
         s = by_label[smp["id"]]

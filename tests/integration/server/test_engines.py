@@ -29,9 +29,10 @@ LAYERS = [2, 6, 9, 12]
 BUDGET = 200_000  # bytes: ~4 samples of 40 tokens at a time, so production follows consumption
 
 
-@pytest.fixture(scope="module")
-def proxied_stack(tiny_model):
-    """The stack, its second engine reached through a :class:`HoldingProxy` (the kill test's cue)."""
+@pytest.fixture(scope="module", params=["files", "arena"])
+def proxied_stack(tiny_model, request):
+    """The stack, its second engine reached through a :class:`HoldingProxy` (the kill test's cue);
+    once per spool layout (the killed engine's slot goes into quarantine, its sample elsewhere)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.fail("two CPU engines need two cores (each engine gets its own)")
     st = Stack(tiny_model, LAYERS, Path(tempfile.mkdtemp(prefix="hsstream-engines-")), engines=2)
@@ -39,7 +40,9 @@ def proxied_stack(tiny_model):
     st.env.update({
         "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{st.vllm_port},{proxy.url}",
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_NOTICE_TIMEOUT_S": "120",
+        "HSSTREAM_SPOOL_LAYOUT": request.param, "HSSTREAM_ARENA_QUARANTINE_S": "5",
     })  # fmt: skip
+    st.layout = request.param
     try:
         st.start()
         yield st, proxy

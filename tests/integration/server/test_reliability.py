@@ -28,10 +28,8 @@ BUDGET = 200_000  # bytes: about four of this module's samples at a time
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model):
+def _reliability_stack(tiny_model, layout: str):
     import tempfile
-
 
     state = Path(tempfile.mkdtemp(prefix="hsstream-rel-state-"))
     keys = state / "keys"
@@ -48,12 +46,50 @@ def stack(tiny_model):
         "HSSTREAM_REMOTE_ENDPOINT": f"tcp://127.0.0.1:{remote_port}",
         "HSSTREAM_CURVE_SERVER_SECRET_FILE": str(keys / "server.key_secret"),
         "HSSTREAM_CURVE_CLIENTS_DIR": str(keys / "clients"),
+        # The arena's quarantine of abandoned slots, short so the kill cases resolve in seconds
+        # (4 slots fit this budget) while still exercised.
+        "HSSTREAM_SPOOL_LAYOUT": layout, "HSSTREAM_ARENA_QUARANTINE_S": "5",
     })  # fmt: skip
-    st.remote_port, st.keys = remote_port, keys
+    st.remote_port, st.keys, st.layout = remote_port, keys, layout
+    return st
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    st = _reliability_stack(tiny_model, "files")
     try:
         yield st
     finally:
         stop_stack(st)
+
+
+@pytest.fixture(scope="module")
+def arena_stack(tiny_model):
+    st = _reliability_stack(tiny_model, "arena")
+    try:
+        yield st
+    finally:
+        stop_stack(st)
+
+
+@pytest.fixture(params=["files", "arena"])
+def layout_stack(request):
+    """The layout-sensitive cases run on both spool layouts (one stack of each for the module)."""
+    return request.getfixturevalue("stack" if request.param == "files" else "arena_stack")
+
+
+def spool_bytes(stack) -> int:
+    """Bytes samples hold in the spool: its files, plus the arena's held slots."""
+    total = 0
+    for name in stack.spool_files():
+        try:
+            total += (stack.spool / name).stat().st_size
+        except FileNotFoundError:
+            pass
+    if getattr(stack, "layout", "files") == "arena":
+        a = httpx.get(f"{stack.api}/v1/stats", timeout=10).json()["arena"]
+        total += a["used_bytes"]
+    return total
 
 
 def child(stack, name):
@@ -217,20 +253,15 @@ def test_dataset_rows_token_ids_are_vllms_own_tokenisation(stack):
     assert got == want
 
 
-def test_paused_trainer_spool_stays_under_budget_then_drains(stack):
+def test_paused_trainer_spool_stays_under_budget_then_drains(layout_stack):
+    stack = layout_stack
     n = 16
     job = submit(stack, token_samples(n, 40, seed=1))
     peak, stop = [0], threading.Event()
 
     def watch():
         while not stop.is_set():
-            total = 0
-            for e in os.scandir(stack.spool):
-                try:
-                    total += e.stat().st_size
-                except FileNotFoundError:
-                    pass
-            peak[0] = max(peak[0], total)
+            peak[0] = max(peak[0], spool_bytes(stack))
             time.sleep(0.02)
 
     t = threading.Thread(target=watch)
@@ -255,10 +286,11 @@ def test_paused_trainer_spool_stays_under_budget_then_drains(stack):
         t.join()
     assert len(got) == n and peak[0] <= BUDGET, peak
     assert status(stack, job)["counts"]["consumed"] == n
-    assert stack.spool_files() == []
+    assert wait_spool_empty(stack, timeout=30) == []
 
 
-def test_trainer_killed_then_new_trainer(stack, tmp_path):
+def test_trainer_killed_then_new_trainer(layout_stack, tmp_path):
+    stack = layout_stack
     n = 12
     job = submit(stack, token_samples(n, 30, seed=2))
     log1, log2 = tmp_path / "t1.jsonl", tmp_path / "t2.jsonl"
@@ -280,9 +312,12 @@ def test_trainer_killed_then_new_trainer(stack, tmp_path):
 
 
 @pytest.mark.parametrize("victim", ["sidecar", "vllm"])
-def test_process_killed_mid_job_and_restarted(stack, tmp_path, victim):
+def test_process_killed_mid_job_and_restarted(layout_stack, tmp_path, victim):
     """SIGKILL the sidecar (ledger recovery, trainer resumes by heartbeat) or vLLM (in-flight
-    samples resubmitted); either way the running trainer completes the job exactly once."""
+    samples resubmitted); either way the running trainer completes the job exactly once. With the
+    arena the restarted sidecar keeps the arena and its READY slots; a killed engine's slots go
+    into quarantine."""
+    stack = layout_stack
     n = 12
     job = submit(stack, token_samples(n, 30, seed=3 if victim == "sidecar" else 4))
     log = tmp_path / "t.jsonl"
@@ -341,7 +376,8 @@ def test_trainer_messages_reaching_a_restarted_sidecar_late_leave_no_file(stack)
         new.close(linger=0)
 
 
-def test_delete_running_job_leaves_no_file_and_no_request(stack):
+def test_delete_running_job_leaves_no_file_and_no_request(layout_stack):
+    stack = layout_stack
     job = submit(stack, token_samples(30, 60, seed=5))  # no trainer: files pile up to the budget
     t0 = time.time()
     while status(stack, job)["counts"]["ready"] < 1:
@@ -358,7 +394,7 @@ def test_delete_running_job_leaves_no_file_and_no_request(stack):
         m = httpx.get(f"http://127.0.0.1:{stack.vllm_port}/metrics", timeout=10).text
         vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in m.splitlines()
                 if ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))}  # fmt: skip
-        left = stack.spool_files()
+        left = stack.spool_files() + ([f"{h} arena slot(s) held"] if (h := stack.held_slots()) else [])
         if left == [] and vals and all(v == 0 for v in vals.values()) or time.time() - t0 > 60:
             break
         time.sleep(0.2)
@@ -366,7 +402,8 @@ def test_delete_running_job_leaves_no_file_and_no_request(stack):
     assert vals and all(v == 0 for v in vals.values()), vals
 
 
-def test_remote_trainer_over_curve_gets_bytes_and_sidecar_deletes(stack):
+def test_remote_trainer_over_curve_gets_bytes_and_sidecar_deletes(layout_stack):
+    stack = layout_stack
     n = 5
     samples = token_samples(n, 30, seed=6)
     job = submit(stack, samples)

@@ -233,6 +233,32 @@ def test_writer_without_endpoint_writes_and_flushes(spool):
         w.close()
 
 
+@pytest.mark.parametrize(("algo", "threads"), [("xxh3-128", 1), ("blake3", 1), ("blake3", 0), ("blake3", 3)])
+def test_checksum_kind_and_threads_reach_the_digest_unchanged(spool, pull, monkeypatch, algo, threads):
+    """HSSTREAM_CHECKSUM / HSSTREAM_CHECKSUM_THREADS, as the plug-in passes them: the notice
+    names the kind, the writer hashes on the threads asked for, and the digest is the one any
+    reader recomputes (on its own thread count)."""
+    calls: list[dict] = []
+    real = SW.SF.sample_checksum
+
+    def spy(tensors, **kw):  # noqa: ANN001, ANN003
+        calls.append(kw)
+        return real(tensors, **kw)
+
+    monkeypatch.setattr(SW.SF, "sample_checksum", spy)
+    w = SpoolWriter(spool, pull[0], SHAPE, num_threads=1, checksum_algo=algo, checksum_threads=threads)
+    try:
+        job = _job("cmpl-sum")
+        w.submit(job)
+        n = _recv(pull[1])
+    finally:
+        w.close()
+    assert calls == [{"algo": algo, "threads": threads}]
+    t = load_file(spool / job.file)
+    assert n.checksum_algo == algo
+    assert n.checksum == real(t, algo=algo, threads=1) == real(t, algo=algo, threads=0)
+
+
 # ----------------------------------------------------------------------------- supervised notice thread
 
 

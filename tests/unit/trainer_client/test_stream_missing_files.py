@@ -95,7 +95,7 @@ def test_fail_not_received_is_optional_on_the_wire():
     key = P.SampleKey(job="j", index=3)
     frames = P.encode_msg(P.Fail(key=key, reason="bad"))
     assert b"not_received" not in frames[1]  # a plain FAIL is what an older sidecar parses
-    plain = P.decode_msg([b"FAIL", b'{"v": 3, "key": {"job": "j", "index": 3, "epoch": 0}, "reason": "x"}'])
+    plain = P.decode_msg([b"FAIL", b'{"v": %d, "key": {"job": "j", "index": 3, "epoch": 0}, "reason": "x"}' % P.PROTOCOL_VERSION])
     assert isinstance(plain, P.Fail) and not plain.not_received
     again = P.decode_msg(P.encode_msg(P.Fail(key=key, reason="gone", not_received=True)))
     assert again.not_received and again.key == key

@@ -1,0 +1,264 @@
+"""The arena layout on the trainer's side, without a sidecar: a slot the connector's writer filled
+is read in place (its tensors are views of the mapping), checked like a file (torn header, another
+attempt's generation, checksum), refused as not received when this trainer cannot reach it, and
+its RECEIVED goes only once no view of it is alive (its ACK as for a file: the sidecar keeps a
+consumed sample's slot until the RECEIVED). (The sidecar's slot allocation and the whole path
+through it: tests/unit/server/test_arena_slots.py and the integration tests.)"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+
+from connector import protocol as P
+from connector.contract import arena as A
+from connector.contract import sample_file as SF
+from tests.support import sample_files as SFX
+from tests.unit.trainer_client.test_stream_pool import FakeSidecar
+from trainer_client import HiddenStateStream
+from trainer_client.sample_checks import load_and_check
+from trainer_client.sample_reader import ArenaMaps, SlotNotReadable
+
+T, LAYERS, HID = 12, [1, 2, 3], 32
+
+
+@pytest.fixture
+def spool(tmp_path):
+    d = tmp_path / "spool"
+    d.mkdir()
+    return d
+
+
+def _slot_sample(spool, arena, i=0, *, offset=None, dtype="bfloat16", gen=1, **kw):
+    length = SFX.slot_bytes(T, len(LAYERS), HID, dtype)
+    slot = SFX.slot_for(arena, offset if offset is not None else A.PAGE + i * length, length, gen)
+    return SFX.write_sample(spool, key=P.SampleKey(job="j", index=i), seed=i, tokens=T, layer_ids=LAYERS, hidden=HID,
+                            dtype=dtype, slot=slot, **kw)  # fmt: skip
+
+
+def _in_arena(t: torch.Tensor, arena: A.Arena) -> bool:
+    base = torch.frombuffer(arena.map, dtype=torch.uint8).data_ptr()
+    return base <= t.data_ptr() < base + arena.size
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_slot_reads_back_in_place_identical_to_the_file_layout(spool, dtype):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena, dtype=dtype)
+    assert sf.notice.file is None and sf.notice.slot is not None
+    as_file = SFX.write_sample(spool, "hs-f.safetensors", key=P.SampleKey(job="j", index=0), seed=0, tokens=T,
+                               layer_ids=LAYERS, hidden=HID, dtype=dtype)  # fmt: skip
+    tm: dict = {}
+    kept = []
+    maps = ArenaMaps(spool)
+    s = load_and_check(spool, sf.deliver, arenas=maps, keep=kept.append, timings=tm)
+    arena = maps._arena  # the reader's own mapping
+    assert torch.equal(s.hidden_states.view(torch.uint8), as_file.hidden_states.view(torch.uint8))  # the same bytes
+    assert torch.equal(s.token_ids, as_file.token_ids)
+    assert _in_arena(s.hidden_states, arena) and len(kept) == 1  # zero-copy: a view of the slot
+    assert tm["bytes_copied"] == 0
+    if dtype == "float8_e4m3fn":
+        assert s.scales is not None and _in_arena(s.scales, arena)
+        assert torch.equal(s.scales, SFX.read_slot_tensors(spool, sf.notice.slot)["hidden_states_scales"])
+
+
+def test_a_torn_slot_is_invalid(spool):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena)
+    arena.map[sf.notice.slot.offset : sf.notice.slot.offset + 8] = bytes(8)  # the writer's first step, never its last
+    with pytest.raises(SF.InvalidSample, match="not .completely. written"):
+        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))
+
+
+def test_a_header_of_another_generation_is_invalid(spool):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena, offset=A.PAGE, gen=1)
+    later = sf.notice.slot.model_copy(update={"generation": 2})  # reassigned since: delivered as generation 2
+    d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={"slot": later})})
+    with pytest.raises(SF.InvalidSample, match="another write"):
+        load_and_check(spool, d, arenas=ArenaMaps(spool))
+    ok = _slot_sample(spool, arena, offset=A.PAGE, gen=2)  # the control: the same generation passes
+    load_and_check(spool, ok.deliver, arenas=ArenaMaps(spool))
+
+
+def test_a_checksum_mismatch_in_a_slot_is_invalid(spool):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena, corrupt="checksum")
+    with pytest.raises(SF.InvalidSample, match="checksum"):
+        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))
+
+
+def test_a_slot_past_the_arena_or_of_another_arena_is_not_readable(spool):
+    arena = SFX.make_arena(spool, 64 * A.PAGE)
+    sf = _slot_sample(spool, arena)
+    past = sf.notice.slot.model_copy(update={"offset": 64 * A.PAGE})
+    other = sf.notice.slot.model_copy(update={"arena": "0" * 32})
+    for slot in (past, other):
+        d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={"slot": slot})})
+        with pytest.raises(SlotNotReadable):
+            load_and_check(spool, d, arenas=ArenaMaps(spool))
+
+
+def test_pinned_reads_copy_the_slot_out_and_release_it_at_once(spool):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena)
+    released, tm = [], {}
+    maps = ArenaMaps(spool)
+    s = load_and_check(spool, sf.deliver, arenas=maps, pin_memory=True,
+                       alloc=lambda n: torch.empty(n, dtype=torch.uint8),
+                       keep=lambda arr: weakref.finalize(arr, released.append, "gone"), timings=tm)  # fmt: skip
+    assert not _in_arena(s.hidden_states, maps._arena)
+    assert tm["bytes_copied"] == A.written_size(arena.map[A.PAGE : 2 * A.PAGE], sf.notice.slot.length)
+    assert released == ["gone"]  # while the sample lives: nothing of it is in the slot
+
+
+# ------------------------------------------------------------------------------ the stream
+
+
+def _stream(sc, spool, **kw):
+    return HiddenStateStream(sc.endpoint, spool_dir=spool, credit=4, timeout_s=20, idle_s=0.05, **kw)
+
+
+def _said(sc) -> list[tuple[str, P.SampleKey]]:
+    return [(type(m).__name__, k) for m in list(sc.got) if isinstance(m, (P.Received, P.Ack)) for k in m.keys]
+
+
+def _until(pred, it, limit=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        x = next(it)
+        if pred():
+            return x
+    raise AssertionError("timed out")
+
+
+def test_received_waits_for_the_views_and_the_ack_does_not(tmp_path, spool):
+    arena = SFX.make_arena(spool)
+    ds = [_slot_sample(spool, arena, i).deliver for i in range(2)]
+    keys = [d.notice.key for d in ds]
+    sc = FakeSidecar(tmp_path, ds, end=False)
+    try:
+        with _stream(sc, spool) as s:
+            it = iter(s)
+            first = next(it)
+            while first is None:
+                first = next(it)
+            held = first.hidden_states  # the loop keeps a view of the first sample's slot
+            del first
+            gc.collect()
+            second = next(it)
+            while second is None:
+                second = next(it)
+            for _ in range(10):  # the stream runs (acks the first: ack="use"), the view lives
+                assert next(it) is None
+            # Asked past it: acked as for a file (a `for x in stream` loop holds x while asking),
+            # but its bytes are still in use: no RECEIVED, and the sidecar keeps the slot.
+            assert ("Ack", keys[0]) in _said(sc) and ("Received", keys[0]) not in _said(sc)
+            assert s.slots_held == 2
+            del held
+            gc.collect()
+            _until(lambda: ("Received", keys[0]) in _said(sc), it)
+            said = _said(sc)
+            assert ("Received", keys[1]) not in said  # the loop still holds the second
+            del second
+            gc.collect()
+            _until(lambda: ("Received", keys[1]) in _said(sc), it)
+        time.sleep(0.2)
+    finally:
+        sc.stop()
+    assert s.stats["yielded"] == 2 and s.stats["bytes_copied"] == 0
+    assert sorted(p.name for p in spool.iterdir() if not p.name.startswith(".hsstream-arena")) == []  # nothing made
+    assert (spool / A.ARENA_NAME).exists()  # nor removed
+
+
+def test_a_dequantized_fp8_slot_is_released_when_it_is_decoded(tmp_path, spool):
+    arena = SFX.make_arena(spool)
+    d = _slot_sample(spool, arena, dtype="float8_e4m3fn").deliver
+    sc = FakeSidecar(tmp_path, [d], end=False)
+    try:
+        with _stream(sc, spool) as s:
+            it = iter(s)
+            x = next(it)
+            while x is None:
+                x = next(it)
+            assert x.hidden_states.dtype == torch.bfloat16 and not _in_arena(x.token_ids, arena)
+            _until(lambda: ("Received", d.notice.key) in _said(sc), it)  # while the loop holds the sample
+            assert s.stats["bytes_copied"] == 8 * T  # the token ids copied out
+    finally:
+        sc.stop()
+
+
+def test_an_unreachable_slot_is_failed_as_not_received(tmp_path, spool):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena)
+    d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={"slot": sf.notice.slot.model_copy(
+        update={"arena": "0" * 32})})})  # fmt: skip
+    sc = FakeSidecar(tmp_path, [d], end=False)
+    try:
+        with _stream(sc, spool) as s:
+            it = iter(s)
+            _until(lambda: bool(sc.of(P.Fail)), it)
+    finally:
+        sc.stop()
+    (f,) = sc.of(P.Fail)
+    assert f.not_received and f.key == d.notice.key
+    assert s.stats["not_received"] == 1 and s.stats["invalid"] == 0 and not sc.of(P.Received)
+
+
+def test_an_invalid_slot_is_failed_and_never_received(tmp_path, spool):
+    arena = SFX.make_arena(spool)
+    d = _slot_sample(spool, arena, corrupt="checksum").deliver
+    sc = FakeSidecar(tmp_path, [d], end=False)
+    try:
+        with _stream(sc, spool) as s:
+            it = iter(s)
+            _until(lambda: bool(sc.of(P.Fail)), it)
+            gc.collect()
+            for _ in range(5):
+                next(it)
+    finally:
+        sc.stop()
+    (f,) = sc.of(P.Fail)
+    assert not f.not_received and "checksum" in f.reason and not sc.of(P.Received)
+
+
+def test_the_trainer_copies_no_more_for_a_slot_than_for_a_file(tmp_path, spool):
+    """Same sample, same settings: unpinned both are read in place (0 bytes: safetensors maps the
+    file); into (here unpinned) host buffers, as for a GPU, both copy the sample once."""
+    arena = SFX.make_arena(spool)
+    slot = _slot_sample(spool, arena)
+    file = SFX.write_sample(spool, "hs-f.safetensors", key=P.SampleKey(job="j", index=0), seed=0, tokens=T,
+                            layer_ids=LAYERS, hidden=HID)  # fmt: skip
+    got = {}
+    cases = (("slot", slot, False), ("file", file, False), ("slot_p", slot, True), ("file_p", file, True))
+    for name, sample, pin in cases:
+        tm: dict = {}
+        load_and_check(spool, sample.deliver, arenas=ArenaMaps(spool), pin_memory=pin, timings=tm,
+                       alloc=lambda n: torch.empty(n, dtype=torch.uint8))  # fmt: skip
+        got[name] = tm["bytes_copied"]
+    assert got["slot"] == got["file"] == 0
+    assert 0 < got["slot_p"] <= got["file_p"] + A.SLOT_HEADER  # the slot's header is padded to a page
+
+
+def test_close_sends_the_received_of_slots_dropped_before_it(tmp_path, spool):
+    """A loop that breaks out and drops its sample: close() drains the release and sends the
+    RECEIVED (the last yielded sample is not acked, as for files: it comes back)."""
+    arena = SFX.make_arena(spool)
+    ds = [_slot_sample(spool, arena, i).deliver for i in range(2)]
+    sc = FakeSidecar(tmp_path, ds, end=False)
+    try:
+        with _stream(sc, spool, workers=0) as s:
+            for x in s:
+                if x is not None:
+                    break
+            del x
+        time.sleep(0.3)
+    finally:
+        sc.stop()
+    first = ds[0].notice.key
+    assert ("Received", first) in _said(sc) and ("Ack", first) not in _said(sc)
+    assert s.slots_held == 0
