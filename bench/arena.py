@@ -437,11 +437,12 @@ class Arm:
         job = self.rest.create_job(samples).job_id
         lat: list[float] = []
         hop: dict[str, list[float]] = {}
-        t_last, acc = t0, 0.0
+        t_last, acc, slots = t0, 0.0, 0
         with HiddenStateStream(f"ipc://{self.run}/delivery.sock", jobs=[job], spool_dir=self.spool, credit=self.a.credit,
                                pin_memory=False, timeout_s=120) as s:  # fmt: skip
             for x in s:
                 acc += touch(x)
+                slots += x.notice is not None and x.notice.slot is not None
                 t_last = time.perf_counter()
                 if (ms := hops(x, hop)) is not None:
                     lat.append(ms)
@@ -452,7 +453,7 @@ class Arm:
         st = self.rest.job(job)
         copied_c = (w1["bytes_copied"] - w0.get("bytes_copied", 0)) if "bytes_copied" in w1 else None
         return {
-            "samples": n, "yielded": stream_stats.get("yielded"), "latency_ms": [round(v, 3) for v in lat],
+            "samples": n, "yielded": stream_stats.get("yielded"), "from_slots": slots, "latency_ms": [round(v, 3) for v in lat],
             "hops_ms": {k: [round(v, 3) for v in vs] for k, vs in hop.items()},
             "consumed": st.counts.get("consumed"), "failed": st.counts.get("failed"),
             "samples_per_s": round(n / (t_last - t0), 2), "seconds": round(t_last - t0, 3),
@@ -507,8 +508,13 @@ def lean(r: dict) -> dict:
 
 
 def ok_round(r: dict) -> bool:
+    """Every sample of the round's jobs consumed and yielded, none failed, and each from its arm's
+    layout (the arena arm's all from slots, the files arm's none): an arena arm that quietly fell
+    back to files would measure files twice."""
     jobs = [r["saturated"], *([r["paced"]] if "paced" in r else [])]
-    return all(j["consumed"] == j["samples"] and not j["failed"] and j["yielded"] == j["samples"] for j in jobs)
+    layout_ok = all(j.get("from_slots", 0) == (j["samples"] if r.get("arm") == "arena" else 0) for j in jobs)
+    return layout_ok and all(j["consumed"] == j["samples"] and not j["failed"] and j["yielded"] == j["samples"]
+                             for j in jobs)  # fmt: skip
 
 
 def print_table(title: str, arms: dict[str, dict], ratios: dict) -> None:
@@ -558,13 +564,14 @@ def tiny_section(a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         lat: list[float] = []
         hop: dict[str, list[float]] = {}
-        t_last = t0
+        t_last, slots = t0, 0
         with SidecarClient(st.api) as api:
             jid = api.create_job(ps).job_id
             with HiddenStateStream(st.delivery_endpoint, jobs=[jid], spool_dir=st.spool, credit=a.credit,
                                    pin_memory=False, timeout_s=300) as s:  # fmt: skip
                 for x in s:
                     touch(x)
+                    slots += x.notice is not None and x.notice.slot is not None
                     t_last = time.perf_counter()
                     if (ms := hops(x, hop)) is not None:
                         lat.append(ms)
@@ -572,7 +579,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
                 stats = dict(s.stats)
             counts = api.job(jid).counts
         cpu1 = {"connector": cpu_s(vpid, tree=True), "sidecar": cpu_s(spid), "stream": cpu_s()}
-        return {"samples": n, "yielded": stats.get("yielded"), "consumed": counts.get("consumed"),
+        return {"samples": n, "yielded": stats.get("yielded"), "from_slots": slots, "consumed": counts.get("consumed"),
                 "failed": counts.get("failed"), "latency_ms": [round(v, 3) for v in lat],
                 "hops_ms": {k: [round(v, 3) for v in vs] for k, vs in hop.items()},
                 "samples_per_s": round(n / (t_last - t0), 2), "cpu_s": {p: round(cpu1[p] - cpu0[p], 4) for p in cpu0},

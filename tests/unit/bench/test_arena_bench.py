@@ -53,11 +53,15 @@ def test_the_checks_pass_a_faster_leaner_arena_and_fail_otherwise():
     assert blind["fewer_bytes_copied"] is False
 
 
-def test_a_round_is_ok_only_when_every_sample_was_consumed_and_yielded():
-    job = {"samples": 4, "consumed": 4, "failed": 0, "yielded": 4}
-    assert B.ok_round({"saturated": job, "paced": dict(job)})
-    assert not B.ok_round({"saturated": {**job, "consumed": 3}})
-    assert not B.ok_round({"saturated": job, "paced": {**job, "failed": 1}})
+def test_a_round_is_ok_only_when_every_sample_was_consumed_and_yielded_from_its_layout():
+    job = {"samples": 4, "consumed": 4, "failed": 0, "yielded": 4, "from_slots": 0}
+    assert B.ok_round({"arm": "files", "saturated": job, "paced": dict(job)})
+    assert not B.ok_round({"arm": "files", "saturated": {**job, "consumed": 3}})
+    assert not B.ok_round({"arm": "files", "saturated": job, "paced": {**job, "failed": 1}})
+    slots = {**job, "from_slots": 4}
+    assert B.ok_round({"arm": "arena", "saturated": slots, "paced": dict(slots)})
+    assert not B.ok_round({"arm": "arena", "saturated": slots, "paced": {**slots, "from_slots": 3}})  # one was a file
+    assert not B.ok_round({"arm": "files", "saturated": slots})  # files measured from slots
 
 
 def test_the_stand_in_writes_what_the_stream_accepts_with_the_connectors_own_code(tmp_path):
