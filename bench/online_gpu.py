@@ -13,6 +13,13 @@ One call runs, in this order (``--rounds`` repeats the sequence: a b c a b c ...
     training: tokens/s delivered onto the trainer GPU ÷ (a); latency from the connector's
     notice (``Notice.sent_at``) to the sample on the trainer GPU, p50/p99, one host clock;
     the floor (read one sample's file from tmpfs and copy it to the GPU); where time goes.
+(b') ``stream_arena``: (b) on a sidecar whose spool is the arena (``HSSTREAM_SPOOL_LAYOUT=arena``:
+    one shared-memory file, a slot per sample, read in place). A round's stack configurations
+    share one stack while they share a layout; a configuration on the other layout stops it and
+    starts one on its own (with the warm-up), so ``--configs plain stream stream_arena --rounds 2``
+    runs a b b' a b b'. The summary gives each layout's latency, stages and rates ÷ plain, and
+    ``arena_vs_files_p50`` (each run records its ``spool_layout``). ``--payload-dtype fp8_e4m3``:
+    every stack's connector quantises to FP8 on the GPU before the copy to the host.
 (c) ``train``: the same stack with Eagle-3 training on the trainer GPU (draft vocabulary
     32k): trainer samples/s and tokens/s, its share of time waiting for data, vLLM's tok/s
     meanwhile, peak spool bytes vs budget, and which side bounds throughput.
@@ -26,7 +33,7 @@ own process groups, each configuration is bounded in time, everything (engines, 
 stopped and removed even on failure, and the JSON is rewritten after every configuration.
 
 GPU (H200 x2):  python bench/online_gpu.py --vllm-gpus 0 --trainer-gpus 1
-CPU smoke:      python bench/online_gpu.py --smoke
+CPU smoke:      python bench/online_gpu.py --smoke   (writes bench/results/online_gpu_smoke_cpu.json)
 Command lines for other splits:  python bench/online_gpu.py --vllm-gpus 0,1 --vllm-tp 2 --dry-run
 """
 

@@ -16,7 +16,11 @@ from bench import checkpoints as C
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = [2, 18, 33, 36]
-CONFIGS = ("plain", "stream", "stream_ordered", "train")
+CONFIGS = ("plain", "stream", "stream_ordered", "stream_arena", "train")
+#: The sidecar's spool layout (``HSSTREAM_SPOOL_LAYOUT``) each stack configuration runs on:
+#: ``stream_arena`` is ``stream`` on the arena; the others on files (one stack serves the
+#: configurations of a round that share a layout; another layout means another stack).
+SPOOL_LAYOUT = {"stream": "files", "stream_ordered": "files", "stream_arena": "arena", "train": "files"}
 
 
 def log(*a: object) -> None:
@@ -67,6 +71,9 @@ def parser(description: str | None) -> argparse.ArgumentParser:
                     help="(b): the stream copies each sample to the trainer GPU and checks finiteness there")
     ap.add_argument("--checksum", default="blake3", choices=("blake3", "xxh3-128"),
                     help="the connector's checksum kind (named in each notice; the stream checks that kind)")
+    ap.add_argument("--payload-dtype", default="model", choices=("model", "fp8_e4m3"),
+                    help="HSSTREAM_PAYLOAD_DTYPE of vLLM's connector and the sidecar (fp8_e4m3: quantised on the GPU "
+                         "before the copy to the host)")
     ap.add_argument("--spool-budget-gib", type=float, default=8.0)
     ap.add_argument("--writer-threads", type=int, default=8)
     ap.add_argument("--draft-vocab", type=int, default=32000)

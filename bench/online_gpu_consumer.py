@@ -255,6 +255,10 @@ def consume_deliver(spec: dict) -> dict:
             nt = s.notice
             rec.write(json.dumps({"n": int(s.token_ids.shape[0]), "sent": nt.sent_at if nt else None, "y": t_y,
                                   "g": t_g, "stream": s.timings, "conn": nt.timings if nt else {}}) + "\n")  # fmt: skip
+            # Only the copy stays resident: with the arena layout (and no device copy by the
+            # stream) ``s`` and ``hs`` are views of the sample's slot, which the sidecar frees only
+            # once they are gone; held into the next turn, each keeps a slot of a full arena.
+            del s, hs, nt
             n += 1
             if n >= spec["n_samples"] or time.monotonic() > t_end:
                 res["stopped"] = "time limit" if n < spec["n_samples"] else "all samples"

@@ -76,11 +76,19 @@ def summarize(doc: dict) -> None:
         "train_vllm_ratio_to_plain": mean("train", lambda r: r.get("vllm_ratio_to_plain")),
         "train_bound_by": next((r["bound_by"] for r in runs if r["config"] == "train"), None),
         "train_device_used": next((r["trainer"].get("device_used") for r in runs if r["config"] == "train"), None),
-        "peak_spool_bytes": max((r["spool"]["peak_bytes"] for r in runs if "spool" in r), default=None),
+        # Files only: the arena is one file of the budget's size from the start.
+        "peak_spool_bytes": max((r["spool"]["peak_bytes"] for r in runs if "spool" in r
+                                 and r.get("spool_layout", "files") == "files"), default=None),
         "spool_budget_bytes": next((r["spool"]["budget_bytes"] for r in runs if "spool" in r), None),
         "kv_cache_tokens_plain": next((r["kv_cache_tokens"] for r in runs if r["config"] == "plain"), None),
         "kv_cache_tokens_extraction": next((r["kv_cache_tokens"] for r in runs if r["config"] != "plain"), None),
     }
+    s["by_spool_layout"] = by_layout = layouts(runs)
+    f, ar = by_layout.get("files", {}), by_layout.get("arena", {})
+    s["arena_vs_files_p50"] = (round(ar["latency_p50_ms"] / f["latency_p50_ms"], 4)
+                               if ar.get("latency_p50_ms") and f.get("latency_p50_ms") else None)  # fmt: skip
+    s["arena_vs_files_p99"] = (round(ar["latency_p99_ms"] / f["latency_p99_ms"], 4)
+                               if ar.get("latency_p99_ms") and f.get("latency_p99_ms") else None)  # fmt: skip
     doc["summary"] = s
     rows = [
         ("(a) plain vLLM prefill", f"{s['plain_tok_per_s']} tok/s", "1.000"),
@@ -88,6 +96,11 @@ def summarize(doc: dict) -> None:
         ("(b) vLLM with our connector", "", s["stream_vllm_ratio_to_plain"]),
         ("(b) notice -> trainer GPU latency", f"p50 {s['latency_p50_ms']} ms, p99 {s['latency_p99_ms']} ms",
          f"floor {s['floor_ms']} ms"),
+        *[(f"(b) spool layout {lay}: notice -> trainer GPU", f"p50 {v['latency_p50_ms']} ms, p99 {v['latency_p99_ms']} ms",
+           f"vLLM {v['vllm_ratio_to_plain']} of plain, delivered {v['ratio_to_plain']}") for lay, v in by_layout.items()],
+        *[(f"(b) {lay}: {k}", f"p50 {v['breakdown'][k]['p50_ms']} ms, p99 {v['breakdown'][k]['p99_ms']} ms", "")
+          for lay, v in by_layout.items() for k in STAGES if k in v["breakdown"]],
+        ("(b) arena ÷ files latency", f"p50 {s['arena_vs_files_p50']}", f"p99 {s['arena_vs_files_p99']}"),
         ("(b) the same, yielded in delivery order", f"p50 {s['ordered_latency_p50_ms']} ms, "
          f"p99 {s['ordered_latency_p99_ms']} ms", "stream_ordered"),
         ("(c) Eagle-3 trainer", f"{s['train_samples_per_s']} samples/s, {s['train_tokens_per_s']} tok/s",
@@ -101,6 +114,43 @@ def summarize(doc: dict) -> None:
     for a, b, c in rows:
         print(f"| {a} | {b} | {c} |")
     print(flush=True)
+
+
+#: The breakdown's stages the table shows per layout (all of them are in the JSON): the
+#: connector's (``Notice.timings``), the sidecar's hop, and the trainer's read and checks.
+#: (``connector_checksum`` includes the writer's host encoding when the payload is FP8 encoded
+#: there; ``connector_copy_wait``: the writer waiting for the device-to-host copy's event.)
+STAGES = ("connector_gather", "connector_copy_wait", "connector_checksum", "connector_write",
+          "sidecar", "sidecar_in", "sidecar_queue", "sidecar_to_trainer", "pool_queue", "check", "check_read",
+          "check_checksum", "check_finite", "check_to_device", "copy_to_trainer_gpu")
+
+
+def layouts(runs: list[dict]) -> dict[str, dict]:
+    """Per spool layout, over its ``stream``/``stream_arena`` runs (means over rounds): the
+    notice -> trainer GPU latency, the stream's and vLLM's rates ÷ plain, and each stage of the
+    breakdown (mean of the runs' p50 and p99, ms)."""
+    out: dict[str, dict] = {}
+    for lay in ("files", "arena"):
+        rs = [r for r in runs if r["config"] in ("stream", "stream_arena") and r.get("spool_layout", "files") == lay]
+        if not rs:
+            continue
+
+        def mean(get, rs=rs):  # noqa: ANN001, ANN202
+            xs = [x for x in (get(r) for r in rs) if x is not None]
+            return round(statistics.mean(xs), 4) if xs else None
+
+        stages = sorted({k for r in rs for k, v in (r.get("breakdown") or {}).items() if isinstance(v, dict)})
+        out[lay] = {
+            "configs": sorted({r["config"] for r in rs}), "runs": len(rs),
+            "latency_p50_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
+            "latency_p99_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+            "delivered_tok_per_s": mean(lambda r: r["delivered_to_trainer_gpu"].get("tok_per_s")),
+            "ratio_to_plain": mean(lambda r: r.get("ratio_to_plain")),
+            "vllm_ratio_to_plain": mean(lambda r: r.get("vllm_ratio_to_plain")),
+            "breakdown": {k: {q: mean(lambda r, k=k, q=q: ((r.get("breakdown") or {}).get(k) or {}).get(q))
+                              for q in ("p50_ms", "p99_ms")} for k in stages},
+        }  # fmt: skip
+    return out
 
 
 def _gpu_names() -> str:

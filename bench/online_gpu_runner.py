@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.online_gpu_config import ROOT, log, plain_options, vllm_flags
+from bench.online_gpu_config import ROOT, SPOOL_LAYOUT, log, plain_options, vllm_flags
 from bench.online_gpu_results import OUT_DIR, describe, result_name, save, summarize
 from bench.online_gpu_stats import (
     WINDOW,
@@ -54,6 +54,7 @@ class Orchestrator:
         self.work = Path(tempfile.mkdtemp(prefix="hsstream-online-"))
         self.children: list = []  # launch.Child of whatever runs now
         self.stack = None
+        self.stack_layout: str | None = None  # the running stack's HSSTREAM_SPOOL_LAYOUT
         self.doc: dict = {}
         self.prompts: list[list[int]] = []
 
@@ -143,30 +144,37 @@ class Orchestrator:
             await asyncio.wait_for(asyncio.gather(*(one(p) for p in ps)), timeout)
         return done
 
-    def start_stack(self, rnd: int) -> float:
+    def start_stack(self, rnd: int, layout: str = "files") -> float:
+        """vLLM + connector + sidecar with the sidecar's spool ``layout`` (``HSSTREAM_SPOOL_LAYOUT``;
+        the connector and the trainers follow what each request and delivery names) and the
+        payload dtype of ``--payload-dtype`` (vLLM's connector and the sidecar read the same env)."""
         from hsstream.devstack import Stack
 
         a = self.args
         t0 = time.perf_counter()
-        st = Stack(self.model, a.layers, self.work / f"stack-{rnd}", max_model_len=a.max_model_len,
+        wd = self.work / f"stack-{rnd}-{layout}"
+        st = Stack(self.model, a.layers, wd, max_model_len=a.max_model_len,
                    gpu_memory_utilization=a.gpu_mem_util, vllm_extra=vllm_flags(a), vllm_gpus=a.vllm_gpus)  # fmt: skip
-        (self.work / f"stack-{rnd}").mkdir(exist_ok=True)
+        wd.mkdir(exist_ok=True)
         st.env.update({
             "HSSTREAM_MAX_CONCURRENCY": str(a.concurrency),
             "HSSTREAM_SPOOL_BUDGET_BYTES": str(int(a.spool_budget_gib * 2**30)),
             "HSSTREAM_NUM_WRITER_THREADS": str(a.writer_threads),
             "HSSTREAM_CHECKSUM": a.checksum,
+            "HSSTREAM_SPOOL_LAYOUT": layout,
+            "HSSTREAM_PAYLOAD_DTYPE": a.payload_dtype,
         })  # fmt: skip
-        self.stack = st
+        self.stack, self.stack_layout = st, layout
         st.start()
-        log(f"stack (vLLM + connector + sidecar) up in {time.perf_counter() - t0:.0f} s, spool {st.spool}")
+        log(f"stack (vLLM + connector + sidecar, spool layout {layout}, payload {a.payload_dtype}) up in "
+            f"{time.perf_counter() - t0:.0f} s, spool {st.spool}")
         return time.perf_counter() - t0
 
     def stop_stack(self) -> None:
         if self.stack is not None:
             self.stack.stop()
             self.stack.remove_spool()
-            self.stack = None
+            self.stack = self.stack_layout = None
 
     def submit(self, ps: list[list[int]]) -> str:
         from connector.contract.rest_client import SidecarClient, SidecarError
@@ -258,9 +266,11 @@ class Orchestrator:
                 "accepted_at": t0,
                 "spool": {**spool, "budget_bytes": int(a.spool_budget_gib * 2**30)}}  # fmt: skip
 
-    def run_stream(self, rnd: int, plain_rate: float | None, *, ordered: bool | None = None) -> dict:
+    def run_stream(self, rnd: int, plain_rate: float | None, *, ordered: bool | None = None,
+                   config: str | None = None) -> dict:
         """(b); ``ordered``: the stream yields in delivery order (the ``stream_ordered`` config,
-        run beside ``stream`` on the same stack to show what that order costs)."""
+        run beside ``stream`` on the same stack to show what that order costs); ``config``: the
+        configuration's name (``stream_arena``: the same on a stack whose spool is the arena)."""
         a = self.args
         r = self.run_consumers("deliver", rnd, self.prompts, ordered)
         recs = r["records"]
@@ -274,7 +284,8 @@ class Orchestrator:
         lo_t = gs[int(math.floor(WINDOW[0] * (len(gs) - 1)))] if gs else 0.0
         hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
         lat = [1000 * (x["g"] - x["sent"]) for x in recs if x.get("sent") and lo_t <= x["g"] <= hi_t]
-        out = {"config": "stream_ordered" if ordered else "stream", "round": rnd, "consumers": r["results"],
+        out = {"config": config or ("stream_ordered" if ordered else "stream"), "round": rnd,
+               "spool_layout": self.stack_layout, "payload_dtype": a.payload_dtype, "consumers": r["results"],
                "spool": r["spool"],
                "delivered_to_trainer_gpu": deliver, "vllm_with_connector": vllm,
                "latency_notice_to_gpu_ms": {"p50": rounded(pct(lat, 0.5)), "p99": rounded(pct(lat, 0.99)),
@@ -296,7 +307,7 @@ class Orchestrator:
         log("(b) where latency goes, p50/p99 ms: " + ", ".join(
             f"{k} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" for k, v in out["breakdown"].items()
             if isinstance(v, dict) and not k.startswith("connector_")))  # fmt: skip
-        log(f"(b) stream: delivered {deliver.get('tok_per_s')} tok/s onto the trainer GPU = {out.get('ratio_to_plain')}"
+        log(f"(b) {out['config']} ({self.stack_layout}): delivered {deliver.get('tok_per_s')} tok/s onto the trainer GPU = {out.get('ratio_to_plain')}"
             f" of plain; vLLM {vllm.get('tok_per_s')} tok/s; notice->GPU p50 {out['latency_notice_to_gpu_ms']['p50']} ms"
             f" p99 {out['latency_notice_to_gpu_ms']['p99']} ms; floor {floor_ms(out)} ms")
         return out
@@ -355,6 +366,10 @@ def dry_run(args: argparse.Namespace, model: str) -> int:
                        text=True, cwd=str(ROOT))  # fmt: skip
     print(f"(b)/(c) vLLM + connector (hsstream vllm), CUDA_VISIBLE_DEVICES={args.vllm_gpus}:")
     print("  " + (r.stdout.strip() or r.stderr.strip()))
+    order = [f"{c} ({SPOOL_LAYOUT[c]})" if c in SPOOL_LAYOUT else c for c in args.configs]
+    print(f"order, {args.rounds} round(s): {', '.join(order)}; a stack per layout in a round, each with its warm-up; "
+          f"stack env HSSTREAM_SPOOL_LAYOUT=<layout> HSSTREAM_PAYLOAD_DTYPE={args.payload_dtype} "
+          f"HSSTREAM_CHECKSUM={args.checksum}")  # fmt: skip
     ranks = args.trainer_gpu_list[: args.trainer_nproc]
     print(f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; (c) trainer on {ranks[0]}"
           if args.trainer_nproc == 1 else f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; "
@@ -400,12 +415,20 @@ def run(args: argparse.Namespace, shape: dict, model: str) -> int:
                         run = o.run_plain(rnd)
                         plain_rate = run["rate"].get("tok_per_s") or plain_rate
                     else:
+                        layout = SPOOL_LAYOUT[cfg]
+                        if o.stack is not None and o.stack_layout != layout:
+                            log(f"{cfg} needs spool layout {layout}, the stack runs {o.stack_layout}: "
+                                f"stopping it, starting one on {layout}")
+                            o.stop_stack()
                         if o.stack is None:
-                            doc.setdefault("stack_start_s", []).append(round(o.start_stack(rnd), 1))
+                            doc.setdefault("stack_start_s", []).append(round(o.start_stack(rnd, layout), 1))
+                            doc.setdefault("stacks", []).append({"round": rnd, "before": cfg, "spool_layout": layout})
                             log(f"stack warm-up: {len(o.warm_prompts)} samples")
                             o.run_consumers("deliver", rnd, o.warm_prompts)
                         run = (o.run_train(rnd, plain_rate) if cfg == "train"
-                               else o.run_stream(rnd, plain_rate, ordered=True if cfg == "stream_ordered" else None))
+                               else o.run_stream(rnd, plain_rate, ordered=True if cfg == "stream_ordered" else None,
+                                                 config=cfg))
+                        run["spool_layout"] = o.stack_layout
                         run["kv_cache_tokens"] = kv_tokens(o.stack.workdir / "vllm.log")
                     run["seconds"] = round(time.perf_counter() - t1, 1)
                     doc["runs"].append(run)

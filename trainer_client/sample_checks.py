@@ -80,6 +80,8 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
         if arenas is None:
             raise InvalidSample("delivery of an arena slot, and no arena to read it from")
         arena = arenas.get(n.slot)  # type: ignore[arg-type]
+        if dev is not None and dev.type == "cuda":
+            arenas.register_cuda(arena)  # the slot's pages DMA'd to the device (once per arena)
         # To a CUDA device: copied there from the slot itself; into pinned memory: one copy out.
         copy = pin_memory and (dev is None or dev.type != "cuda")
         pinned = alloc or (lambda k: torch.empty(k, dtype=torch.uint8, pin_memory=True))

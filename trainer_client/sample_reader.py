@@ -12,6 +12,7 @@ when none is (``keep``: the numpy array under every view, for a ``weakref.finali
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from connector.contract import arena as A
 from connector.contract import payload as PL
 from connector.contract import sample_file as SF
 from connector.contract.sample_file import MAX_HEADER_BYTES, InvalidSample
+
+log = logging.getLogger("hsstream.trainer")
 
 __all__ = ["HEAD_BYTES", "MAX_HEADER_BYTES", "READ_PART", "READ_THREADS", "ArenaMaps", "InvalidSample", "OnHeader",
            "SlotNotReadable", "read_into_buffer", "read_parallel", "read_sample_file", "read_slot", "shared_pool"]
@@ -49,6 +52,7 @@ class ArenaMaps:
         self.spool = spool
         self._arena: A.Arena | None = None
         self._lock = threading.Lock()
+        self._registered: dict[str, bool] = {}  # arena id -> page-locked for CUDA (register_cuda)
 
     def get(self, slot: A.Slot) -> A.Arena:
         with self._lock:
@@ -68,6 +72,23 @@ class ArenaMaps:
             except A.ArenaError as e:
                 raise SlotNotReadable(str(e)) from e
             return a
+
+    def register_cuda(self, arena: A.Arena) -> bool:
+        """Page-lock ``arena``'s mapping for CUDA once (``cudaHostRegister``), so a slot's copy to
+        the trainer's GPU is one non-blocking DMA from the shared pages (views of it then report
+        ``is_pinned()``); False when the driver refuses (the copy then reads pageable memory).
+        Costs the arena's size in locked host memory, once per stream and arena."""
+        with self._lock:
+            if arena.id in self._registered:
+                return self._registered[arena.id]
+            ptr = int(np.frombuffer(arena.map, dtype=np.uint8).ctypes.data)  # no view kept: the address only
+            err = torch.cuda.cudart().cudaHostRegister(ptr, arena.size, 0)
+            ok = int(getattr(err, "value", err)) == 0
+            if not ok:
+                log.warning("cudaHostRegister of the arena (%d bytes) failed (%s): slots are copied to the GPU "
+                            "from pageable memory", arena.size, err)  # fmt: skip
+            self._registered[arena.id] = ok
+            return ok
 
     def close(self) -> None:
         with self._lock:

@@ -24,9 +24,11 @@ loop, each wakeup of its poll, ``ack_through``, close). ACKs are not held back f
 that asks for the next sample while it still holds the last one (``for x in stream``) acks it
 as usual, and the sidecar keeps a consumed sample's slot until its RECEIVED (or until this
 trainer is gone), so no slot is reused under a live view. A loop that keeps views for good
-keeps their slots: production slows (the arena fills), nothing is overwritten. Views are
-valid while the stream is open; after :meth:`close`, until the sidecar drops this trainer
-(``HSSTREAM_TRAINER_TIMEOUT_S``). A sample dequantised by the stream (FP8 → ``dequantize``) holds no view: its
+keeps their slots: production slows (the arena fills), nothing is overwritten. At
+:meth:`close`, the yielded samples that still view their slots (the last one of a loop, still
+in its variable) get private copies of their tensors, so they stay valid and their RECEIVEDs
+go; only tensors the loop took out of a sample itself (``h = x.hidden_states``) keep their
+slots, until the sidecar drops this trainer (``HSSTREAM_TRAINER_TIMEOUT_S``). A sample dequantised by the stream (FP8 → ``dequantize``) holds no view: its
 slot is released as soon as it is decoded.
 """
 
@@ -93,6 +95,7 @@ class _SlotHold:
     settled: bool = False
     released: bool = False
     dead: bool = False
+    sample: Any = None  # a weak reference to the yielded Sample (close() copies what it still views)
 
 
 def _unlink(path: Path) -> None:
@@ -463,6 +466,21 @@ class HiddenStateStream:
         hold = self._forget_hold(hid)
         self._send(M.Received(keys=[hold.key] * len(hold.tokens), tokens=hold.tokens))
 
+    def _copy_out_yielded(self) -> None:
+        """At close: the yielded samples that still view their slots get private copies of those
+        tensors (the Sample's fields replaced), so the loop may go on using them after the stream
+        is gone and their slots' RECEIVEDs still go now. Tensors the loop took out of a sample
+        itself (``h = x.hidden_states``) keep their slot until the sidecar drops this trainer."""
+        for hold in list(self._slot_holds.values()):
+            smp = hold.sample() if hold.sample is not None else None
+            if smp is None or not hold.settled or hold.released:
+                continue
+            for name in ("hidden_states", "token_ids", "scales"):
+                t = getattr(smp, name, None)
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    object.__setattr__(smp, name, t.clone())  # (a view's set_ would keep its base)
+            del smp, t
+
     def _slot_settled(self, d: M.Deliver, ok: bool) -> None:
         """A slot delivery's check is over: ``ok``, its RECEIVED goes once its views are gone
         (now, if none was kept); else it was refused (FAIL) and its release sends nothing."""
@@ -549,6 +567,10 @@ class HiddenStateStream:
                 if time.monotonic() > deadline:
                     why = (" (nothing could be sent: no connection; for tcp:// check the CURVE keys)"
                            if self._outbox else " (is it running, and is the job producing?)")  # fmt: skip
+                    if held := self.slots_held:
+                        why += (f"; this loop still holds views of {held} arena slot(s): their bytes stay taken "
+                                "until the tensors are dropped, and a full arena produces nothing more (copy "
+                                "what you keep: sample.hidden_states.clone())")  # fmt: skip
                     raise StreamError(f"no sample from the sidecar at {self.endpoint} for {self.timeout_s:.0f} s{why}")
                 if self.idle_s is not None and time.monotonic() - idle_since >= self.idle_s:
                     self._waited, self._waiting_since = self.waited_s, None  # the loop's own time
@@ -686,7 +708,8 @@ class HiddenStateStream:
             self.stats["load_s"] += tm["checked"] - tm["started"]
         self.stats["bytes"] += d.notice.nbytes
         self.stats["bytes_copied"] += int(tm.get("bytes_copied", 0))
-        if self._is_slot(d) and self._slot_of_key.get(d.notice.key) is not None:  # type: ignore[arg-type]
+        if self._is_slot(d) and (hid := self._slot_of_key.get(d.notice.key)) is not None:  # type: ignore[arg-type]
+            self._slot_holds[hid].sample = weakref.ref(sample)
             self._slot_settled(d, True)  # its RECEIVED once no view of the slot is left
             return sample
         # The tensors are in memory (read or copied out of the file): the file can go now.
@@ -812,6 +835,8 @@ class HiddenStateStream:
         if self._sock is not None:
             self._collect_deletes(every=True)  # every RECEIVED before the acks
             self._drain_released()  # the slots of samples dropped (those settled just now too)
+            self._copy_out_yielded()  # e.g. the last sample of a `for x in stream` loop, still in x
+            self._drain_released()
             if (held := self.slots_held):
                 log.info("closing: %d arena slot(s) still viewed by live tensors: no RECEIVED for them (the "
                          "sidecar takes them back when it drops this trainer)", held)  # fmt: skip

@@ -280,7 +280,7 @@ def test_paused_trainer_spool_stays_under_budget_then_drains(layout_stack):
         assert c["queued"] > 0, c
         assert 0 < peak[0] <= BUDGET
         with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
-            got = list(s)
+            got = [x.key for x in s]  # the keys only: an arena slot's views would hold its bytes
     finally:
         stop.set()
         t.join()

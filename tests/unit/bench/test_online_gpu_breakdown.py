@@ -19,3 +19,35 @@ def test_the_sidecar_hop_is_split_by_its_stamps_and_the_connectors_stages_keep_t
     assert "connector_sidecar_in" not in b
     old = {**rec, "conn": {"write": 0.014}}  # a notice from before the stamps: no split, no error
     assert "sidecar_to_trainer" not in O.breakdown([old]) and "sidecar" in O.breakdown([old])
+
+
+def _stream_run(config: str, layout: str, p50: float, p99: float, read_p50: float) -> dict:
+    return {"config": config, "spool_layout": layout, "latency_notice_to_gpu_ms": {"p50": p50, "p99": p99},
+            "delivered_to_trainer_gpu": {"tok_per_s": 1000.0}, "ratio_to_plain": 0.9, "vllm_ratio_to_plain": 0.95,
+            "breakdown": {"check_read": {"p50_ms": read_p50, "p99_ms": 2 * read_p50, "mean_ms": read_p50},
+                          "needed": True}, "spool": {"peak_bytes": 10 if layout == "files" else 999, "budget_bytes": 100}, "kv_cache_tokens": [1]}
+
+
+def test_the_summary_keeps_each_spool_layout_apart_and_divides_arena_by_files(capsys):
+    runs = [{"config": "plain", "rate": {"tok_per_s": 1100.0}, "kv_cache_tokens": [1]},
+            _stream_run("stream", "files", 20.0, 40.0, 4.0), _stream_run("stream_arena", "arena", 10.0, 30.0, 0.5),
+            _stream_run("stream", "files", 30.0, 60.0, 6.0), _stream_run("stream_arena", "arena", 14.0, 34.0, 1.5)]
+    doc = {"runs": runs}
+    O.summarize(doc)
+    s = doc["summary"]
+    f, a = s["by_spool_layout"]["files"], s["by_spool_layout"]["arena"]
+    assert (f["latency_p50_ms"], f["latency_p99_ms"], f["runs"]) == (25.0, 50.0, 2)
+    assert (a["latency_p50_ms"], a["latency_p99_ms"], a["configs"]) == (12.0, 32.0, ["stream_arena"])
+    assert a["breakdown"]["check_read"] == {"p50_ms": 1.0, "p99_ms": 2.0} and "needed" not in a["breakdown"]
+    assert f["breakdown"]["check_read"]["p50_ms"] == 5.0
+    assert s["arena_vs_files_p50"] == pytest.approx(12.0 / 25.0, abs=1e-4)
+    assert s["arena_vs_files_p99"] == pytest.approx(32.0 / 50.0, abs=1e-4)
+    assert s["peak_spool_bytes"] == 10  # the arena's file is the budget's size from the start: not a peak
+    assert s["latency_p50_ms"] == 25.0  # "stream" alone, as before
+    assert "spool layout arena" in capsys.readouterr().out
+
+
+def test_without_an_arena_run_there_is_no_ratio():
+    doc = {"runs": [_stream_run("stream", "files", 20.0, 40.0, 4.0)]}
+    O.summarize(doc)
+    assert doc["summary"]["arena_vs_files_p50"] is None and set(doc["summary"]["by_spool_layout"]) == {"files"}

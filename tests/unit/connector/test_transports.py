@@ -84,6 +84,28 @@ def test_a_transport_the_sidecar_does_not_offer_is_refused_with_the_reason(tmp_p
         svc.stop()
 
 
+def test_an_arena_sidecar_refuses_mooncake_with_the_reason(tmp_path):
+    """The arena layout serves spool and zmq; Mooncake registers files, so its trainer is told
+    why, and nothing is leased."""
+    from connector.contract import arena as A
+
+    spool = tmp_path / "spool"
+    ledger = Ledger()
+    job, _ = _fill(ledger, spool, 1)
+    arena = A.Arena.create(spool, 4 * A.PAGE)
+    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger, mooncake=_mooncake_sender(), arena=arena)
+    svc.start()
+    try:
+        with pytest.raises(StreamError, match="spool is an arena.*not 'mooncake'.*HSSTREAM_SPOOL_LAYOUT=files"):
+            with HiddenStateStream(svc.endpoint, jobs=[job], spool_dir=spool, timeout_s=10,
+                                   transport="mooncake") as s:  # fmt: skip
+                list(s)
+        assert ledger.job_view(job).counts()["ready"] == 1
+    finally:
+        svc.stop()
+        arena.close()
+
+
 def test_unknown_or_impossible_transport_refused_at_construction():
     with pytest.raises(ValueError, match="one of spool, zmq, mooncake"):
         HiddenStateStream("ipc:///tmp/x.sock", transport="carrier-pigeon")

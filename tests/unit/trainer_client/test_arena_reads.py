@@ -262,3 +262,53 @@ def test_close_sends_the_received_of_slots_dropped_before_it(tmp_path, spool):
     first = ds[0].notice.key
     assert ("Received", first) in _said(sc) and ("Ack", first) not in _said(sc)
     assert s.slots_held == 0
+
+
+def test_close_copies_out_the_last_sample_a_loop_still_holds_and_sends_its_received(tmp_path, spool):
+    """``for x in stream`` ends with x still viewing the last slot: close() gives x private copies
+    in place (its values unchanged), so the slot's RECEIVED goes and the sidecar can reuse it."""
+    arena = SFX.make_arena(spool)
+    ds = [_slot_sample(spool, arena, i).deliver for i in range(2)]
+    sc = FakeSidecar(tmp_path, ds, end=False)
+    try:
+        with _stream(sc, spool) as s:
+            got = 0
+            for x in s:
+                if x is not None:
+                    got += 1
+                    before = x.hidden_states.clone()
+                    if got == 2:
+                        break
+            slot = next(d.notice.slot for d in ds if d.notice.key == x.key)
+            data = slice(slot.offset + A.SLOT_HEADER, slot.end)
+            saved = bytes(arena.map[data])
+            arena.map[data] = bytes(len(saved))  # through another mapping of the same arena ...
+            assert not x.hidden_states.any()  # ... x sees it: a view of the slot
+            arena.map[data] = saved
+            assert torch.equal(x.hidden_states, before) and s.slots_held >= 1
+        time.sleep(0.3)
+        arena.map[data] = bytes(len(saved))  # the slot reused by another sample, say
+    finally:
+        sc.stop()
+    assert ("Received", x.key) in _said(sc)
+    assert torch.equal(x.hidden_states, before)  # its own copy now
+    assert s.slots_held == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
+def test_on_cuda_a_slot_goes_to_the_device_from_the_registered_arena_and_is_released(tmp_path, spool):
+    """With ``device="cuda"`` the stream page-locks the arena once (its slot views are pinned, so
+    the copy is one DMA), yields the hidden states on the device equal to the slot's, and the
+    slot's RECEIVED goes at once (no view of it is kept)."""
+    arena = SFX.make_arena(spool)
+    w = _slot_sample(spool, arena, 0)
+    sc = FakeSidecar(tmp_path, [w.deliver], end=False)
+    try:
+        with _stream(sc, spool, device="cuda") as s:
+            x = next(v for v in s if v is not None)
+            assert x.hidden_states.is_cuda
+            assert torch.equal(x.hidden_states.cpu(), SFX.read_slot_tensors(spool, w.deliver.notice.slot)[SF.HIDDEN_STATES_KEY])
+            assert all(s._arenas._registered.values()) and s._arenas._registered  # noqa: SLF001
+            _until(lambda: ("Received", x.key) in _said(sc), iter(s))
+    finally:
+        sc.stop()
