@@ -81,7 +81,7 @@ online-vs-offline: $(STAMP)
 
 # Not CI: issue 26's arena spool layout beside files, arms interleaved (after a warm-up round each):
 # 1,024-token samples of the Qwen3-8B shape through the connector's real code (a stand-in vLLM), the
-# real sidecar and a HiddenStateStream, then the tiny verifier through real vLLM (~10 min on 2 cores).
+# real sidecar and a HiddenStateStream, then the tiny verifier through real vLLM (~5 min on 2 cores).
 # Writes bench/results/arena_cpu.json. ARENA_BENCH_ARGS=--quick: a smoke run (1 round, no tiny).
 ARENA_BENCH_ARGS ?=
 arena-bench: $(STAMP)
