@@ -132,7 +132,8 @@ def compare(files: dict, arena: dict, max_p50_ratio: float = 0.6) -> tuple[dict,
         "p50": ratio(arena["p50_ms"], files["p50_ms"]),
         "p99": ratio(arena["p99_ms"], files["p99_ms"]),
         "saturated_p50": ratio(arena["saturated"]["p50_ms"], files["saturated"]["p50_ms"]),
-        "cpu_ms_per_sample": {p: ratio(arena["cpu_ms_per_sample"].get(p), v) for p, v in files["cpu_ms_per_sample"].items()},
+        "cpu_ms_per_sample": {p: ratio(arena["cpu_ms_per_sample"].get(p), v)
+                              for p, v in files["cpu_ms_per_sample"].items()},
         "bytes_copied_per_sample": {p: ratio(arena["bytes_copied_per_sample"].get(p), v)
                                     for p, v in files["bytes_copied_per_sample"].items()},
         "samples_per_s": ratio(arena["samples_per_s"], files["samples_per_s"]),
@@ -397,7 +398,8 @@ class Arm:
                 break
             except SidecarError:
                 if self.sidecar.poll() is not None:
-                    raise RuntimeError(f"{self.layout} sidecar exited: {(self.run / 'sidecar.log').read_text()[-2000:]}")
+                    tail = (self.run / "sidecar.log").read_text()[-2000:]
+                    raise RuntimeError(f"{self.layout} sidecar exited: {tail}")
                 time.sleep(0.1)
         slog = open(self.run / "stand_in.log", "w")  # noqa: SIM115
         self.stand_in = subprocess.Popen(
@@ -410,7 +412,8 @@ class Arm:
                 break
             except httpx.HTTPError:
                 if self.stand_in.poll() is not None:
-                    raise RuntimeError(f"{self.layout} stand-in exited: {(self.run / 'stand_in.log').read_text()[-2000:]}")
+                    tail = (self.run / "stand_in.log").read_text()[-2000:]
+                    raise RuntimeError(f"{self.layout} stand-in exited: {tail}")
                 time.sleep(0.1)
 
     def bench_get(self, path: str) -> dict:
@@ -438,7 +441,8 @@ class Arm:
         lat: list[float] = []
         hop: dict[str, list[float]] = {}
         t_last, acc, slots = t0, 0.0, 0
-        with HiddenStateStream(f"ipc://{self.run}/delivery.sock", jobs=[job], spool_dir=self.spool, credit=self.a.credit,
+        with HiddenStateStream(f"ipc://{self.run}/delivery.sock", jobs=[job], spool_dir=self.spool,
+                               credit=self.a.credit,
                                pin_memory=False, timeout_s=120) as s:  # fmt: skip
             for x in s:
                 acc += touch(x)
@@ -453,7 +457,8 @@ class Arm:
         st = self.rest.job(job)
         copied_c = (w1["bytes_copied"] - w0.get("bytes_copied", 0)) if "bytes_copied" in w1 else None
         return {
-            "samples": n, "yielded": stream_stats.get("yielded"), "from_slots": slots, "latency_ms": [round(v, 3) for v in lat],
+            "samples": n, "yielded": stream_stats.get("yielded"), "from_slots": slots,
+            "latency_ms": [round(v, 3) for v in lat],
             "hops_ms": {k: [round(v, 3) for v in vs] for k, vs in hop.items()},
             "consumed": st.counts.get("consumed"), "failed": st.counts.get("failed"),
             "samples_per_s": round(n / (t_last - t0), 2), "seconds": round(t_last - t0, 3),
@@ -714,12 +719,14 @@ def main_section(a: argparse.Namespace, doc: dict) -> bool:
         "rounds": a.rounds,
         "shape": {"model": "Qwen3-8B", "tokens": TOKENS, "layer_ids": LAYER_IDS, "hidden_size": QWEN3_8B["hidden_size"],
                   "dtype": "bfloat16", "hidden_state_bytes": TOKENS * len(LAYER_IDS) * QWEN3_8B["hidden_size"] * 2,
-                  "block_size": BLOCK_SIZE, "cache_layout": "[blocks, K, block_size, H] view of [blocks, block_size, K, H]"},
+                  "block_size": BLOCK_SIZE,
+                  "cache_layout": "[blocks, K, block_size, H] view of [blocks, block_size, K, H]"},
         "config": {"samples_per_job": a.samples, "paced_samples": a.paced_samples, "pace_ms": a.pace_ms,
                    "concurrency": a.concurrency, "budget_samples": a.budget_samples, "credit": a.credit,
                    "trainer": "HiddenStateStream in the bench's own process (pin_memory off, default workers)"},
         "notes": ["p50_ms/p99_ms: notice (connector's sent_at) -> the sample yielded to the loop, in the paced jobs "
-                  "(each sample through an idle pipeline), pooled over rounds; saturated: the same in the saturated jobs",
+                  "(each sample through an idle pipeline), pooled over rounds; saturated: the same in the "
+                  "saturated jobs",
                   "cpu_ms_per_sample: psutil user+system over each saturated job / its samples, median over rounds; "
                   "connector = the stand-in process (gather, checksum, write, notice, and its HTTP serving)",
                   "bytes_copied_per_sample: deltas of SpoolWriter.stats['bytes_copied'] (connector) and "
