@@ -611,6 +611,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         for st in stacks.values():
             st.stop()
             st.remove_spool()
+            shutil.rmtree(st.workdir, ignore_errors=True)  # its logs
     arms = {k: summarize_arm(v) for k, v in rounds.items()}
     ratios, checks = compare(arms["files"], arms["arena"]) if len(arms) == 2 else ({}, {})
     checks.pop("fewer_bytes_copied", None)  # the connector's side is not counted here: no verdict on bytes
