@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
 
 .PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
-	base-image compose-smoke fuzz
+	base-image compose-smoke fuzz arena-bench
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -78,6 +78,15 @@ REGIME ?= default
 online-vs-offline: $(STAMP)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py --regime $(REGIME)
+
+# Not CI: issue 26's arena spool layout beside files, arms interleaved (after a warm-up round each):
+# 1,024-token samples of the Qwen3-8B shape through the connector's real code (a stand-in vLLM), the
+# real sidecar and a HiddenStateStream, then the tiny verifier through real vLLM (~5 min on 2 cores).
+# Writes bench/results/arena_cpu.json. ARENA_BENCH_ARGS=--quick: a smoke run (1 round, no tiny).
+ARENA_BENCH_ARGS ?=
+arena-bench: $(STAMP)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
+	PYTHONPATH=$(CURDIR) $(PY) bench/arena.py $(ARENA_BENCH_ARGS)
 
 # The images' base from Debian packages, for hosts that reach no image registry (needs root,
 # mmdebstrap and a running docker daemon). Elsewhere: BASE_IMAGE=python:3.11-slim.
