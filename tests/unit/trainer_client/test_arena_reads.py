@@ -127,7 +127,7 @@ def _said(sc) -> list[tuple[str, P.SampleKey]]:
     return [(type(m).__name__, k) for m in list(sc.got) if isinstance(m, (P.Received, P.Ack)) for k in m.keys]
 
 
-def _until(pred, it, limit=5.0):
+def _until(pred, it, limit=20.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit:
         x = next(it)

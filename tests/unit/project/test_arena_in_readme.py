@@ -1,0 +1,38 @@
+"""README's arena rows against their result files: the figures quoted are the JSONs' (CPU
+``bench/results/arena_cpu.json``, H200 ``online_gpu_h200x1_shared_arena.json``), and the
+acceptance verdict the README states is the one the JSON's checks compute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _row(readme: str, start: str) -> str:
+    (line,) = [ln for ln in readme.splitlines() if ln.startswith(start)]
+    return line
+
+
+def test_the_cpu_arena_row_quotes_arena_cpu_json():
+    d = json.loads((ROOT / "bench/results/arena_cpu.json").read_text())
+    row = _row((ROOT / "README.md").read_text(), "| Arena vs files on 2 CPU cores")
+    f, a, r = d["arms"]["files"], d["arms"]["arena"], d["arena_vs_files"]
+    assert f"{r['bytes_copied_per_sample']['total']:.2f}×" in row
+    assert f"{a['bytes_copied_per_sample']['total'] / 1e6:.1f} vs {f['bytes_copied_per_sample']['total'] / 1e6:.1f} MB" in row
+    assert f"CPU per sample {r['cpu_ms_per_sample']['total']:.2f}×" in row
+    assert f"{r['samples_per_s']:.2f}×" in row
+    assert f"p50 {a['p50_ms']:.1f} vs {f['p50_ms']:.1f} ms" in row and f"{r['p50']:.2f}×" in row
+    met = d["checks"]["p50_ratio_le_0.6"]
+    assert ("not met" not in row) == met, "the README's verdict on the p50 target must be the JSON's"
+
+
+def test_the_h200_arena_row_quotes_its_json():
+    d = json.loads((ROOT / "bench/results/online_gpu_h200x1_shared_arena.json").read_text())
+    s = d["summary"]
+    row = _row((ROOT / "README.md").read_text(), "| Arena spool layout vs files")
+    a, f = s["by_spool_layout"]["arena"], s["by_spool_layout"]["files"]
+    assert f"{a['latency_p50_ms']} ms vs {f['latency_p50_ms']} ms ({s['arena_vs_files_p50']:.3f}×)" in row
+    assert f"p99 {a['latency_p99_ms']} vs {f['latency_p99_ms']} ms" in row
+    assert f"{a['vllm_ratio_to_plain']:.3f} vs {f['vllm_ratio_to_plain']:.3f} of plain" in row
