@@ -14,15 +14,18 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from connector import protocol as P
 from connector.contract.arena import Slot
-from server.arena import ArenaStats, SlotAllocator
 from server.ledger.budget import SpoolBudget
 from server.ledger.rows import Job, SampleRow
 from server.ledger.states import IN_FLIGHT, State, check_transition
 from server.ledger.store import COLS, Store, row_to_sample
+
+if TYPE_CHECKING:  # the allocator is handed in by server/app.py: the ledger imports none of the sidecar
+    from server.arena import ArenaStats, SlotAllocator
 
 #: Most messages a thread applies in one :meth:`LedgerCore.group` (the notices read together, a
 #: trainer socket's messages of one poll): the lock is held from the first to the commit, so this

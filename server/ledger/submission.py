@@ -151,8 +151,9 @@ class Submission(LedgerCore):
                 return NoticeOutcome.refused  # not the slot this attempt was given (forged, or a stale copy)
             self.reserved_bytes -= smp.expected_bytes
             if smp.slot is not None and (n.slot is None or n.status != P.NoticeStatus.ok) and self._slots is not None:
-                # Its writer is done and did not use the slot (wrote a file, was busy or failed): free now.
-                self._slots.free(smp.slot)
+                # Its writer did not use the slot (wrote a file, was busy or failed) — or says so: notices
+                # are not proof (a forged one needs only the key and attempt), so quarantined.
+                self._slots.free(smp.slot, quarantine=True)
                 smp.slot = None
             if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault
                 smp.attempt += 1

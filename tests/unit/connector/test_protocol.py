@@ -165,7 +165,7 @@ def test_decode_msg_checks_version_and_values():
     with pytest.raises(P.ProtocolError):
         P.decode_msg([b"CREDIT", b'{"n": 1}'])
     with pytest.raises(P.ProtocolError):
-        P.decode_msg([b"CREDIT", b'{"v": 3, "n": -1}'])
+        P.decode_msg([b"CREDIT", b'{"v": 4, "n": -1}'])
     with pytest.raises(P.VersionMismatch):
         P.decode_msg([b"CREDIT", b'{"v": 2, "n": 1}'])  # the previous release's
     with pytest.raises(P.ProtocolError):
