@@ -323,6 +323,7 @@ def stand_in(port: int, spool: str, notice_ep: str) -> None:
 
     import uvicorn
 
+    from bench.sidecar_throughput import read_body
     from connector.contract.settings import lower_switch_interval
 
     si = StandIn(spool, notice_ep)
@@ -333,12 +334,7 @@ def stand_in(port: int, spool: str, notice_ep: str) -> None:
     async def app(scope, receive, send):  # noqa: ANN001, ANN202
         if scope["type"] != "http":
             return  # lifespan: unsupported, uvicorn goes on without it
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
+        body = await read_body(receive)
         out, path = models, scope["path"]
         if path == "/v1/completions":
             out = json.dumps(si.complete(json.loads(body))).encode()

@@ -67,6 +67,16 @@ def sample_bytes(token_ids: list[int]) -> tuple[bytes, str]:
     return save({P.HIDDEN_STATES_KEY: hs, P.TOKEN_IDS_KEY: ids}), digest
 
 
+async def read_body(receive) -> bytes:  # noqa: ANN001
+    """A bare ASGI request's whole body (the stand-ins' one reader)."""
+    body = b""
+    while True:
+        m = await receive()
+        body += m.get("body", b"")
+        if not m.get("more_body"):
+            return body
+
+
 def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> None:
     """The vLLM stand-in and fake producer (run in its own process)."""
     import asyncio
@@ -86,12 +96,7 @@ def stand_in(port: int, spool: str, notice_ep: str, token_ids: list[int]) -> Non
     async def app(scope, receive, send):  # noqa: ANN001, ANN202
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
+        body = await read_body(receive)
         out = models
         if scope["path"] == "/v1/completions":
             if pace_s:

@@ -54,22 +54,22 @@ def _reliability_stack(tiny_model, layout: str):
     return st
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model):
-    st = _reliability_stack(tiny_model, "files")
+def _module_stack(tiny_model, layout: str):
+    st = _reliability_stack(tiny_model, layout)
     try:
         yield st
     finally:
         stop_stack(st)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    yield from _module_stack(tiny_model, "files")
 
 
 @pytest.fixture(scope="module")
 def arena_stack(tiny_model):
-    st = _reliability_stack(tiny_model, "arena")
-    try:
-        yield st
-    finally:
-        stop_stack(st)
+    yield from _module_stack(tiny_model, "arena")
 
 
 @pytest.fixture(params=["files", "arena"])
