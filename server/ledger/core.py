@@ -66,6 +66,9 @@ class LedgerCore:
         #: holds views of): key -> (slot, trainer, lease token), kept until that RECEIVED or until
         #: the trainer is gone, and on disk in the row's ``slot`` meanwhile (a restart quarantines them).
         self._consumed_slots: dict[P.SampleKey, tuple[Slot, bytes, str]] = {}
+        #: Slots given back inside :meth:`ack_many`'s transaction: freed once it commits, so a
+        #: rollback leaves each where it was (its sample still names it, no one else holds it).
+        self._pending_frees: list[tuple[Slot, bool]] | None = None
 
     # The connection, for the parts' own queries (tests swap it for a wrapper that fails writes).
     @property
@@ -148,9 +151,17 @@ class LedgerCore:
         freed = s.state in (State.ready, State.leased) and s.on_disk_bytes == 0
         if not (leaving or freed):
             return
-        if self._slots is not None:
-            self._slots.free(s.slot, quarantine=leaving and old in (State.submitted, State.leased))  # type: ignore[arg-type]
+        self._free_slot(s.slot, quarantine=leaving and old in (State.submitted, State.leased))  # type: ignore[arg-type]
         s.slot = None
+
+    def _free_slot(self, slot: Slot, *, quarantine: bool) -> None:
+        """Into the allocator now, or when the transaction of :meth:`ack_many` commits."""
+        if self._slots is None:
+            return
+        if self._pending_frees is not None:
+            self._pending_frees.append((slot, quarantine))
+        else:
+            self._slots.free(slot, quarantine=quarantine)
 
     def _has_bytes(self, s: SampleRow, file_exists: Callable[[str], bool]) -> bool:
         """Whether a READY/LEASED sample's bytes are still there: its file in the spool, or the
@@ -170,8 +181,7 @@ class LedgerCore:
     def _drop_consumed_slot(self, key: P.SampleKey, *, quarantine: bool) -> int:
         """Give back a consumed sample's slot kept for its trainer; returns its bytes."""
         slot, _, _ = self._consumed_slots.pop(key)
-        if self._slots is not None:
-            self._slots.free(slot, quarantine=quarantine)
+        self._free_slot(slot, quarantine=quarantine)
         self._db.execute("UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?",
                          (key.job, key.epoch, key.index))  # fmt: skip
         return slot.length

@@ -167,18 +167,20 @@ class Leases(LedgerCore):
         with self._lock:
             samples = [s for k in keys if (s := self.get(k)) is not None]
             jobs = {s.key.job: self.jobs[s.key.job] for s in samples}
-            saved = ([(s, s.state, s.saved, s.on_disk_bytes, s.lease_owner) for s in samples],
+            saved = ([(s, s.state, s.saved, s.on_disk_bytes, s.lease_owner, s.slot) for s in samples],
                      [(j, j.tokens_consumed, j.bytes_consumed, Counter(j.state_counts), j.finished)
                       for j in jobs.values()],
                      self.reserved_bytes, self._n_ready, set(self._consumed_slots))  # fmt: skip
-            self._deferred = []
+            self._deferred, self._pending_frees = [], []
             try:
                 left: list[tuple[P.SampleKey, str]] = []
                 with self._tx():
                     acked = sum(self.ack(owner, k, t, left) for k, t in zip(keys, tokens, strict=True))
             except BaseException:
-                for smp, state, was_saved, on_disk, lease in saved[0]:
+                self._pending_frees = None  # rolled back: the slots stay their samples'
+                for smp, state, was_saved, on_disk, lease, slot in saved[0]:
                     smp.state, smp.saved, smp.on_disk_bytes, smp.lease_owner = state, was_saved, on_disk, lease
+                    smp.slot = slot
                     if state in IN_FLIGHT:
                         self._live[smp.key] = smp
                 for j, tok, nb, counts, fin in saved[1]:
@@ -188,6 +190,9 @@ class Leases(LedgerCore):
                     del self._consumed_slots[k]
                 self._deferred = None
                 raise
+            frees, self._pending_frees = self._pending_frees, None
+            for slot, quarantine in frees:
+                self._free_slot(slot, quarantine=quarantine)
             self._tell_deferred()
             if orphans is not None:
                 orphans.extend(left)
@@ -205,6 +210,11 @@ class Leases(LedgerCore):
             s = self._live.get(key)
             if s is None or s.state != State.leased or s.lease_owner != owner or not self.holds(key, token):
                 return None
+            if s.slot is not None:
+                # A refused slot may have had a late writer in it (another attempt's bytes, a
+                # torn write): it waits out the quarantine, as a slot left by a dead writer does.
+                self._free_slot(s.slot, quarantine=True)
+                s.slot = None
             self.received(owner, key, token)
             s.lease_owner = None
             f = s.notice.file if s.notice else None

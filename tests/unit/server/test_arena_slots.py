@@ -269,3 +269,53 @@ def test_a_trainer_gone_after_acking_gives_its_kept_slots_back_into_quarantine()
     led.release_owner(b"t", lambda f: False)
     st = slots.stats()
     assert st.slots == 0 and st.quarantined_bytes == A.PAGE
+
+
+class _FailingJobsDb:
+    """A sqlite connection whose first UPDATE of a job row fails (disk full, I/O error)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def execute(self, sql: str, *a):  # noqa: ANN002, ANN201
+        if sql.startswith("UPDATE jobs"):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *a)
+
+
+def test_a_slot_given_back_in_an_ack_list_that_rolls_back_stays_its_samples(tmp_path):
+    """An ACK for a sample no one leases now (the trainer's lease went with it) gives its slot
+    back; if that ACK message's transaction fails, the slot must still be the sample's, not free
+    for the next submission while the sample, READY again, still names it."""
+    led, slots = _ledger(tmp_path / "l.sqlite", q=60.0)
+    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE) for _ in range(2)])
+    s = led.next_to_submit(10**9)
+    led.on_notice(_ok(s), A.PAGE)
+    t = led.lease_next(b"t", None)
+    led.release_owner(b"t", lambda f: False)  # READY again, bytes in its slot
+    real = led._db
+    led._db = _FailingJobsDb(real)
+    with pytest.raises(sqlite3.OperationalError):
+        led.ack_many(b"t", [t.key], [t.lease_token])
+    led._db = real
+    again = led.get(t.key)
+    assert again.state == State.ready and again.slot == t.notice.slot
+    assert slots.stats().slots == 1  # still taken: the next sample gets another slot
+    nxt = led.next_to_submit(10**9)
+    assert nxt.slot.offset != t.notice.slot.offset
+    assert led.ack_many(b"t", [t.key], [t.lease_token]) == (1, 0)  # applies whole later
+    assert slots.stats().slots == 1 and led.get(t.key).state == State.consumed
+
+
+def test_a_slot_the_trainer_refused_waits_out_the_quarantine():
+    """A FAIL (checksum mismatch, another attempt's header) may mean a late writer is still in
+    the slot: it is not handed to the next sample at once."""
+    led, slots = _ledger(q=60.0)
+    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE)])
+    s = led.next_to_submit(10**9)
+    led.on_notice(_ok(s), A.PAGE)
+    t = led.lease_next(b"t", None)
+    led.trainer_failed(b"t", t.key, t.lease_token, "checksum mismatch")
+    st = slots.stats()
+    assert st.slots == 0 and st.quarantined_bytes == A.PAGE
+    assert led.get(t.key).state == State.queued and led.get(t.key).slot is None
