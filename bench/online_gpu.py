@@ -19,7 +19,10 @@ One call runs, in this order (``--rounds`` repeats the sequence: a b c a b c ...
     starts one on its own (with the warm-up), so ``--configs plain stream stream_arena --rounds 2``
     runs a b b' a b b'. The summary gives each layout's latency, stages and rates ÷ plain, and
     ``arena_vs_files_p50`` (each run records its ``spool_layout``). ``--payload-dtype fp8_e4m3``:
-    every stack's connector quantises to FP8 on the GPU before the copy to the host.
+    every stack's connector encodes FP8: on the host, in its writer threads after the copy, except
+    (b'') ``stream_fp8_device``: (b) with the connector quantising on the GPU before the copy
+    (``HSSTREAM_FP8_ON_DEVICE=1``, its own stack); the summary's ``by_fp8_encoding`` gives both
+    places' latency, stages and vLLM ÷ plain, and ``fp8_device_vs_host_p50``.
 (c) ``train``: the same stack with Eagle-3 training on the trainer GPU (draft vocabulary
     32k): trainer samples/s and tokens/s, its share of time waiting for data, vLLM's tok/s
     meanwhile, peak spool bytes vs budget, and which side bounds throughput.

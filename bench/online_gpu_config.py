@@ -16,11 +16,21 @@ from bench import checkpoints as C
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = [2, 18, 33, 36]
-CONFIGS = ("plain", "stream", "stream_ordered", "stream_arena", "train")
+CONFIGS = ("plain", "stream", "stream_ordered", "stream_arena", "stream_fp8_device", "train")
 #: The sidecar's spool layout (``HSSTREAM_SPOOL_LAYOUT``) each stack configuration runs on:
 #: ``stream_arena`` is ``stream`` on the arena; the others on files (one stack serves the
 #: configurations of a round that share a layout; another layout means another stack).
-SPOOL_LAYOUT = {"stream": "files", "stream_ordered": "files", "stream_arena": "arena", "train": "files"}
+SPOOL_LAYOUT = {"stream": "files", "stream_ordered": "files", "stream_arena": "arena", "stream_fp8_device": "files",
+                "train": "files"}
+#: Configurations whose stack's connector quantises to FP8 on the device, before the copy to the
+#: host (``HSSTREAM_FP8_ON_DEVICE=1``); the others encode on the host, in the writer threads.
+FP8_ON_DEVICE = frozenset({"stream_fp8_device"})
+
+
+def stack_kind(config: str) -> tuple[str, bool]:
+    """What a configuration's stack must be: (spool layout, FP8 on the device). Configurations
+    of a round that need the same kind share a stack; another kind stops it and starts one."""
+    return SPOOL_LAYOUT[config], config in FP8_ON_DEVICE
 
 
 def log(*a: object) -> None:
@@ -128,6 +138,9 @@ def resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict
     if set(args.vllm_gpu_list) & set(args.trainer_gpu_list) and not cpu and not args.share_gpus:
         ap.error(f"--vllm-gpus {args.vllm_gpus} and --trainer-gpus {args.trainer_gpus} overlap "
                  "(--share-gpus to run both on the same GPUs, with --gpu-mem-util leaving the trainer room)")
+    if set(args.configs) & FP8_ON_DEVICE and args.payload_dtype != "fp8_e4m3":
+        ap.error("stream_fp8_device compares FP8 encoded on the device with the host's: "
+                 "it needs --payload-dtype fp8_e4m3")
     if args.trainer_nproc < 1 or (not cpu and args.trainer_nproc > len(args.trainer_gpu_list)):
         ap.error(f"--trainer-nproc {args.trainer_nproc}: one rank per GPU of --trainer-gpus {args.trainer_gpus}")
     try:

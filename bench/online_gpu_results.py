@@ -89,6 +89,10 @@ def summarize(doc: dict) -> None:
                                if ar.get("latency_p50_ms") and f.get("latency_p50_ms") else None)  # fmt: skip
     s["arena_vs_files_p99"] = (round(ar["latency_p99_ms"] / f["latency_p99_ms"], 4)
                                if ar.get("latency_p99_ms") and f.get("latency_p99_ms") else None)  # fmt: skip
+    s["by_fp8_encoding"] = by_fp8 = fp8_encoding(runs)
+    dv, hv = by_fp8.get("device", {}), by_fp8.get("host", {})
+    s["fp8_device_vs_host_p50"] = (round(dv["latency_p50_ms"] / hv["latency_p50_ms"], 4)
+                                   if dv.get("latency_p50_ms") and hv.get("latency_p50_ms") else None)  # fmt: skip
     doc["summary"] = s
     rows = [
         ("(a) plain vLLM prefill", f"{s['plain_tok_per_s']} tok/s", "1.000"),
@@ -98,6 +102,8 @@ def summarize(doc: dict) -> None:
          f"floor {s['floor_ms']} ms"),
         *[(f"(b) spool layout {lay}: notice -> trainer GPU", f"p50 {v['latency_p50_ms']} ms, p99 {v['latency_p99_ms']} ms",
            f"vLLM {v['vllm_ratio_to_plain']} of plain, delivered {v['ratio_to_plain']}") for lay, v in by_layout.items()],
+        *[(f"(b) FP8 encoded on the {w}: notice -> trainer GPU", f"p50 {v['latency_p50_ms']} ms, p99 {v['latency_p99_ms']} ms",
+           f"vLLM {v['vllm_ratio_to_plain']} of plain, delivered {v['ratio_to_plain']}") for w, v in by_fp8.items()],
         *[(f"(b) {lay}: {k}", f"p50 {v['breakdown'][k]['p50_ms']} ms, p99 {v['breakdown'][k]['p99_ms']} ms", "")
           for lay, v in by_layout.items() for k in STAGES if k in v["breakdown"]],
         ("(b) arena ÷ files latency", f"p50 {s['arena_vs_files_p50']}", f"p99 {s['arena_vs_files_p99']}"),
@@ -132,25 +138,41 @@ def layouts(runs: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for lay in ("files", "arena"):
         rs = [r for r in runs if r["config"] in ("stream", "stream_arena") and r.get("spool_layout", "files") == lay]
-        if not rs:
-            continue
-
-        def mean(get, rs=rs):  # noqa: ANN001, ANN202
-            xs = [x for x in (get(r) for r in rs) if x is not None]
-            return round(statistics.mean(xs), 4) if xs else None
-
-        stages = sorted({k for r in rs for k, v in (r.get("breakdown") or {}).items() if isinstance(v, dict)})
-        out[lay] = {
-            "configs": sorted({r["config"] for r in rs}), "runs": len(rs),
-            "latency_p50_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
-            "latency_p99_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
-            "delivered_tok_per_s": mean(lambda r: r["delivered_to_trainer_gpu"].get("tok_per_s")),
-            "ratio_to_plain": mean(lambda r: r.get("ratio_to_plain")),
-            "vllm_ratio_to_plain": mean(lambda r: r.get("vllm_ratio_to_plain")),
-            "breakdown": {k: {q: mean(lambda r, k=k, q=q: ((r.get("breakdown") or {}).get(k) or {}).get(q))
-                              for q in ("p50_ms", "p99_ms")} for k in stages},
-        }  # fmt: skip
+        if rs:
+            out[lay] = _stream_group(rs)
     return out
+
+
+def fp8_encoding(runs: list[dict]) -> dict[str, dict]:
+    """With an FP8 payload, per place of the encoding (``host``: the writer threads, after the
+    copy; ``device``: before it, the ``stream_fp8_device`` runs), the same as :func:`layouts`."""
+    out: dict[str, dict] = {}
+    fp8 = [r for r in runs if r.get("payload_dtype") == "fp8_e4m3" and r.get("spool_layout", "files") == "files"]
+    for where, cfg in (("host", "stream"), ("device", "stream_fp8_device")):
+        rs = [r for r in fp8 if r["config"] == cfg]
+        if rs:
+            out[where] = _stream_group(rs)
+    return out
+
+
+def _stream_group(rs: list[dict]) -> dict:
+    """Means over (b) runs of one kind: latency, rates ÷ plain, each stage's p50 and p99."""
+
+    def mean(get):  # noqa: ANN001, ANN202
+        xs = [x for x in (get(r) for r in rs) if x is not None]
+        return round(statistics.mean(xs), 4) if xs else None
+
+    stages = sorted({k for r in rs for k, v in (r.get("breakdown") or {}).items() if isinstance(v, dict)})
+    return {
+        "configs": sorted({r["config"] for r in rs}), "runs": len(rs),
+        "latency_p50_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
+        "latency_p99_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+        "delivered_tok_per_s": mean(lambda r: r["delivered_to_trainer_gpu"].get("tok_per_s")),
+        "ratio_to_plain": mean(lambda r: r.get("ratio_to_plain")),
+        "vllm_ratio_to_plain": mean(lambda r: r.get("vllm_ratio_to_plain")),
+        "breakdown": {k: {q: mean(lambda r, k=k, q=q: ((r.get("breakdown") or {}).get(k) or {}).get(q))
+                          for q in ("p50_ms", "p99_ms")} for k in stages},
+    }  # fmt: skip
 
 
 def _gpu_names() -> str:

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.online_gpu_config import ROOT, SPOOL_LAYOUT, log, plain_options, vllm_flags
+from bench.online_gpu_config import ROOT, SPOOL_LAYOUT, log, plain_options, stack_kind, vllm_flags
 from bench.online_gpu_results import OUT_DIR, describe, result_name, save, summarize
 from bench.online_gpu_stats import (
     WINDOW,
@@ -55,6 +55,7 @@ class Orchestrator:
         self.children: list = []  # launch.Child of whatever runs now
         self.stack = None
         self.stack_layout: str | None = None  # the running stack's HSSTREAM_SPOOL_LAYOUT
+        self.stack_fp8_device = False  # the running stack's HSSTREAM_FP8_ON_DEVICE
         self.doc: dict = {}
         self.prompts: list[list[int]] = []
 
@@ -144,15 +145,16 @@ class Orchestrator:
             await asyncio.wait_for(asyncio.gather(*(one(p) for p in ps)), timeout)
         return done
 
-    def start_stack(self, rnd: int, layout: str = "files") -> float:
+    def start_stack(self, rnd: int, layout: str = "files", fp8_device: bool = False) -> float:
         """vLLM + connector + sidecar with the sidecar's spool ``layout`` (``HSSTREAM_SPOOL_LAYOUT``;
         the connector and the trainers follow what each request and delivery names) and the
-        payload dtype of ``--payload-dtype`` (vLLM's connector and the sidecar read the same env)."""
+        payload dtype of ``--payload-dtype`` (vLLM's connector and the sidecar read the same env);
+        ``fp8_device``: the connector quantises on the device (``HSSTREAM_FP8_ON_DEVICE``)."""
         from hsstream.devstack import Stack
 
         a = self.args
         t0 = time.perf_counter()
-        wd = self.work / f"stack-{rnd}-{layout}"
+        wd = self.work / f"stack-{rnd}-{layout}{'-fp8dev' if fp8_device else ''}"
         st = Stack(self.model, a.layers, wd, max_model_len=a.max_model_len,
                    gpu_memory_utilization=a.gpu_mem_util, vllm_extra=vllm_flags(a), vllm_gpus=a.vllm_gpus)  # fmt: skip
         wd.mkdir(exist_ok=True)
@@ -163,10 +165,12 @@ class Orchestrator:
             "HSSTREAM_CHECKSUM": a.checksum,
             "HSSTREAM_SPOOL_LAYOUT": layout,
             "HSSTREAM_PAYLOAD_DTYPE": a.payload_dtype,
+            "HSSTREAM_FP8_ON_DEVICE": "1" if fp8_device else "0",
         })  # fmt: skip
-        self.stack, self.stack_layout = st, layout
+        self.stack, self.stack_layout, self.stack_fp8_device = st, layout, fp8_device
         st.start()
-        log(f"stack (vLLM + connector + sidecar, spool layout {layout}, payload {a.payload_dtype}) up in "
+        log(f"stack (vLLM + connector + sidecar, spool layout {layout}, payload {a.payload_dtype}"
+            f"{', FP8 on the device' if fp8_device else ''}) up in "
             f"{time.perf_counter() - t0:.0f} s, spool {st.spool}")
         return time.perf_counter() - t0
 
@@ -175,6 +179,7 @@ class Orchestrator:
             self.stack.stop()
             self.stack.remove_spool()
             self.stack = self.stack_layout = None
+            self.stack_fp8_device = False
 
     def submit(self, ps: list[list[int]]) -> str:
         from connector.contract.rest_client import SidecarClient, SidecarError
@@ -285,7 +290,8 @@ class Orchestrator:
         hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
         lat = [1000 * (x["g"] - x["sent"]) for x in recs if x.get("sent") and lo_t <= x["g"] <= hi_t]
         out = {"config": config or ("stream_ordered" if ordered else "stream"), "round": rnd,
-               "spool_layout": self.stack_layout, "payload_dtype": a.payload_dtype, "consumers": r["results"],
+               "spool_layout": self.stack_layout, "payload_dtype": a.payload_dtype,
+               "fp8_on_device": self.stack_fp8_device, "consumers": r["results"],
                "spool": r["spool"],
                "delivered_to_trainer_gpu": deliver, "vllm_with_connector": vllm,
                "latency_notice_to_gpu_ms": {"p50": rounded(pct(lat, 0.5)), "p99": rounded(pct(lat, 0.99)),
@@ -366,9 +372,13 @@ def dry_run(args: argparse.Namespace, model: str) -> int:
                        text=True, cwd=str(ROOT))  # fmt: skip
     print(f"(b)/(c) vLLM + connector (hsstream vllm), CUDA_VISIBLE_DEVICES={args.vllm_gpus}:")
     print("  " + (r.stdout.strip() or r.stderr.strip()))
-    order = [f"{c} ({SPOOL_LAYOUT[c]})" if c in SPOOL_LAYOUT else c for c in args.configs]
-    print(f"order, {args.rounds} round(s): {', '.join(order)}; a stack per layout in a round, each with its warm-up; "
-          f"stack env HSSTREAM_SPOOL_LAYOUT=<layout> HSSTREAM_PAYLOAD_DTYPE={args.payload_dtype} "
+    def kind(c: str) -> str:
+        layout, fp8_dev = stack_kind(c)
+        return f"{c} ({layout}{', FP8 on the device' if fp8_dev else ''})"
+
+    order = [kind(c) if c in SPOOL_LAYOUT else c for c in args.configs]
+    print(f"order, {args.rounds} round(s): {', '.join(order)}; a stack per kind in a round, each with its warm-up; "
+          f"stack env HSSTREAM_SPOOL_LAYOUT=<layout> HSSTREAM_FP8_ON_DEVICE=<0|1> HSSTREAM_PAYLOAD_DTYPE={args.payload_dtype} "
           f"HSSTREAM_CHECKSUM={args.checksum}")  # fmt: skip
     ranks = args.trainer_gpu_list[: args.trainer_nproc]
     print(f"consumers: (b) one per trainer GPU {args.trainer_gpu_list}; (c) trainer on {ranks[0]}"
@@ -415,14 +425,15 @@ def run(args: argparse.Namespace, shape: dict, model: str) -> int:
                         run = o.run_plain(rnd)
                         plain_rate = run["rate"].get("tok_per_s") or plain_rate
                     else:
-                        layout = SPOOL_LAYOUT[cfg]
-                        if o.stack is not None and o.stack_layout != layout:
-                            log(f"{cfg} needs spool layout {layout}, the stack runs {o.stack_layout}: "
-                                f"stopping it, starting one on {layout}")
+                        layout, fp8_dev = stack_kind(cfg)
+                        if o.stack is not None and (o.stack_layout, o.stack_fp8_device) != (layout, fp8_dev):
+                            log(f"{cfg} needs spool layout {layout}, FP8 on the device {fp8_dev}; the stack runs "
+                                f"{o.stack_layout}, {o.stack_fp8_device}: stopping it, starting one")
                             o.stop_stack()
                         if o.stack is None:
-                            doc.setdefault("stack_start_s", []).append(round(o.start_stack(rnd, layout), 1))
-                            doc.setdefault("stacks", []).append({"round": rnd, "before": cfg, "spool_layout": layout})
+                            doc.setdefault("stack_start_s", []).append(round(o.start_stack(rnd, layout, fp8_dev), 1))
+                            doc.setdefault("stacks", []).append({"round": rnd, "before": cfg, "spool_layout": layout,
+                                                                 "fp8_on_device": fp8_dev})
                             log(f"stack warm-up: {len(o.warm_prompts)} samples")
                             o.run_consumers("deliver", rnd, o.warm_prompts)
                         run = (o.run_train(rnd, plain_rate) if cfg == "train"

@@ -51,3 +51,31 @@ def test_without_an_arena_run_there_is_no_ratio():
     doc = {"runs": [_stream_run("stream", "files", 20.0, 40.0, 4.0)]}
     O.summarize(doc)
     assert doc["summary"]["arena_vs_files_p50"] is None and set(doc["summary"]["by_spool_layout"]) == {"files"}
+
+
+def test_fp8_encoded_on_the_device_is_summarised_apart_from_the_hosts_and_on_a_stack_of_its_own():
+    from bench.online_gpu_config import stack_kind
+
+    assert stack_kind("stream_fp8_device") == ("files", True) and stack_kind("stream") == ("files", False)
+    assert stack_kind("stream_arena") == ("arena", False)
+    host, dev = _stream_run("stream", "files", 20.0, 40.0, 4.0), _stream_run("stream_fp8_device", "files", 15.0, 30.0, 4.0)
+    bf16 = _stream_run("stream", "files", 99.0, 99.0, 4.0)  # another payload: not in the FP8 comparison
+    for r in (host, dev):
+        r["payload_dtype"] = "fp8_e4m3"
+    doc = {"runs": [{"config": "plain", "rate": {"tok_per_s": 1100.0}, "kv_cache_tokens": [1]}, host, dev, bf16]}
+    O.summarize(doc)
+    s = doc["summary"]
+    assert s["by_fp8_encoding"]["host"]["latency_p50_ms"] == 20.0
+    assert s["by_fp8_encoding"]["device"]["latency_p50_ms"] == 15.0
+    assert s["fp8_device_vs_host_p50"] == 0.75
+    assert s["by_spool_layout"]["files"]["configs"] == ["stream"]  # the device arm is not a files-layout row
+
+
+def test_the_device_fp8_arm_needs_an_fp8_payload(capsys):
+    from bench.online_gpu_config import parser, resolve
+
+    ap = parser(None)
+    with pytest.raises(SystemExit):
+        resolve(ap, ap.parse_args(["--configs", "stream_fp8_device", "--dry-run"]))
+    assert "needs --payload-dtype fp8_e4m3" in capsys.readouterr().err
+    resolve(ap, ap.parse_args(["--configs", "stream_fp8_device", "--payload-dtype", "fp8_e4m3", "--dry-run"]))
