@@ -10,10 +10,26 @@ import time
 
 import torch
 
+from connector.contract import payload as PL
 from connector.contract.sample_file import InvalidSample
 from trainer_client.finite import all_finite
 
 _side = threading.local()  # one CUDA stream per check worker, so their copies overlap
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``t``'s device, True unless ``t`` holds a NaN or an infinity, queued
+    on the current stream (no host sync). ``torch.isfinite`` where the dtype has a kernel; FP8
+    has none on CUDA (``NotImplementedError``), so an encoded payload is tested on its exponent
+    bits (the codec's ``finite_bits``, as the host's scan does: masked bits equal to the mask are
+    a NaN or an infinity)."""
+    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
+    spec = codec.finite_bits if codec is not None and codec.encoded else None
+    if spec is None:
+        return torch.isfinite(t).all()
+    itype, mask = spec
+    words = t.reshape(-1).view(getattr(torch, itype))
+    return (words & mask).ne(mask).all()
 
 
 class DeviceCopy:
@@ -53,7 +69,7 @@ class DeviceCopy:
         with torch.cuda.stream(self.stream):
             self.bytes[offset : offset + src.numel()].copy_(src, non_blocking=non_blocking)
             if offset + src.numel() == self.bytes.numel():
-                self.ok = torch.isfinite(self.out).all()
+                self.ok = finite_flag(self.out)
 
     def scales(self, scales: torch.Tensor) -> None:
         """The FP8 scales, into the buffer ``scales_like`` announced (allocated before the wait)."""
@@ -65,7 +81,7 @@ class DeviceCopy:
     def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         with torch.cuda.stream(self.stream):
             if self.ok is None:  # no bytes (0 tokens)
-                self.ok = torch.isfinite(self.out).all()
+                self.ok = finite_flag(self.out)
             ok = bool(self.ok)  # waits for the copies and the check on the side stream
         if self.timings is not None:
             self.timings["to_device_s"] = time.perf_counter() - self.t0

@@ -275,3 +275,32 @@ def test_the_stream_checks_finiteness_on_cuda_and_yields_samples_there(tmp_path,
     for x in got:  # what reached the GPU is the file's content, complete
         want = torch.randn((32, 2, 64), generator=torch.Generator().manual_seed(x.key.index)).to(torch.bfloat16)
         assert torch.equal(x.hidden_states.cpu(), want)
+
+
+def test_the_device_finiteness_flag_reads_fp8_on_its_bits_where_isfinite_has_no_kernel():
+    """``torch.isfinite`` has no FP8 kernel on CUDA (found on the H200: every FP8 sample of a
+    device trainer failed): an FP8 payload is tested on its exponent bits, with the same answer."""
+    from trainer_client.device_copy import finite_flag
+
+    x = torch.randn(64, 2, 8).to(torch.float8_e4m3fn)
+    assert bool(finite_flag(x))
+    raw = x.view(-1).view(torch.uint8)
+    for nan in (0x7F, 0xFF):  # e4m3fn's NaNs (it has no infinity)
+        raw[5] = nan
+        assert not bool(finite_flag(x))
+    raw[5] = 0x7E  # 448, the largest finite value
+    assert bool(finite_flag(x))
+    b = torch.randn(4, 4).bfloat16()
+    assert bool(finite_flag(b))
+    b[1, 1] = float("-inf")
+    assert not bool(finite_flag(b))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
+def test_an_fp8_sample_is_checked_for_nans_on_cuda():
+    hs = torch.randn(8, 2, 16).to(torch.float8_e4m3fn)
+    out, sc = to_device_checked(hs, torch.ones(8, 1, 1), torch.device("cuda"))
+    assert out.is_cuda and torch.equal(out.cpu().view(torch.uint8), hs.view(torch.uint8)) and sc.is_cuda
+    hs.view(-1).view(torch.uint8)[3] = 0x7F
+    with pytest.raises(InvalidSample, match="non-finite"):
+        to_device_checked(hs, torch.ones(8, 1, 1), torch.device("cuda"))
