@@ -216,12 +216,12 @@ def test_deploy_doc_quotes_the_compose_smoke_it_names():
     assert compose_sentence(r) in doc, f"docs/deploy.md should say:\n{compose_sentence(r)}"
 
 
-def test_the_drafts_on_gpu_row_quotes_the_three_runs():
+def test_the_drafts_on_gpu_row_quotes_the_four_runs():
     """The measured table's row of each draft trained on CUDA: rates, wait and GPU memory as the
-    three result files say (one call per draft, the same flags but --draft)."""
+    four result files say (one call per draft, the same flags but --draft)."""
     row = next(line for line in README.splitlines() if line.startswith("| Each draft trained on CUDA"))
     flags = set()
-    for draft, name in (("eagle3", "Eagle-3"), ("peagle", "P-EAGLE"), ("dflash", "DFlash")):
+    for draft, name in (("eagle3", "Eagle-3"), ("peagle", "P-EAGLE"), ("dflash", "DFlash"), ("dspark", "DSpark")):
         j = json.loads((RESULTS / f"online_gpu_h200x1_shared_train_{draft}_batch2k.json").read_text())
         (run,) = [r for r in j["runs"] if r.get("config") == "train"]
         assert run["trainer"]["ok"] and run["trainer"]["draft"] == draft and not j["errors"], draft
@@ -235,7 +235,7 @@ def test_the_drafts_on_gpu_row_quotes_the_three_runs():
         assert float(m[4]) == round(run["trainer"]["gpu_peak_allocated_gib"], 1), name
         assert s["peak_spool_bytes"] <= s["spool_budget_bytes"], name  # "spool ≤ budget in each"
         flags.add(j["command"].replace(f"--draft {draft}", "").replace(draft, ""))
-    assert len(flags) == 1, f"the three calls differ in more than --draft: {flags}"
+    assert len(flags) == 1, f"the four calls differ in more than --draft: {flags}"
 
 
 @pytest.mark.parametrize("draft,name", [("dflash", "DFlash"), ("peagle", "P-EAGLE")])
