@@ -36,3 +36,16 @@ def test_the_h200_arena_row_quotes_its_json():
     assert f"{a['latency_p50_ms']} ms vs {f['latency_p50_ms']} ms ({s['arena_vs_files_p50']:.3f}×)" in row
     assert f"p99 {a['latency_p99_ms']} vs {f['latency_p99_ms']} ms" in row
     assert f"{a['vllm_ratio_to_plain']:.3f} vs {f['vllm_ratio_to_plain']:.3f} of plain" in row
+
+
+def test_the_h200_fp8_on_device_row_quotes_its_json():
+    d = json.loads((ROOT / "bench/results/online_gpu_h200x1_shared_fp8_device.json").read_text())
+    assert not d["errors"] and "stream_fp8_device" in d["command"] and "--payload-dtype fp8_e4m3" in d["command"]
+    s = d["summary"]
+    row = _row((ROOT / "README.md").read_text(), "| FP8 payload quantised on the GPU before the copy")
+    dv, hv = s["by_fp8_encoding"]["device"], s["by_fp8_encoding"]["host"]
+    assert f"**{dv['vllm_ratio_to_plain']:.3f} vs {hv['vllm_ratio_to_plain']:.3f} of plain**" in row
+    assert f"p50 {dv['latency_p50_ms']} vs {hv['latency_p50_ms']} ms ({s['fp8_device_vs_host_p50']:.3f}×)" in row
+    assert f"p99 {dv['latency_p99_ms']} vs {hv['latency_p99_ms']} ms" in row
+    cs = (dv["breakdown"]["connector_checksum"]["p50_ms"], hv["breakdown"]["connector_checksum"]["p50_ms"])
+    assert f"{cs[0]:.1f} vs {cs[1]:.1f} ms p50" in row
