@@ -99,7 +99,7 @@ class ConnectorOptions:
     use_lock: bool = True
     switch_interval_ms: float = 1.0
     checksum_threads: int = 1  # blake3's per sample (0: all cores); see sample_file.CONNECTOR_CHECKSUM_ALGO
-    fp8_on_device: bool = False  # FP8 quantised on the GPU before the copy (HSSTREAM_FP8_ON_DEVICE)
+    fp8_on_device: bool = True  # FP8 quantised on the GPU before the copy, on CUDA (HSSTREAM_FP8_ON_DEVICE)
 
     @property
     def file_layer_ids(self) -> list[int]:
@@ -282,7 +282,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             len(o.file_layer_ids),
             storage_permutation(o.file_layer_ids),
             self._writer,
-            encode_at_gather=o.fp8_on_device,  # opt-in: on the H200 its bytes differ from the host's (docs)
+            encode_at_gather=None if o.fp8_on_device else False,  # None: on CUDA only (worker_side)
         )
         self._worker = WorkerSide(gatherer, self._writer)
         # The writer and notice threads share this process's interpreter with vLLM's worker loop,
