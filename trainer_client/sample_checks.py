@@ -7,7 +7,9 @@ Order of the work for one file: ``load_and_check`` builds a :class:`_SampleCheck
 ``start`` to the reader (``sample_reader.read_sample_file``) as the header callback; ``start``
 checks the header and, for a CUDA device, returns a feed that sends each part of the hidden
 states to ``device_copy.DeviceCopy`` as it arrives; once the file is in, ``host_checks`` runs
-the rest and ``load_and_check`` collects the device copy.
+the rest and ``load_and_check`` collects the device copy. Without a device, the finiteness scan
+starts beside the checksum, split between the ``checks`` pool and the hashing thread
+(:func:`_finite_beside`; ``bench/host_checks.py`` measures it).
 
 A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in place
 (``sample_reader.read_slot``): its tensors are views of the slot, unless the sample goes to a
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -35,7 +38,7 @@ from connector.contract.sample_file import InvalidSample
 from trainer_client.device_copy import DeviceCopy, to_device_checked
 from trainer_client.finite import all_finite
 from trainer_client.sample import Sample
-from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot
+from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot, shared_pool
 
 def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
                    pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
@@ -180,24 +183,66 @@ class _SampleChecks:
         """The file is in: the checksum, the scales, finiteness on the host (without a device)
         and the scales' copy to the device; returns (hidden states, ids, scales), on the host."""
         hs, ids = tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY]
+        on_host = self.dev is None or self.dev.type == "cpu"
+        # On the host the finiteness scan runs beside the checksum (both only read the bytes,
+        # and each is one core's work: one after the other they were most of a sample's latency).
+        beside = on_host and _CPUS > 1 and hs.numel() >= _BESIDE_MIN
+        finite, rest = _finite_beside(hs, self.n.checksum_algo) if beside else (None, None)
         t0 = time.perf_counter()
         digest = SF.sample_checksum(tensors, algo=self.n.checksum_algo, threads=self.threads)
         self.tm["checksum_s"] = time.perf_counter() - t0
         if digest != self.n.checksum:
+            if finite is not None:
+                finite.result()  # nothing left reading the bytes once the sample is refused
             raise InvalidSample("checksum mismatch")
         try:
             PL.codec(self.n.dtype).check(tensors, self.n.num_tokens)  # the payload's own tensors
         except PL.PayloadError as e:
+            if finite is not None:
+                finite.result()
             raise InvalidSample(str(e)) from e
         scales = tensors.get(PL.SCALES_KEY)
         if scales is not None and self.copy is not None:
             self.copy.scales(scales)
-        if self.dev is None or self.dev.type == "cpu":
+        if on_host:
             t0 = time.perf_counter()
-            if not all_finite(hs):
+            if finite is None:
+                ok = all_finite(hs)
+            else:  # the calling thread's share first (the checksum done), then the pool's
+                ok = (rest is None or all_finite(rest, 1)) and finite.result()
+            if not ok:
                 raise InvalidSample("non-finite hidden states")
-            self.tm["finite_s"] = time.perf_counter() - t0
+            self.tm["finite_s"] = time.perf_counter() - t0  # beside the checksum: what was left of it
         return hs, ids, scales
+
+
+_CPUS = os.cpu_count() or 1
+_BESIDE_MIN = 1 << 20  # values: below, a thread hand-off costs more than the scan
+
+
+#: xxh3-128's time per byte over the finiteness scan's, on the 2-core CI machine
+#: (``bench/host_checks.py``: ~0.5 alone, ~0.66 inside the stream): how much of the scan the
+#: thread that hashes can take after its checksum and still finish with the pool.
+_XXH3_PER_SCAN = 0.6
+
+
+def _finite_beside(hs: torch.Tensor, algo: str) -> tuple[Future, torch.Tensor | None]:
+    """The finiteness scan of ``hs`` split between the ``checks`` pool, started now on the cores
+    the checksum leaves (its own ``finite`` pool for the parts: a task never waits on its own
+    pool), and the calling thread after its checksum: (the pool's future, the caller's share or
+    None). The split evens the two out: with n cores the pool scans a share f of the words on
+    n - 1 threads while the caller hashes, then scans the rest; f = (1 + r)(n - 1) / n for a
+    checksum r times the scan's cost per byte (xxh3-128; blake3 hashes on threads of its own:
+    the pool scans all)."""
+    n = min(8, _CPUS)
+    pool = shared_pool("checks", n)
+    threads = max(1, n - 1)
+    f = (1 + _XXH3_PER_SCAN) * (n - 1) / n if algo == "xxh3-128" else 1.0
+    if f >= 1.0:
+        return pool.submit(all_finite, hs, threads), None
+    flat = hs.reshape(-1)
+    cut = int(flat.numel() * f)
+    return pool.submit(all_finite, flat[:cut], threads), flat[cut:]
 
 
 def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None, *,

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""What a CPU trainer's checks of one sample cost, with the finiteness scan beside the checksum
+or after it (``trainer_client/sample_checks.py``).
+
+On a CPU trainer both checks read the whole 33.5 MB of a Qwen3-8B-shape sample (1,024 tokens x
+4 layers x 4096, bf16) and each is one core's work: one after the other they were ~9 ms of a
+~12 ms notice -> tensor (``bench/results/arena_cpu.json``, ``hop_p50_ms``). This times
+``load_and_check`` on one real sample file in /dev/shm (mapped, as an unpinned stream reads it)
+and on one arena slot (a view), the two orders interleaved round by round:
+
+* ``after``: the scan once the checksum is done (before this change);
+* ``beside``: the scan on the ``checks`` pool while the calling thread hashes.
+
+Per arm and layout: p50 / p99 ms per sample, and the process's CPU ms per sample.
+
+    python bench/host_checks.py                  # writes bench/results/host_checks_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from connector import protocol as P  # noqa: E402
+from connector.contract import arena as A  # noqa: E402
+from trainer_client import sample_checks as C  # noqa: E402
+from trainer_client.sample_reader import ArenaMaps  # noqa: E402
+
+T, K, H = 1024, 4, 4096
+
+
+def _sample(spool: Path) -> tuple[P.Deliver, P.Deliver, A.Arena]:
+    """One sample as a file in ``spool`` and the same values in an arena slot there, each
+    written by the connector's writer (``tests/support/sample_files.write_sample``)."""
+    from tests.support import sample_files as SFX
+
+    hs = SFX.random_hidden_states(T, K, H)
+    key = P.SampleKey(job="j", epoch=0, index=0)
+    kw = {"tokens": T, "layer_ids": [2, 18, 33, 36], "hidden": H, "hidden_states": hs, "key": key, "algo": "xxh3-128"}
+    f = SFX.write_sample(spool, "hs-0.safetensors", **kw)
+    length = SFX.slot_bytes(T, K, H)
+    arena = SFX.make_arena(spool, A.PAGE + length)
+    s = SFX.write_sample(spool, "hs-0", slot=SFX.slot_for(arena, A.PAGE, length), **kw)
+    return f.deliver, s.deliver, arena
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/host_checks_cpu.json"))
+    args = ap.parse_args()
+    spool = Path(tempfile.mkdtemp(prefix="hsstream-checks-", dir="/dev/shm"))
+    P.claim_spool(spool)
+    d_file, d_slot, arena = _sample(spool)
+    maps = ArenaMaps(spool)
+    arms = {"after": 1, "beside": os.cpu_count() or 1}  # C._CPUS: 1 turns the scan beside off
+    times: dict[str, dict[str, list[float]]] = {a: {"files": [], "arena": []} for a in arms}
+    cpu: dict[str, dict[str, float]] = {a: {"files": 0.0, "arena": 0.0} for a in arms}
+    real = C._CPUS
+    try:
+        for r in range(args.rounds + 2):  # 2 warm-up rounds
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            for arm in order:
+                C._CPUS = arms[arm]
+                for lay, d in (("files", d_file), ("arena", d_slot)):
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None)
+                    dt = time.perf_counter() - t0
+                    del s
+                    if r >= 2:
+                        times[arm][lay].append(1000 * dt)
+                        cpu[arm][lay] += 1000 * (time.process_time() - c0)
+    finally:
+        C._CPUS = real
+        maps.close()
+        arena.close()
+        for p in spool.iterdir():
+            p.unlink()
+        spool.rmdir()
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+    res = {a: {lay: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99), "mean_ms": round(statistics.mean(v), 3),
+                     "cpu_ms_per_sample": round(cpu[a][lay] / len(v), 3), "n": len(v)}
+               for lay, v in times[a].items()} for a in arms}  # fmt: skip
+    ratio = {lay: round(res["beside"][lay]["p50_ms"] / res["after"][lay]["p50_ms"], 4) for lay in ("files", "arena")}
+    doc = {"benchmark": "host_checks", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": "python bench/host_checks.py " + " ".join(sys.argv[1:]), "host": platform.node(),
+           "cores": os.cpu_count(), "torch": torch.__version__,
+           "shape": {"tokens": T, "layers": K, "hidden_size": H, "dtype": "bfloat16", "checksum": "xxh3-128"},
+           "rounds": args.rounds, "arms": res, "beside_vs_after_p50": ratio}  # fmt: skip
+    print("| arm | layout | p50 ms | p99 ms | CPU ms/sample |\n|---|---|---|---|---|")
+    for a in arms:
+        for lay in ("files", "arena"):
+            x = res[a][lay]
+            print(f"| {a} | {lay} | {x['p50_ms']} | {x['p99_ms']} | {x['cpu_ms_per_sample']} |")
+    print("beside / after, p50:", ratio)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
