@@ -148,8 +148,9 @@ def fp8_encoding(runs: list[dict]) -> dict[str, dict]:
     copy; ``device``: before it, the ``stream_fp8_device`` runs), the same as :func:`layouts`."""
     out: dict[str, dict] = {}
     fp8 = [r for r in runs if r.get("payload_dtype") == "fp8_e4m3" and r.get("spool_layout", "files") == "files"]
-    for where, cfg in (("host", "stream"), ("device", "stream_fp8_device")):
-        rs = [r for r in fp8 if r["config"] == cfg]
+    for where, on_device in (("host", False), ("device", True)):
+        rs = [r for r in fp8 if r["config"] in ("stream", "stream_fp8_device")
+              and bool(r.get("fp8_on_device", r["config"] == "stream_fp8_device")) == on_device]
         if rs:
             out[where] = _stream_group(rs)
     return out

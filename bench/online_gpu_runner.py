@@ -439,7 +439,7 @@ def run(args: argparse.Namespace, shape: dict, model: str) -> int:
                         run = (o.run_train(rnd, plain_rate) if cfg == "train"
                                else o.run_stream(rnd, plain_rate, ordered=True if cfg == "stream_ordered" else None,
                                                  config=cfg))
-                        run["spool_layout"] = o.stack_layout
+                        run["spool_layout"], run["fp8_on_device"] = o.stack_layout, o.stack_fp8_device
                         run["kv_cache_tokens"] = kv_tokens(o.stack.workdir / "vllm.log")
                     run["seconds"] = round(time.perf_counter() - t1, 1)
                     doc["runs"].append(run)

@@ -10,26 +10,10 @@ import time
 
 import torch
 
-from connector.contract import payload as PL
 from connector.contract.sample_file import InvalidSample
-from trainer_client.finite import all_finite
+from trainer_client.finite import all_finite, finite_flag
 
 _side = threading.local()  # one CUDA stream per check worker, so their copies overlap
-
-
-def finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on ``t``'s device, True unless ``t`` holds a NaN or an infinity, queued
-    on the current stream (no host sync). ``torch.isfinite`` where the dtype has a kernel; FP8
-    has none on CUDA (``NotImplementedError``), so an encoded payload is tested on its exponent
-    bits (the codec's ``finite_bits``, as the host's scan does: masked bits equal to the mask are
-    a NaN or an infinity)."""
-    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
-    spec = codec.finite_bits if codec is not None and codec.encoded else None
-    if spec is None:
-        return torch.isfinite(t).all()
-    itype, mask = spec
-    words = t.reshape(-1).view(getattr(torch, itype))
-    return (words & mask).ne(mask).all()
 
 
 class DeviceCopy:

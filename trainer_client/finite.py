@@ -28,17 +28,35 @@ def _exponent_max_ok(words: np.ndarray, mask: int) -> bool:
     return True
 
 
+def _bits(t: torch.Tensor) -> tuple[str, int] | None:
+    """The payload codec's ``finite_bits`` for ``t``'s dtype (None: not a payload dtype)."""
+    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
+    return codec.finite_bits if codec is not None else None
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``t``'s device, True unless ``t`` holds a NaN or an infinity, queued
+    on the current stream (no host sync): what a device checks. ``torch.isfinite`` where the
+    dtype has a kernel; FP8 has none on CUDA (``NotImplementedError``), so an encoded payload is
+    tested on its exponent bits, as the host's scan does."""
+    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
+    spec = codec.finite_bits if codec is not None and codec.encoded else None
+    if spec is None:
+        return torch.isfinite(t).all()
+    itype, mask = spec
+    return (t.reshape(-1).view(getattr(torch, itype)) & mask).ne(mask).all()
+
+
 def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
     """True unless ``t`` holds a NaN or an infinity; exact, for any float dtype.
 
     CPU tensors of a payload dtype are checked on their bits (the codec's ``finite_bits``),
-    split over ``threads`` threads (default: up to 8, numpy releases the GIL); others fall back
-    to ``torch.isfinite``.
+    split over ``threads`` threads (default: up to 8, numpy releases the GIL); others on their
+    device (:func:`finite_flag`).
     """
-    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
-    spec = codec.finite_bits if codec is not None else None
+    spec = _bits(t)
     if spec is None or t.device.type != "cpu" or t.numel() == 0:
-        return bool(torch.isfinite(t).all()) if t.is_floating_point() else True
+        return bool(finite_flag(t)) if t.is_floating_point() and t.numel() else True
     itype, mask = spec
     words = t.contiguous().view(-1).view(torch.uint8).numpy().view(np.dtype(itype))
     n = threads if threads is not None else min(8, os.cpu_count() or 1)

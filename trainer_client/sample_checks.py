@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import torch
@@ -186,37 +186,38 @@ class _SampleChecks:
         on_host = self.dev is None or self.dev.type == "cpu"
         # On the host the finiteness scan runs beside the checksum (both only read the bytes,
         # and each is one core's work: one after the other they were most of a sample's latency).
-        beside = on_host and _CPUS > 1 and hs.numel() >= _BESIDE_MIN
+        beside = on_host and _CPUS > 1 and hs.numel() >= _BESIDE_MIN and hs.is_contiguous()
         finite, rest = _finite_beside(hs, self.n.checksum_algo) if beside else (None, None)
-        t0 = time.perf_counter()
-        digest = SF.sample_checksum(tensors, algo=self.n.checksum_algo, threads=self.threads)
-        self.tm["checksum_s"] = time.perf_counter() - t0
-        if digest != self.n.checksum:
-            if finite is not None:
-                finite.result()  # nothing left reading the bytes once the sample is refused
-            raise InvalidSample("checksum mismatch")
         try:
-            PL.codec(self.n.dtype).check(tensors, self.n.num_tokens)  # the payload's own tensors
-        except PL.PayloadError as e:
-            if finite is not None:
-                finite.result()
-            raise InvalidSample(str(e)) from e
-        scales = tensors.get(PL.SCALES_KEY)
-        if scales is not None and self.copy is not None:
-            self.copy.scales(scales)
-        if on_host:
             t0 = time.perf_counter()
-            if finite is None:
-                ok = all_finite(hs)
-            else:  # the calling thread's share first (the checksum done), then the pool's
-                ok = (rest is None or all_finite(rest, 1)) and finite.result()
-            if not ok:
-                raise InvalidSample("non-finite hidden states")
-            self.tm["finite_s"] = time.perf_counter() - t0  # beside the checksum: what was left of it
+            digest = SF.sample_checksum(tensors, algo=self.n.checksum_algo, threads=self.threads)
+            self.tm["checksum_s"] = time.perf_counter() - t0
+            if digest != self.n.checksum:
+                raise InvalidSample("checksum mismatch")
+            try:
+                PL.codec(self.n.dtype).check(tensors, self.n.num_tokens)  # the payload's own tensors
+            except PL.PayloadError as e:
+                raise InvalidSample(str(e)) from e
+            scales = tensors.get(PL.SCALES_KEY)
+            if scales is not None and self.copy is not None:
+                self.copy.scales(scales)
+            if on_host:
+                t0 = time.perf_counter()
+                if finite is None:
+                    ok = all_finite(hs)
+                else:  # the calling thread's share (the checksum done), then the pool's: both, always
+                    mine = rest is None or all_finite(rest, 1)
+                    ok = finite.result() and mine
+                if not ok:
+                    raise InvalidSample("non-finite hidden states")
+                self.tm["finite_s"] = time.perf_counter() - t0  # beside the checksum: what was left of it
+        finally:
+            if finite is not None:
+                wait([finite])  # however this ends, nothing reads the sample's bytes after it
         return hs, ids, scales
 
 
-_CPUS = os.cpu_count() or 1
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _BESIDE_MIN = 1 << 20  # values: below, a thread hand-off costs more than the scan
 
 
@@ -240,7 +241,7 @@ def _finite_beside(hs: torch.Tensor, algo: str) -> tuple[Future, torch.Tensor | 
     f = (1 + _XXH3_PER_SCAN) * (n - 1) / n if algo == "xxh3-128" else 1.0
     if f >= 1.0:
         return pool.submit(all_finite, hs, threads), None
-    flat = hs.reshape(-1)
+    flat = hs.view(-1)  # contiguous (the caller checks): no copy
     cut = int(flat.numel() * f)
     return pool.submit(all_finite, flat[:cut], threads), flat[cut:]
 

@@ -66,8 +66,10 @@ class LedgerCore:
         #: holds views of): key -> (slot, trainer, lease token), kept until that RECEIVED or until
         #: the trainer is gone, and on disk in the row's ``slot`` meanwhile (a restart quarantines them).
         self._consumed_slots: dict[P.SampleKey, tuple[Slot, bytes, str]] = {}
-        #: Slots given back inside :meth:`ack_many`'s transaction: freed once it commits, so a
-        #: rollback leaves each where it was (its sample still names it, no one else holds it).
+        #: Slots given back inside :meth:`ack_many`'s transaction: freed once it is applied (its
+        #: savepoint released inside a delivery group), so a rollback leaves each where it was (its
+        #: sample still names it, no one else holds it); a failed group commit after that is
+        #: reconciled by :meth:`recover` at the next start, as after a crash.
         self._pending_frees: list[tuple[Slot, bool]] | None = None
 
     # The connection, for the parts' own queries (tests swap it for a wrapper that fails writes).
@@ -141,10 +143,12 @@ class LedgerCore:
         self._tell(s.state, old, 1, len(s.token_ids))
 
     def _give_back_slot(self, s: SampleRow, old: State | None) -> None:
-        """The one place a slot is given back: when its sample leaves flight (QUEUED again or
-        finished), or its bytes were freed while in flight (the trainer's RECEIVED, a lost
-        copy). Given back from SUBMITTED (a writer may still write) or LEASED (a trainer may
-        still read) without the trainer's RECEIVED, it goes into quarantine."""
+        """Where a sample's slot is given back as its state moves: when it leaves flight (QUEUED
+        again or finished), or its bytes were freed while in flight (the trainer's RECEIVED, a
+        lost copy). Given back from SUBMITTED (a writer may still write) or LEASED (a trainer may
+        still read) without the trainer's RECEIVED, it goes into quarantine. The notice, FAIL and
+        lapsed-ACK paths give theirs back before the move, always quarantined; every free goes
+        through :meth:`_free_slot`."""
         if s.state == State.consumed and s.key in self._consumed_slots:
             return  # its trainer may still read it: given back on its RECEIVED (``Leases.received``)
         leaving = s.state not in IN_FLIGHT
@@ -316,7 +320,7 @@ class LedgerCore:
                 ).fetchall():
                     held = Slot.model_validate_json(slot)
                     if self._slots is not None and self._slots.reserve(held):
-                        self._slots.free(held, quarantine=True)
+                        self._free_slot(held, quarantine=True)
                     self._db.execute("UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?", (jid, ep, idx))
                     stats["consumed_slots_quarantined"] += 1
             samples = list(map(row_to_sample, rows))

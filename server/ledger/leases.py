@@ -146,6 +146,11 @@ class Leases(LedgerCore):
             if s.slot is not None and s.on_disk_bytes and s.lease_owner == owner and self._slots is not None:
                 # Acked while its trainer may still hold views (no RECEIVED yet): the slot stays its.
                 self._consumed_slots[key] = (s.slot, owner, token)  # type: ignore[assignment]
+            elif s.slot is not None and s.on_disk_bytes and s.lease_owner is None:
+                # Acked by a trainer whose lease lapsed (or from before a restart): it may still
+                # hold views of the slot, and no RECEIVED of it will come now.
+                self._free_slot(s.slot, quarantine=True)
+                s.slot = None
             self.reserved_bytes -= s.on_disk_bytes
             s.on_disk_bytes = 0
             s.lease_owner = None
@@ -170,7 +175,7 @@ class Leases(LedgerCore):
             saved = ([(s, s.state, s.saved, s.on_disk_bytes, s.lease_owner, s.slot) for s in samples],
                      [(j, j.tokens_consumed, j.bytes_consumed, Counter(j.state_counts), j.finished)
                       for j in jobs.values()],
-                     self.reserved_bytes, self._n_ready, set(self._consumed_slots))  # fmt: skip
+                     self.reserved_bytes, self._n_ready, dict(self._consumed_slots))  # fmt: skip
             self._deferred, self._pending_frees = [], []
             try:
                 left: list[tuple[P.SampleKey, str]] = []
@@ -186,14 +191,17 @@ class Leases(LedgerCore):
                 for j, tok, nb, counts, fin in saved[1]:
                     j.tokens_consumed, j.bytes_consumed, j.state_counts, j.finished = tok, nb, counts, fin
                 self.reserved_bytes, self._n_ready = saved[2], saved[3]
-                for k in set(self._consumed_slots) - saved[4]:  # kept for acks that did not apply
-                    del self._consumed_slots[k]
+                self._consumed_slots.clear()  # as they were: kept for acks that did not apply go
+                self._consumed_slots.update(saved[4])
                 self._deferred = None
                 raise
+            # Applied: the frees the transaction held back, then the listeners, whatever happens.
             frees, self._pending_frees = self._pending_frees, None
-            for slot, quarantine in frees:
-                self._free_slot(slot, quarantine=quarantine)
-            self._tell_deferred()
+            try:
+                for slot, quarantine in frees:
+                    self._free_slot(slot, quarantine=quarantine)
+            finally:
+                self._tell_deferred()
             if orphans is not None:
                 orphans.extend(left)
             return acked, len(keys) - acked

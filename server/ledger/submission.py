@@ -153,7 +153,7 @@ class Submission(LedgerCore):
             if smp.slot is not None and (n.slot is None or n.status != P.NoticeStatus.ok) and self._slots is not None:
                 # Its writer did not use the slot (wrote a file, was busy or failed) — or says so: notices
                 # are not proof (a forged one needs only the key and attempt), so quarantined.
-                self._slots.free(smp.slot, quarantine=True)
+                self._free_slot(smp.slot, quarantine=True)
                 smp.slot = None
             if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault
                 smp.attempt += 1

@@ -5,6 +5,9 @@ files and slots alike, and refuse a bad checksum with nothing left reading the b
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -57,21 +60,28 @@ def test_a_non_finite_value_is_found_in_either_share_of_the_scan(tmp_path, monke
             maps.close()
 
 
-def test_a_checksum_mismatch_waits_for_the_scan_before_it_refuses(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bad", ["checksum", "nan in the caller's share"])
+def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, monkeypatch, bad):
+    """Refused by the checksum, or by a NaN the hashing thread finds in its own share: the pool's
+    part of the scan is over before the refusal (a slot is handed back on it)."""
     monkeypatch.setattr(C, "_CPUS", 2)
     seen = []
     real = C._finite_beside
+    slow_pool = ThreadPoolExecutor(1)
 
-    def spy(hs, algo):
+    def spy(hs, algo):  # the pool's part, made slower than the hashing thread's whole work
         fut, rest = real(hs, algo)
-        seen.append(fut)
-        return fut, rest
+        slow = slow_pool.submit(lambda: (time.sleep(0.3), fut.result())[1])
+        seen.append(slow)
+        return slow, rest
 
     monkeypatch.setattr(C, "_finite_beside", spy)
     spool = tmp_path / "s"
     spool.mkdir()
-    s = _write(spool, where=None)
-    d = s.deliver.model_copy(update={"notice": s.notice.model_copy(update={"checksum": "0" * 32})})
-    with pytest.raises(InvalidSample, match="checksum mismatch"):
+    s = _write(spool, where=None if bad == "checksum" else 0.999999)
+    d = s.deliver
+    if bad == "checksum":
+        d = d.model_copy(update={"notice": s.notice.model_copy(update={"checksum": "0" * 32})})
+    with pytest.raises(InvalidSample, match="checksum mismatch" if bad == "checksum" else "non-finite"):
         C.load_and_check(spool, d)
     assert seen and seen[0].done()  # nothing still reads the refused sample's bytes
