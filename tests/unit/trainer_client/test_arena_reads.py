@@ -139,7 +139,6 @@ def _until(pred, it, limit=20.0):
 def test_received_waits_for_the_views_and_the_ack_does_not(tmp_path, spool):
     arena = SFX.make_arena(spool)
     ds = [_slot_sample(spool, arena, i).deliver for i in range(2)]
-    keys = [d.notice.key for d in ds]
     sc = FakeSidecar(tmp_path, ds, end=False)
     try:
         with _stream(sc, spool) as s:
@@ -147,12 +146,14 @@ def test_received_waits_for_the_views_and_the_ack_does_not(tmp_path, spool):
             first = next(it)
             while first is None:
                 first = next(it)
+            keys = [first.key]  # in the order checked, which is not always the delivery order
             held = first.hidden_states  # the loop keeps a view of the first sample's slot
             del first
             gc.collect()
             second = next(it)
             while second is None:
                 second = next(it)
+            keys.append(second.key)
             for _ in range(10):  # the stream runs (acks the first: ack="use"), the view lives
                 assert next(it) is None
             # Asked past it: acked as for a file (a `for x in stream` loop holds x while asking),
