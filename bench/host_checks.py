@@ -9,7 +9,7 @@ On a CPU trainer both checks read the whole 33.5 MB of a Qwen3-8B-shape sample (
 and on one arena slot (a view), the two orders interleaved round by round:
 
 * ``after``: the scan once the checksum is done (before this change);
-* ``beside``: the scan on the ``checks`` pool while the calling thread hashes.
+* ``beside``: the scan on the ``scan`` pool while the calling thread hashes.
 
 Per arm and layout: p50 / p99 ms per sample, and the process's CPU ms per sample.
 

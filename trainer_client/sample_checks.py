@@ -8,7 +8,7 @@ Order of the work for one file: ``load_and_check`` builds a :class:`_SampleCheck
 checks the header and, for a CUDA device, returns a feed that sends each part of the hidden
 states to ``device_copy.DeviceCopy`` as it arrives; once the file is in, ``host_checks`` runs
 the rest and ``load_and_check`` collects the device copy. Without a device, the finiteness scan
-starts beside the checksum, split between the ``checks`` pool and the hashing thread
+starts beside the checksum, split between the ``scan`` pool and the hashing thread
 (:func:`_finite_beside`; ``bench/host_checks.py`` measures it).
 
 A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in place
@@ -228,7 +228,7 @@ _XXH3_PER_SCAN = 0.6
 
 
 def _finite_beside(hs: torch.Tensor, algo: str) -> tuple[Future, torch.Tensor | None]:
-    """The finiteness scan of ``hs`` split between the ``checks`` pool, started now on the cores
+    """The finiteness scan of ``hs`` split between the ``scan`` pool, started now on the cores
     the checksum leaves (its own ``finite`` pool for the parts: a task never waits on its own
     pool), and the calling thread after its checksum: (the pool's future, the caller's share or
     None). The split evens the two out: with n cores the pool scans a share f of the words on
@@ -236,7 +236,7 @@ def _finite_beside(hs: torch.Tensor, algo: str) -> tuple[Future, torch.Tensor | 
     checksum r times the scan's cost per byte (xxh3-128; blake3 hashes on threads of its own:
     the pool scans all)."""
     n = min(8, _CPUS)
-    pool = shared_pool("checks", n)
+    pool = shared_pool("scan", n)
     threads = max(1, n - 1)
     f = (1 + _XXH3_PER_SCAN) * (n - 1) / n if algo == "xxh3-128" else 1.0
     if f >= 1.0:

@@ -1,5 +1,5 @@
 """The host's finiteness scan beside the checksum (``sample_checks._finite_beside``): split
-between the ``checks`` pool and the thread that hashes, it must find a NaN or an infinity
+between the ``scan`` pool and the thread that hashes, it must find a NaN or an infinity
 wherever it is (the pool's share, the caller's, the cut between them), on any core count, for
 files and slots alike, and refuse a bad checksum with nothing left reading the bytes."""
 
