@@ -85,14 +85,11 @@ def summarize(doc: dict) -> None:
     }
     s["by_spool_layout"] = by_layout = layouts(runs)
     f, ar = by_layout.get("files", {}), by_layout.get("arena", {})
-    s["arena_vs_files_p50"] = (round(ar["latency_p50_ms"] / f["latency_p50_ms"], 4)
-                               if ar.get("latency_p50_ms") and f.get("latency_p50_ms") else None)  # fmt: skip
-    s["arena_vs_files_p99"] = (round(ar["latency_p99_ms"] / f["latency_p99_ms"], 4)
-                               if ar.get("latency_p99_ms") and f.get("latency_p99_ms") else None)  # fmt: skip
+    s["arena_vs_files_p50"] = _ratio(ar, f, "latency_p50_ms")
+    s["arena_vs_files_p99"] = _ratio(ar, f, "latency_p99_ms")
     s["by_fp8_encoding"] = by_fp8 = fp8_encoding(runs)
     dv, hv = by_fp8.get("device", {}), by_fp8.get("host", {})
-    s["fp8_device_vs_host_p50"] = (round(dv["latency_p50_ms"] / hv["latency_p50_ms"], 4)
-                                   if dv.get("latency_p50_ms") and hv.get("latency_p50_ms") else None)  # fmt: skip
+    s["fp8_device_vs_host_p50"] = _ratio(dv, hv, "latency_p50_ms")
     doc["summary"] = s
     rows = [
         ("(a) plain vLLM prefill", f"{s['plain_tok_per_s']} tok/s", "1.000"),
@@ -141,6 +138,11 @@ def layouts(runs: list[dict]) -> dict[str, dict]:
         if rs:
             out[lay] = _stream_group(rs)
     return out
+
+
+def _ratio(a: dict, b: dict, key: str) -> float | None:
+    """a[key] / b[key], rounded; None unless both groups have the figure."""
+    return round(a[key] / b[key], 4) if a.get(key) and b.get(key) else None
 
 
 def fp8_encoding(runs: list[dict]) -> dict[str, dict]:

@@ -28,10 +28,9 @@ def _exponent_max_ok(words: np.ndarray, mask: int) -> bool:
     return True
 
 
-def _bits(t: torch.Tensor) -> tuple[str, int] | None:
-    """The payload codec's ``finite_bits`` for ``t``'s dtype (None: not a payload dtype)."""
-    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
-    return codec.finite_bits if codec is not None else None
+def _codec(t: torch.Tensor) -> PL.PayloadCodec | None:
+    """The payload codec of ``t``'s dtype (None: not a payload dtype)."""
+    return PL.CODECS.get(str(t.dtype).removeprefix("torch."))
 
 
 def finite_flag(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +38,7 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     on the current stream (no host sync): what a device checks. ``torch.isfinite`` where the
     dtype has a kernel; FP8 has none on CUDA (``NotImplementedError``), so an encoded payload is
     tested on its exponent bits, as the host's scan does."""
-    codec = PL.CODECS.get(str(t.dtype).removeprefix("torch."))
+    codec = _codec(t)
     spec = codec.finite_bits if codec is not None and codec.encoded else None
     if spec is None:
         return torch.isfinite(t).all()
@@ -54,7 +53,8 @@ def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
     split over ``threads`` threads (default: up to 8, numpy releases the GIL); others on their
     device (:func:`finite_flag`).
     """
-    spec = _bits(t)
+    codec = _codec(t)
+    spec = codec.finite_bits if codec is not None else None
     if spec is None or t.device.type != "cpu" or t.numel() == 0:
         return bool(finite_flag(t)) if t.is_floating_point() and t.numel() else True
     itype, mask = spec
