@@ -302,7 +302,7 @@ class SpoolWriter:
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
-            digest = SF.sample_checksum(tensors, algo=self.checksum_algo, threads=self.checksum_threads)
+            digest, finite = SF.checksum_and_finite(tensors, algo=self.checksum_algo, threads=self.checksum_threads)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
@@ -313,6 +313,7 @@ class SpoolWriter:
                 nbytes=sum(t.numel() * t.element_size() for k, t in tensors.items() if k != SF.TOKEN_IDS_KEY),
                 checksum=digest,
                 checksum_algo=self.checksum_algo,
+                finite=finite,
             )
             save_file(
                 tensors,
@@ -387,7 +388,8 @@ class SpoolWriter:
                     continue
                 v.copy_(tensors[k])
                 self.count_copied(v.numel() * v.element_size())
-            digest = SF.sample_checksum(views, algo=self.checksum_algo, threads=self.checksum_threads)  # over the slot's own bytes
+            # Over the slot's own bytes, the finiteness scan in the same pass.
+            digest, finite = SF.checksum_and_finite(views, algo=self.checksum_algo, threads=self.checksum_threads)
             t2 = time.perf_counter()
             notice = self._notice(
                 job.request_id,
@@ -399,6 +401,7 @@ class SpoolWriter:
                 nbytes=sum(sp[3] for sp in specs if sp[0] != SF.TOKEN_IDS_KEY),
                 checksum=digest,
                 checksum_algo=self.checksum_algo,
+                finite=finite,
             )
             header, _ = A.header_for(specs, SF.header_metadata(notice))
             mapped.write_header(slot, header)

@@ -1,31 +1,23 @@
-"""Whether a tensor holds a NaN or an infinity, exactly and fast: non-finite floats are the
-ones whose exponent bits are all ones, so the test is an integer AND and a max over the raw
-words (each payload codec names its mask, ``PayloadCodec.finite_bits``), instead of
-``torch.isfinite``, which converts every value to float first.
+"""Whether a tensor holds a NaN or an infinity, exactly and fast: on the host, its raw words
+(``connector.contract.finite_scan``: the writer's and every reader's one definition), instead
+of ``torch.isfinite``, which converts every value to float and writes a bool per value; on a
+device, :func:`finite_flag`. Several threads share a host scan by its chunks (:func:`beside`,
+:func:`settle`): a thread that starts late or is preempted leaves its chunks to the others.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, wait
 
 import numpy as np
 import torch
 
 from connector.contract import payload as PL
+from connector.contract.finite_scan import CHUNK, ChunkedScan
 from trainer_client.sample_reader import shared_pool
 
-_CHUNK = 1 << 18  # words per pass: the scratch stays in cache
-
-
-def _exponent_max_ok(words: np.ndarray, mask: int) -> bool:
-    scratch = np.empty(min(_CHUNK, words.size), dtype=words.dtype)
-    for i in range(0, words.size, _CHUNK):
-        part = words[i : i + _CHUNK]
-        s = scratch[: part.size]
-        np.bitwise_and(part, mask, out=s)
-        if s.max() == mask:
-            return False
-    return True
+_MAX_HELPERS = 7  # threads of a shared scan pool (a caller and 7 helpers: 8 cores' worth)
 
 
 def _codec(t: torch.Tensor) -> PL.PayloadCodec | None:
@@ -46,23 +38,55 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return (t.reshape(-1).view(getattr(torch, itype)) & mask).ne(mask).all()
 
 
+def scannable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can have a :class:`ChunkedScan`: contiguous, on the CPU, of a payload dtype."""
+    codec = _codec(t)
+    return codec is not None and codec.finite_bits is not None and t.device.type == "cpu" and t.is_contiguous()
+
+
+def scan_of(t: torch.Tensor) -> ChunkedScan:
+    """The :class:`ChunkedScan` of a contiguous CPU tensor of a payload dtype (:func:`scannable`)."""
+    codec = _codec(t)
+    if codec is None or codec.finite_bits is None or not scannable(t):
+        raise TypeError("a chunked scan needs a contiguous CPU tensor of a payload dtype")
+    itype, mask = codec.finite_bits
+    return ChunkedScan(t.view(-1).view(torch.uint8).numpy().view(np.dtype(itype)), mask)
+
+
+def beside(scan: ChunkedScan, pool: str, helpers: int) -> list[Future]:
+    """Start ``helpers`` threads of the shared pool ``pool`` on ``scan`` from its front; the
+    caller joins from the back when it can, then calls :func:`settle`."""
+    p = shared_pool(pool, _MAX_HELPERS)
+    return [p.submit(scan.run, True) for _ in range(helpers)]
+
+
+def settle(futures: list[Future]) -> None:
+    """Once the caller's own share is done: helpers that never started are cancelled, the rest
+    waited for, so nothing reads the tensor's bytes after this returns."""
+    running = [f for f in futures if not f.cancel()]
+    wait(running)
+    for f in running:
+        f.result()  # a helper's own failure (not a verdict) is raised here, not lost
+
+
 def all_finite(t: torch.Tensor, threads: int | None = None) -> bool:
     """True unless ``t`` holds a NaN or an infinity; exact, for any float dtype.
 
     CPU tensors of a payload dtype are checked on their bits (the codec's ``finite_bits``),
-    split over ``threads`` threads (default: up to 8, numpy releases the GIL); others on their
-    device (:func:`finite_flag`).
+    on ``threads`` threads (default: up to 8, numpy releases the GIL), the caller one of them;
+    others on their device (:func:`finite_flag`).
     """
     codec = _codec(t)
     spec = codec.finite_bits if codec is not None else None
     if spec is None or t.device.type != "cpu" or t.numel() == 0:
         return bool(finite_flag(t)) if t.is_floating_point() and t.numel() else True
-    itype, mask = spec
-    words = t.contiguous().view(-1).view(torch.uint8).numpy().view(np.dtype(itype))
-    n = threads if threads is not None else min(8, os.cpu_count() or 1)
-    if n <= 1 or words.size < 4 * _CHUNK:
-        return _exponent_max_ok(words, mask)
-    pool = shared_pool("finite", min(8, os.cpu_count() or 1))
-    step = -(-words.size // n)
-    parts = [words[i : i + step] for i in range(0, words.size, step)]
-    return all(pool.map(_exponent_max_ok, parts, [mask] * len(parts)))
+    scan = scan_of(t.contiguous())
+    n = min(threads if threads is not None else os.cpu_count() or 1, _MAX_HELPERS + 1)
+    if n <= 1 or scan.words.size < 4 * CHUNK:
+        return scan.run()
+    futures = beside(scan, "finite", n - 1)
+    try:
+        scan.run(front=False)
+    finally:
+        settle(futures)
+    return scan.ok

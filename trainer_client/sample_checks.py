@@ -7,9 +7,9 @@ Order of the work for one file: ``load_and_check`` builds a :class:`_SampleCheck
 ``start`` to the reader (``sample_reader.read_sample_file``) as the header callback; ``start``
 checks the header and, for a CUDA device, returns a feed that sends each part of the hidden
 states to ``device_copy.DeviceCopy`` as it arrives; once the file is in, ``host_checks`` runs
-the rest and ``load_and_check`` collects the device copy. Without a device, the finiteness scan
-starts beside the checksum, split between the ``scan`` pool and the hashing thread
-(:func:`_finite_beside`; ``bench/host_checks.py`` measures it).
+the rest and ``load_and_check`` collects the device copy. Without a device, the writer's
+finiteness verdict in the notice stands once the checksum matches; where there is none (or
+``rescan_finite``), the scan goes with the checksum (:meth:`_SampleChecks.host_checks`).
 
 A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in place
 (``sample_reader.read_slot``): its tensors are views of the slot, unless the sample goes to a
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
 from pathlib import Path
 
 import torch
@@ -36,15 +35,15 @@ from connector.contract import sample_file as SF
 from connector.contract import spool as SP
 from connector.contract.sample_file import InvalidSample
 from trainer_client.device_copy import DeviceCopy, to_device_checked
-from trainer_client.finite import all_finite
+from trainer_client.finite import all_finite, beside, scan_of, scannable, settle
 from trainer_client.sample import Sample
-from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot, shared_pool
+from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot
 
 def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
                    pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
                    alloc: Callable[[int], torch.Tensor] | None = None,
                    timings: dict[str, float] | None = None, arenas: ArenaMaps | None = None,
-                   keep: Callable | None = None) -> Sample:  # fmt: skip
+                   keep: Callable | None = None, rescan_finite: bool = False) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
     a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`.
@@ -66,6 +65,11 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     ``arenas``: the stream's arena mapping, for a delivery of a slot (module docstring);
     ``keep`` is handed the array the slot's views keep alive (``read_slot``). A slot this
     trainer cannot reach raises ``sample_reader.SlotNotReadable``.
+
+    ``rescan_finite``: scan the values on the host even where the writer said they are all
+    finite (``Notice.finite``). Without it a matching checksum stands for the scan: the bytes
+    are the ones the writer hashed and scanned in the same pass. A writer that said some are
+    not finite is refused either way.
     """
     tm = timings if timings is not None else {}
     n = d.notice
@@ -77,7 +81,7 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     if n.dtype not in PL.CODECS:
         raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
     dev = torch.device(device) if device is not None else None
-    checks = _SampleChecks(n, dev, checksum_threads, tm)
+    checks = _SampleChecks(n, dev, checksum_threads, tm, rescan_finite)
     copied = 0
     if in_slot:
         if arenas is None:
@@ -143,8 +147,10 @@ class _SampleChecks:
     the hidden states copied there as it arrives (:meth:`_feed`); the rest once the file is in
     (:meth:`host_checks`)."""
 
-    def __init__(self, n: M.Notice, dev: torch.device | None, threads: int, tm: dict[str, float]) -> None:
+    def __init__(self, n: M.Notice, dev: torch.device | None, threads: int, tm: dict[str, float],
+                 rescan_finite: bool = False) -> None:  # fmt: skip
         self.n, self.dev, self.tm, self.threads = n, dev, tm, threads
+        self.rescan_finite = rescan_finite
         self.copy: DeviceCopy | None = None
         self.span = (0, 0)
         self.hs_bytes: torch.Tensor | None = None
@@ -181,17 +187,36 @@ class _SampleChecks:
 
     def host_checks(self, tensors: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The file is in: the checksum, the scales, finiteness on the host (without a device)
-        and the scales' copy to the device; returns (hidden states, ids, scales), on the host."""
+        and the scales' copy to the device; returns (hidden states, ids, scales), on the host.
+
+        Finiteness on the host: the writer's verdict (``Notice.finite``), which a matching
+        checksum makes this sample's, unless ``rescan_finite``; else a scan that goes with the
+        checksum: beside it on the ``scan`` pool, the hashing thread taking the chunks left once
+        its checksum is done (several cores), or chunk by chunk in the checksum's own pass (one
+        core, xxh3-128); ``bench/host_checks.py`` measures them."""
         hs, ids = tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY]
         on_host = self.dev is None or self.dev.type == "cpu"
-        # On the host the finiteness scan runs beside the checksum (both only read the bytes,
-        # and each is one core's work: one after the other they were most of a sample's latency).
-        beside = on_host and _CPUS > 1 and hs.numel() >= _BESIDE_MIN and hs.is_contiguous()
-        finite, rest = _finite_beside(hs, self.n.checksum_algo) if beside else (None, None)
+        algo = self.n.checksum_algo
+        taken = on_host and self.n.finite is not None and not (self.n.finite and self.rescan_finite)
+        scan = helpers = None
+        fused = False
+        if on_host and not taken and scannable(hs) and hs.numel() > 0:
+            if _CPUS > 1 and hs.numel() >= _BESIDE_MIN:
+                scan = scan_of(hs)
+                helpers = beside(scan, "scan", min(_CPUS, 8) - 1)
+            elif algo in SF.ONE_THREAD_ALGOS:
+                scan, fused = scan_of(hs), True
         try:
             t0 = time.perf_counter()
-            digest = SF.sample_checksum(tensors, algo=self.n.checksum_algo, threads=self.threads)
-            self.tm["checksum_s"] = time.perf_counter() - t0
+            if fused:
+                h = SF.new_hasher(algo)
+                scan.hash_and_run(h)  # type: ignore[union-attr]  # the hidden states: the first buffer
+                for b in SF.checksum_buffers(tensors)[1:]:
+                    h.update(memoryview(b).cast("B"))
+                digest = h.hexdigest()
+            else:
+                digest = SF.sample_checksum(tensors, algo=algo, threads=self.threads)
+            self.tm["checksum_s"] = time.perf_counter() - t0  # fused: the scan's time is in it
             if digest != self.n.checksum:
                 raise InvalidSample("checksum mismatch")
             try:
@@ -203,47 +228,29 @@ class _SampleChecks:
                 self.copy.scales(scales)
             if on_host:
                 t0 = time.perf_counter()
-                if finite is None:
+                if taken:
+                    ok = bool(self.n.finite)  # these are the bytes the writer scanned
+                elif scan is None:
                     ok = all_finite(hs)
-                else:  # the calling thread's share (the checksum done), then the pool's: both, always
-                    mine = rest is None or all_finite(rest, 1)
-                    ok = finite.result() and mine
+                elif helpers is None:
+                    ok = scan.ok  # scanned as it was hashed
+                else:  # what the helpers have not taken yet, from the back; then theirs
+                    scan.run(front=False)
+                    pending, helpers = helpers, None
+                    settle(pending)  # waits for every helper, then raises a helper's own error, if any
+                    ok = scan.ok
                 if not ok:
-                    raise InvalidSample("non-finite hidden states")
+                    raise InvalidSample("non-finite hidden states" + (" (the writer found them)" if taken else ""))
                 self.tm["finite_s"] = time.perf_counter() - t0  # beside the checksum: what was left of it
         finally:
-            if finite is not None:
-                wait([finite])  # however this ends, nothing reads the sample's bytes after it
+            if helpers is not None:
+                scan.stop()  # type: ignore[union-attr]  # refused before its scan ended: the helpers stop
+                settle(helpers)  # however this ends, nothing reads the sample's bytes after it
         return hs, ids, scales
 
 
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _BESIDE_MIN = 1 << 20  # values: below, a thread hand-off costs more than the scan
-
-
-#: xxh3-128's time per byte over the finiteness scan's, on the 2-core CI machine
-#: (``bench/host_checks.py``: ~0.5 alone, ~0.66 inside the stream): how much of the scan the
-#: thread that hashes can take after its checksum and still finish with the pool.
-_XXH3_PER_SCAN = 0.6
-
-
-def _finite_beside(hs: torch.Tensor, algo: str) -> tuple[Future, torch.Tensor | None]:
-    """The finiteness scan of ``hs`` split between the ``scan`` pool, started now on the cores
-    the checksum leaves (its own ``finite`` pool for the parts: a task never waits on its own
-    pool), and the calling thread after its checksum: (the pool's future, the caller's share or
-    None). The split evens the two out: with n cores the pool scans a share f of the words on
-    n - 1 threads while the caller hashes, then scans the rest; f = (1 + r)(n - 1) / n for a
-    checksum r times the scan's cost per byte (xxh3-128; blake3 hashes on threads of its own:
-    the pool scans all)."""
-    n = min(8, _CPUS)
-    pool = shared_pool("scan", n)
-    threads = max(1, n - 1)
-    f = (1 + _XXH3_PER_SCAN) * (n - 1) / n if algo == "xxh3-128" else 1.0
-    if f >= 1.0:
-        return pool.submit(all_finite, hs, threads), None
-    flat = hs.view(-1)  # contiguous (the caller checks): no copy
-    cut = int(flat.numel() * f)
-    return pool.submit(all_finite, flat[:cut], threads), flat[cut:]
 
 
 def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None, *,

@@ -161,6 +161,12 @@ class StreamOptions:
     the host; the yielded ``hidden_states`` live on that device. Implies ``pin_memory``.
     None or CPU: checked on the host. ``host_buffers``: where pinned samples are read into
     (``host_buffers.py``; by default torch's pinned cache, warmed at the first delivery).
+
+    ``rescan_finite`` (off): on the host, scan every sample's values for a NaN or an infinity
+    even where the writer said they are all finite (``Notice.finite``: found in the pass that
+    took its checksum). Off, a matching checksum stands for that scan — these are the bytes
+    the writer scanned — and a CPU trainer reads each sample once instead of twice. A writer
+    that found non-finite values has its sample refused either way.
     """
 
     jobs: list[str] | None = None
@@ -182,6 +188,7 @@ class StreamOptions:
     device: torch.device | str | None = None
     host_buffers: HostBuffers | None = None
     ordered: bool | None = None
+    rescan_finite: bool = False
 
 
 class HiddenStateStream:
@@ -658,7 +665,7 @@ class HiddenStateStream:
         spool = self.spool if reads_spool else None
         sample = load_and_check(spool, d, data, pin_memory=self.pin_memory, device=self.device,
                                 alloc=self.host_buffers.alloc, timings=tm, arenas=self._arenas if reads_spool else None,
-                                keep=keep)  # fmt: skip
+                                keep=keep, rescan_finite=self.options.rescan_finite)  # fmt: skip
         decoded = sample.dequantized(self.dequantize)
         if decoded is not sample and tm.pop("in_slot", 0):
             # Decoded into new tensors: the slot's last views are the token ids; copied out, the

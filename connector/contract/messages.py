@@ -25,12 +25,13 @@ from connector.contract.arena import Slot
 from connector.contract.errors import ProtocolError
 from connector.contract.sample_file import CHECKSUM_ALGO
 
+#: Version 5: the writer's finiteness verdict in the notice (``Notice.finite``).
 #: Version 4: a slot of the arena spool layout (``connector/contract/arena.py``) in the sidecar's
 #: request tag and in the notice (``RequestTag.slot``, ``Notice.slot``; ``file`` is then None).
 #: Version 3: a trainer's HEARTBEAT may carry its training figures (``Heartbeat.train``). Version
 #: 2 brought the lease token (``Deliver.token``, echoed in ACK / RECEIVED / FAIL) and FAIL's
 #: optional ``not_received``. Peers of another version are refused (``VersionMismatch``).
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Characters a lease token may have on the wire (the sidecar makes 32 hex digits).
 TOKEN_MAX = 64
 
@@ -124,6 +125,11 @@ class Notice(_Model):
     nbytes: int = 0
     checksum: str | None = None
     checksum_algo: str = CHECKSUM_ALGO
+    #: The writer's own verdict on the hidden states it hashed: True when every value is finite
+    #: (found in the checksum's pass, ``sample_file.checksum_and_finite``), None when it did not
+    #: look. A reader whose checksum matches reads the very bytes the writer scanned, so it may
+    #: take a True instead of scanning again (the trainer does, unless told to rescan).
+    finite: bool | None = None
     model: str = ""
     #: ``time.time()`` when the connector published the notice (file complete and renamed).
     #: Additive and optional: benchmarks measure notice-to-trainer latency on one host's clock.

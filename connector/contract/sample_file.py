@@ -69,19 +69,29 @@ def checksum(*buffers: Any, algo: str = CHECKSUM_ALGO, threads: int = 1) -> str:
     checksum but cost more CPU in all, taken from the engine), the trainer, which must keep up
     with a GPU, uses all.
     """
-    if algo == "blake3":
-        import blake3
-
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads == 0 else max(1, threads))
-    elif algo == "xxh3-128":
-        import xxhash
-
-        h = xxhash.xxh3_128()
-    else:
-        raise ProtocolError(f"unknown checksum algorithm {algo!r} (known: {', '.join(CHECKSUM_ALGOS)})")
+    h = new_hasher(algo, threads)
     for b in buffers:
         h.update(memoryview(b).cast("B"))
     return h.hexdigest()
+
+
+def new_hasher(algo: str = CHECKSUM_ALGO, threads: int = 1) -> Any:  # noqa: ANN401 - blake3 or xxhash object
+    """A streaming hasher of the named checksum (``update`` / ``hexdigest``): feeding it the
+    buffers of :func:`checksum_buffers` in any pieces, in order, gives :func:`checksum`'s digest."""
+    if algo == "blake3":
+        import blake3
+
+        return blake3.blake3(max_threads=blake3.blake3.AUTO if threads == 0 else max(1, threads))
+    if algo == "xxh3-128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    raise ProtocolError(f"unknown checksum algorithm {algo!r} (known: {', '.join(CHECKSUM_ALGOS)})")
+
+
+#: Checksums that hash on the calling thread alone (blake3 may use threads of its own): a reader
+#: can scan each piece it has just hashed while it is in cache (``trainer_client.finite``).
+ONE_THREAD_ALGOS = frozenset({"xxh3-128"})
 
 
 def checksum_buffers(tensors: Mapping[str, Any]) -> list[Any]:
@@ -100,6 +110,31 @@ def checksum_buffers(tensors: Mapping[str, Any]) -> list[Any]:
 def sample_checksum(tensors: Mapping[str, Any], algo: str = CHECKSUM_ALGO, threads: int = 1) -> str:
     """The checksum a sample file's notice carries, over its tensors."""
     return checksum(*checksum_buffers(tensors), algo=algo, threads=threads)
+
+
+def checksum_and_finite(tensors: Mapping[str, Any], algo: str = CHECKSUM_ALGO, threads: int = 1) -> tuple[str, bool | None]:
+    """:func:`sample_checksum`'s digest and, where the checksum hashes on this thread alone
+    (:data:`ONE_THREAD_ALGOS`) and the hidden states are contiguous host words of a payload
+    codec, whether every value is finite, found in the same pass over the bytes
+    (``finite_scan.ChunkedScan.hash_and_run``): the writer's verdict for the notice's
+    ``finite``. Otherwise (digest, None): not looked at."""
+    import numpy as np
+
+    from connector.contract import payload as PL
+    from connector.contract.finite_scan import ChunkedScan
+
+    hs = tensors[HIDDEN_STATES_KEY]
+    codec = PL.CODECS.get(str(hs.dtype).removeprefix("torch."))
+    spec = codec.finite_bits if codec is not None else None
+    if algo not in ONE_THREAD_ALGOS or spec is None or hs.device.type != "cpu" or not hs.is_contiguous():
+        return sample_checksum(tensors, algo=algo, threads=threads), None
+    bufs = checksum_buffers(tensors)
+    scan = ChunkedScan(np.asarray(bufs[0]).reshape(-1).view(np.dtype(spec[0])), spec[1])
+    h = new_hasher(algo, threads)
+    finite = scan.hash_and_run(h)  # the hidden states: the first of the buffers
+    for b in bufs[1:]:
+        h.update(memoryview(b).cast("B"))
+    return h.hexdigest(), finite
 
 
 def expected_nbytes(num_tokens: int, num_layers: int, hidden_size: int, dtype_size: int, scale_bytes: int = 0) -> int:

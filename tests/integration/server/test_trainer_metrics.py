@@ -13,6 +13,7 @@ import httpx
 import pytest
 import zmq
 
+from connector import protocol as P
 from tests.integration.conftest import sidecar_without_vllm
 from trainer_client import HiddenStateStream
 
@@ -71,8 +72,8 @@ def test_a_report_sent_through_the_stream_shows_in_metrics_until_the_trainer_goe
             bad.connect(ep)
             before = c.get("/v1/stats").json()["delivery"]["bad_messages"]
             for train in ('{"step": 1, "loss": NaN}', '{"step": 1, "loss": -1}', '{"step": 1, "loss": 1e300}'):
-                bad.send_multipart([b"HEARTBEAT", f'{{"v": 4, "alive_s": 1, "train": {train}}}'.encode()])
-            bad.send_multipart([b"HEARTBEAT", json.dumps({"v": 4, "train": {"step": "1" * 5000}}).encode()])
+                bad.send_multipart([b"HEARTBEAT", f'{{"v": {P.PROTOCOL_VERSION}, "alive_s": 1, "train": {train}}}'.encode()])
+            bad.send_multipart([b"HEARTBEAT", json.dumps({"v": P.PROTOCOL_VERSION, "train": {"step": "1" * 5000}}).encode()])
             t_end = time.monotonic() + 10
             while c.get("/v1/stats").json()["delivery"]["bad_messages"] < before + 4 and time.monotonic() < t_end:
                 next(it)

@@ -239,13 +239,13 @@ def test_checksum_kind_and_threads_reach_the_digest_unchanged(spool, pull, monke
     names the kind, the writer hashes on the threads asked for, and the digest is the one any
     reader recomputes (on its own thread count)."""
     calls: list[dict] = []
-    real = SW.SF.sample_checksum
+    real, real_with = SW.SF.sample_checksum, SW.SF.checksum_and_finite
 
     def spy(tensors, **kw):  # noqa: ANN001, ANN003
         calls.append(kw)
-        return real(tensors, **kw)
+        return real_with(tensors, **kw)
 
-    monkeypatch.setattr(SW.SF, "sample_checksum", spy)
+    monkeypatch.setattr(SW.SF, "checksum_and_finite", spy)
     w = SpoolWriter(spool, pull[0], SHAPE, num_threads=1, checksum_algo=algo, checksum_threads=threads)
     try:
         job = _job("cmpl-sum")
@@ -257,6 +257,8 @@ def test_checksum_kind_and_threads_reach_the_digest_unchanged(spool, pull, monke
     t = load_file(spool / job.file)
     assert n.checksum_algo == algo
     assert n.checksum == real(t, algo=algo, threads=1) == real(t, algo=algo, threads=0)
+    # The writer's finiteness verdict comes with a one-thread checksum's pass (none with blake3's).
+    assert n.finite is (True if algo in SW.SF.ONE_THREAD_ALGOS else None)
 
 
 # ----------------------------------------------------------------------------- supervised notice thread

@@ -63,7 +63,8 @@ def _obj(**over):
 @pytest.mark.parametrize(
     "data",
     [
-        pytest.param(json.dumps(_obj(v=5)).encode(), id="v5"),
+        pytest.param(json.dumps(_obj(v=P.PROTOCOL_VERSION + 1)).encode(), id="next"),
+        pytest.param(json.dumps(_obj(v=4)).encode(), id="v4"),
         pytest.param(json.dumps(_obj(v=3)).encode(), id="v3"),
         pytest.param(json.dumps(_obj(v=1)).encode(), id="v1"),
         pytest.param(json.dumps(_obj(v=0)).encode(), id="v0"),
@@ -88,10 +89,10 @@ def test_notice_decode_rejects(data):
 
 
 def test_unsupported_version_message_names_versions():
-    with pytest.raises(P.VersionMismatch, match=r"version 5 .*speaks 4"):
-        P.Notice.decode(json.dumps(_obj(v=5)))
-    with pytest.raises(P.VersionMismatch, match=r"version 3 .*speaks 4"):
-        P.Notice.decode(json.dumps(_obj(v=3)))
+    with pytest.raises(P.VersionMismatch, match=r"version 6 .*speaks 5"):
+        P.Notice.decode(json.dumps(_obj(v=6)))
+    with pytest.raises(P.VersionMismatch, match=r"version 4 .*speaks 5"):
+        P.Notice.decode(json.dumps(_obj(v=4)))
 
 
 def test_notice_is_immutable():
@@ -165,7 +166,7 @@ def test_decode_msg_checks_version_and_values():
     with pytest.raises(P.ProtocolError):
         P.decode_msg([b"CREDIT", b'{"n": 1}'])
     with pytest.raises(P.ProtocolError):
-        P.decode_msg([b"CREDIT", b'{"v": 4, "n": -1}'])
+        P.decode_msg([b"CREDIT", f'{{"v": {P.PROTOCOL_VERSION}, "n": -1}}'.encode()])
     with pytest.raises(P.VersionMismatch):
         P.decode_msg([b"CREDIT", b'{"v": 2, "n": 1}'])  # the previous release's
     with pytest.raises(P.ProtocolError):

@@ -34,31 +34,34 @@ def _dealer(ep: str) -> zmq.Socket:
     return d
 
 
-def test_a_trainer_of_protocol_version_3_is_told_the_versions_and_served_nothing(tmp_path, monkeypatch):
+def test_a_trainer_of_the_previous_protocol_version_is_told_the_versions_and_served_nothing(tmp_path, monkeypatch):
     svc = _service(tmp_path)
     old = _dealer(svc.endpoint)
     try:
-        # The previous release's trainer: its messages are valid version-3 messages.
-        old.send_multipart([b"HELLO", json.dumps({"v": 3, "jobs": None}).encode()])
-        old.send_multipart([b"CREDIT", json.dumps({"v": 3, "n": 8}).encode()])
-        old.send_multipart([b"HEARTBEAT", json.dumps({"v": 3, "alive_s": 1.0, "waited_s": 0.5}).encode()])
+        # The previous release's trainer: its messages are valid messages of the version before.
+        prev = P.PROTOCOL_VERSION - 1
+        old.send_multipart([b"HELLO", json.dumps({"v": prev, "jobs": None}).encode()])
+        old.send_multipart([b"CREDIT", json.dumps({"v": prev, "n": 8}).encode()])
+        old.send_multipart([b"HEARTBEAT", json.dumps({"v": prev, "alive_s": 1.0, "waited_s": 0.5}).encode()])
         assert old.poll(5000)
         frames = old.recv_multipart()
         end = P.decode_msg(frames)
-        assert isinstance(end, P.End) and "version 3" in end.reason and "speaks protocol version 4" in end.reason
+        assert isinstance(end, P.End) and f"version {prev} " in end.reason
+        assert f"speaks protocol version {P.PROTOCOL_VERSION}" in end.reason
         assert not old.poll(500)  # said once, nothing else (no heartbeats, no samples)
-        # What the old stream raises on reading it: its own decoder refuses version 4, by name.
+        # What the old stream raises on reading it: its own decoder refuses this version, by name.
         from connector.contract import messages
 
-        monkeypatch.setattr(messages, "PROTOCOL_VERSION", 3)
-        with pytest.raises(P.VersionMismatch, match=r"version 4 \(this build speaks 3\)"):
+        cur = P.PROTOCOL_VERSION
+        monkeypatch.setattr(messages, "PROTOCOL_VERSION", prev)
+        with pytest.raises(P.VersionMismatch, match=rf"version {cur} \(this build speaks {prev}\)"):
             P.decode_msg(frames)
     finally:
         old.close(linger=0)
         svc.stop()
 
 
-def test_a_notice_of_protocol_version_3_is_refused_with_both_versions_in_the_log(tmp_path, caplog):
+def test_a_notice_of_the_previous_protocol_version_is_refused_with_both_versions_in_the_log(tmp_path, caplog):
     spool = tmp_path / "spool"
     P.claim_spool(spool)
     ledger = Ledger()
@@ -66,11 +69,11 @@ def test_a_notice_of_protocol_version_3_is_refused_with_both_versions_in_the_log
     s = ledger.next_to_submit(10**9)
     rx = NoticeReceiver("inproc://unused", spool, ledger)
     old = json.loads(P.Notice(status=P.NoticeStatus.ok, request_id="r", key=s.key).encode())
-    old["v"] = 3
+    old["v"] = P.PROTOCOL_VERSION - 1
     with caplog.at_level(logging.ERROR, logger="hsstream.sidecar"):
         rx.handle(json.dumps(old).encode())
     assert rx.stats["refused"] == 1
-    assert "unsupported protocol version 3 (this build speaks 4)" in caplog.text
+    assert f"unsupported protocol version {old['v']} (this build speaks {P.PROTOCOL_VERSION})" in caplog.text
 
 
 def test_a_hello_over_the_job_limit_is_refused_and_the_stream_says_why(tmp_path):

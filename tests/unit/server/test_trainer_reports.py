@@ -62,7 +62,7 @@ def test_a_report_out_of_its_bounds_refuses_the_heartbeat(train):
 
 def test_a_non_finite_wait_figure_refuses_the_heartbeat():
     with pytest.raises(P.ProtocolError):
-        P.decode_msg([b"HEARTBEAT", b'{"v": 4, "alive_s": Infinity, "waited_s": 1.0}'])
+        P.decode_msg([b"HEARTBEAT", f'{{"v": {P.PROTOCOL_VERSION}, "alive_s": Infinity, "waited_s": 1.0}}'.encode()])
 
 
 def test_report_validates_and_the_next_heartbeat_carries_the_latest():
@@ -127,7 +127,7 @@ def test_the_delivery_thread_keeps_each_trainers_latest_report_and_drops_bad_one
             _until(lambda: len(svc.trainers()) == 2)
             for train in ({"step": 1, "loss": float("nan")}, {"step": 1, "loss": -1.0}, {"step": 10**13}):
                 bad.send_multipart(_beat(train))
-            bad.send_multipart([b"HEARTBEAT", b'{"v": 4, "train": {"step": 1, "loss": NaN}}'])
+            bad.send_multipart([b"HEARTBEAT", f'{{"v": {P.PROTOCOL_VERSION}, "train": {{"step": 1, "loss": NaN}}}}'.encode()])
             _until(lambda: svc.stats["bad_messages"] == 4)
             assert svc.alive()
             assert sorted(_figures(svc), key=str) == sorted([None, _report(step=3, loss=1 / 3, steps_per_s=5.0)], key=str)

@@ -19,11 +19,11 @@ from tests.support import sample_files
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 4])
 def test_all_finite_finds_every_kind_of_non_finite_anywhere(dtype, threads):
-    x = (torch.randn(3 * F._CHUNK + 17) * 100).to(dtype)  # several chunks, a ragged tail
+    x = (torch.randn(5 * F.CHUNK + 17) * 100).to(dtype)  # several chunks, a ragged tail
     assert S.all_finite(x, threads=threads)
     big = torch.full((5,), torch.finfo(dtype).max, dtype=dtype)  # largest finite: exponent not all ones
     assert S.all_finite(big, threads=threads) and S.all_finite(-big, threads=threads)
-    for pos in (0, F._CHUNK - 1, F._CHUNK, 2 * F._CHUNK + 5, x.numel() - 1):
+    for pos in (0, F.CHUNK - 1, F.CHUNK, 2 * F.CHUNK + 5, x.numel() - 1):
         for bad in (float("nan"), float("inf"), float("-inf")):
             y = x.clone()
             y[pos] = bad
