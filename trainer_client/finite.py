@@ -57,7 +57,15 @@ def beside(scan: ChunkedScan, pool: str, helpers: int) -> list[Future]:
     """Start ``helpers`` threads of the shared pool ``pool`` on ``scan`` from its front; the
     caller joins from the back when it can, then calls :func:`settle`."""
     p = shared_pool(pool, _MAX_HELPERS)
-    return [p.submit(scan.run, True) for _ in range(helpers)]
+    futures: list[Future] = []
+    try:
+        for _ in range(helpers):
+            futures.append(p.submit(scan.run, True))
+    except BaseException:  # e.g. the pool shut down at exit: none of those started is left reading
+        scan.stop()
+        settle(futures)
+        raise
+    return futures
 
 
 def settle(futures: list[Future]) -> None:

@@ -199,14 +199,16 @@ class _SampleChecks:
         algo = self.n.checksum_algo
         taken = on_host and self.n.finite is not None and not (self.n.finite and self.rescan_finite)
         scan = helpers = None
-        fused = False
+        fused = pooled = False
         if on_host and not taken and scannable(hs) and hs.numel() > 0:
-            if _CPUS > 1 and hs.numel() >= _BESIDE_MIN:
-                scan = scan_of(hs)
-                helpers = beside(scan, "scan", min(_CPUS, 8) - 1)
-            elif algo in SF.ONE_THREAD_ALGOS:
-                scan, fused = scan_of(hs), True
+            scan = scan_of(hs)
+            pooled = _CPUS > 1 and hs.numel() >= _BESIDE_MIN
+            fused = not pooled and algo in SF.ONE_THREAD_ALGOS
+            if not pooled and not fused:
+                scan = None  # scanned after the checksum (all_finite)
         try:
+            if pooled:
+                helpers = beside(scan, "scan", min(_CPUS, 8) - 1)  # type: ignore[arg-type]
             t0 = time.perf_counter()
             if fused:
                 h = SF.new_hasher(algo)
@@ -254,12 +256,14 @@ _BESIDE_MIN = 1 << 20  # values: below, a thread hand-off costs more than the sc
 
 
 def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[int] | None = None, *,
-                       dequantize: torch.dtype | None = torch.bfloat16) -> Sample:  # fmt: skip
+                       dequantize: torch.dtype | None = torch.bfloat16, rescan_finite: bool = False) -> Sample:  # fmt: skip
     """Read and validate one file our connector wrote, without a sidecar: shapes, dtype,
     checksum, finite values and token ids against the notice in its header (and against
     ``expected_token_ids`` if given). Works for plain vLLM requests (no sample key; ``key`` is
     None). Wait for the file first as for vLLM's Example connector (``<path>.lock``).
-    ``dequantize``: the dtype an FP8 payload is turned into (None: keep FP8 + ``scales``)."""
+    ``dequantize``: the dtype an FP8 payload is turned into (None: keep FP8 + ``scales``).
+    ``rescan_finite``: scan the values even where the header's notice says the writer found
+    them all finite (see :func:`load_and_check`)."""
     p = Path(path)
     try:
         with safe_open(str(p), framework="pt") as f:
@@ -277,4 +281,4 @@ def read_hidden_states(path: str | os.PathLike[str], expected_token_ids: list[in
     if n.status != M.NoticeStatus.ok:
         raise InvalidSample(f"{p}: header notice has status {n.status.value}")
     d = M.Deliver(notice=n.model_copy(update={"file": p.name}), expected_token_ids=expected_token_ids)
-    return load_and_check(p.parent, d, require_key=False).dequantized(dequantize)
+    return load_and_check(p.parent, d, require_key=False, rescan_finite=rescan_finite).dequantized(dequantize)

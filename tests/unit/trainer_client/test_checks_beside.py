@@ -135,3 +135,14 @@ def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, m
         C.load_and_check(spool, d)
     assert state["running"] == 0  # nothing still reads the refused sample's bytes
     assert state["ran"] == 1  # it had started (the checksum was slowed for it): it was waited for
+
+
+def test_read_hidden_states_takes_the_writers_verdict_unless_told_to_rescan(tmp_path):
+    """The drop-in reader follows the stream: a header that says clean over a NaN is taken at
+    its word; ``rescan_finite=True`` finds the NaN."""
+    from trainer_client.sample_checks import read_hidden_states
+
+    lie = _write(tmp_path, where=CHUNK + 3, finite=True)
+    assert read_hidden_states(lie.path).hidden_states.shape[0] == T
+    with pytest.raises(InvalidSample, match="non-finite"):
+        read_hidden_states(lie.path, rescan_finite=True)
