@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 from concurrent.futures import Future, wait
 
-import numpy as np
 import torch
 
 from connector.contract import payload as PL
-from connector.contract.finite_scan import CHUNK, ChunkedScan
+from connector.contract.finite_scan import CHUNK, ChunkedScan, scan_of_bytes
 from trainer_client.sample_reader import shared_pool
 
 _MAX_HELPERS = 7  # threads of a shared scan pool (a caller and 7 helpers: 8 cores' worth)
@@ -46,11 +45,12 @@ def scannable(t: torch.Tensor) -> bool:
 
 def scan_of(t: torch.Tensor) -> ChunkedScan:
     """The :class:`ChunkedScan` of a contiguous CPU tensor of a payload dtype (:func:`scannable`)."""
-    codec = _codec(t)
-    if codec is None or codec.finite_bits is None or not scannable(t):
+    scan = None
+    if scannable(t):
+        scan = scan_of_bytes(t.view(-1).view(torch.uint8).numpy(), str(t.dtype).removeprefix("torch."))
+    if scan is None:
         raise TypeError("a chunked scan needs a contiguous CPU tensor of a payload dtype")
-    itype, mask = codec.finite_bits
-    return ChunkedScan(t.view(-1).view(torch.uint8).numpy().view(np.dtype(itype)), mask)
+    return scan
 
 
 def beside(scan: ChunkedScan, pool: str, helpers: int) -> list[Future]:

@@ -198,24 +198,17 @@ class _SampleChecks:
         on_host = self.dev is None or self.dev.type == "cpu"
         algo = self.n.checksum_algo
         taken = on_host and self.n.finite is not None and not (self.n.finite and self.rescan_finite)
-        scan = helpers = None
-        fused = pooled = False
-        if on_host and not taken and scannable(hs) and hs.numel() > 0:
-            scan = scan_of(hs)
-            pooled = _CPUS > 1 and hs.numel() >= _BESIDE_MIN
-            fused = not pooled and algo in SF.ONE_THREAD_ALGOS
-            if not pooled and not fused:
-                scan = None  # scanned after the checksum (all_finite)
+        scan_here = on_host and not taken
+        pooled = scan_here and _CPUS > 1 and hs.numel() >= _BESIDE_MIN and scannable(hs)
+        scan = scan_of(hs) if pooled else None
+        helpers = None
+        found: bool | None = None  # the one-pass verdict (None: not taken in the checksum's pass)
         try:
             if pooled:
                 helpers = beside(scan, "scan", min(_CPUS, 8) - 1)  # type: ignore[arg-type]
             t0 = time.perf_counter()
-            if fused:
-                h = SF.new_hasher(algo)
-                scan.hash_and_run(h)  # type: ignore[union-attr]  # the hidden states: the first buffer
-                for b in SF.checksum_buffers(tensors)[1:]:
-                    h.update(memoryview(b).cast("B"))
-                digest = h.hexdigest()
+            if scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
+                digest, found = SF.checksum_and_finite(tensors, algo=algo, threads=self.threads)
             else:
                 digest = SF.sample_checksum(tensors, algo=algo, threads=self.threads)
             self.tm["checksum_s"] = time.perf_counter() - t0  # fused: the scan's time is in it
@@ -232,10 +225,10 @@ class _SampleChecks:
                 t0 = time.perf_counter()
                 if taken:
                     ok = bool(self.n.finite)  # these are the bytes the writer scanned
+                elif found is not None:
+                    ok = found  # scanned as it was hashed
                 elif scan is None:
                     ok = all_finite(hs)
-                elif helpers is None:
-                    ok = scan.ok  # scanned as it was hashed
                 else:  # what the helpers have not taken yet, from the back; then theirs
                     scan.run(front=False)
                     pending, helpers = helpers, None

@@ -60,6 +60,19 @@ def words_ok(words: np.ndarray, mask: int, lo: int = 0, hi: int | None = None) -
     return True
 
 
+def scan_of_bytes(raw: Any, dtype: str) -> ChunkedScan | None:  # noqa: ANN401 - any C-contiguous buffer
+    """The :class:`ChunkedScan` of a stored tensor's raw bytes (``raw``, C order, as
+    ``sample_file.checksum_buffers`` gives them) of payload dtype ``dtype``; None for a dtype
+    without a finiteness mask."""
+    from connector.contract import payload as PL
+
+    codec = PL.CODECS.get(dtype)
+    if codec is None or codec.finite_bits is None:
+        return None
+    itype, mask = codec.finite_bits
+    return ChunkedScan(np.asarray(raw).reshape(-1).view(np.uint8).view(np.dtype(itype)), mask)
+
+
 class ChunkedScan:
     """The finiteness scan of ``words`` (a flat array of one codec's words, ``mask`` its
     exponent bits), in chunks of ``chunk`` words; the first non-finite chunk stops every taker.

@@ -118,18 +118,15 @@ def checksum_and_finite(tensors: Mapping[str, Any], algo: str = CHECKSUM_ALGO, t
     codec, whether every value is finite, found in the same pass over the bytes
     (``finite_scan.ChunkedScan.hash_and_run``): the writer's verdict for the notice's
     ``finite``. Otherwise (digest, None): not looked at."""
-    import numpy as np
-
-    from connector.contract import payload as PL
-    from connector.contract.finite_scan import ChunkedScan
+    from connector.contract.finite_scan import scan_of_bytes
 
     hs = tensors[HIDDEN_STATES_KEY]
-    codec = PL.CODECS.get(str(hs.dtype).removeprefix("torch."))
-    spec = codec.finite_bits if codec is not None else None
-    if algo not in ONE_THREAD_ALGOS or spec is None or hs.device.type != "cpu" or not hs.is_contiguous():
+    if algo not in ONE_THREAD_ALGOS or hs.device.type != "cpu" or not hs.is_contiguous():
         return sample_checksum(tensors, algo=algo, threads=threads), None
     bufs = checksum_buffers(tensors)
-    scan = ChunkedScan(np.asarray(bufs[0]).reshape(-1).view(np.dtype(spec[0])), spec[1])
+    scan = scan_of_bytes(bufs[0], str(hs.dtype).removeprefix("torch."))
+    if scan is None:
+        return checksum(*bufs, algo=algo, threads=threads), None
     h = new_hasher(algo, threads)
     finite = scan.hash_and_run(h)  # the hidden states: the first of the buffers
     for b in bufs[1:]:
