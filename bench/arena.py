@@ -63,6 +63,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import cpu_model  # noqa: E402
+
 ARMS = ("files", "arena")
 #: Qwen3-8B: 36 layers, 4096 hidden, bf16; the launcher's default layers [2, 18, 33, 36].
 QWEN3_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "torch_dtype": "bfloat16"}
@@ -661,7 +663,7 @@ def main() -> int:
     doc: dict[str, Any] = {
         "benchmark": "arena", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python bench/arena.py " + " ".join(sys.argv[1:]),
-        "host": platform.node(), "cores": os.cpu_count(), "python": platform.python_version(),
+        "host": platform.node(), "cpu_model": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
         "torch": torch.__version__,
     }  # fmt: skip
     ok = True

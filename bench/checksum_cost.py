@@ -173,11 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             s = summary(ws, [], nbytes)
             brows.append({"arm": k, "algo": arm[k][0], "threads": arm[k][1], **s})
             print(f"{k:40s} {s['ms_p50']:8.2f} {s['ms_p99']:8.2f} {s['gb_per_s_p50']:7.2f}")
-    cpu_model = ""
-    try:
-        cpu_model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from bench import cpu_model as _cpu_model
+
+    cpu_model = _cpu_model()
     res = {
         "what": "per-sample checksum of the connector's writer (sample_file.sample_checksum over the payload codec's "
                 "tensors + int64 token ids), by algorithm and thread count",

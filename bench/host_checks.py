@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench import rank_pct  # noqa: E402
 from connector import protocol as P  # noqa: E402
 from connector.contract import arena as A  # noqa: E402
 from connector.contract import sample_file as SF  # noqa: E402
@@ -106,16 +107,12 @@ def main() -> int:
             p.unlink()
         spool.rmdir()
 
-    def pct(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
-
-    res = {a: {lay: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99), "mean_ms": round(statistics.mean(v), 3),
+    res = {a: {lay: {"p50_ms": rank_pct(v, 0.5), "p99_ms": rank_pct(v, 0.99), "mean_ms": round(statistics.mean(v), 3),
                      "cpu_ms_per_sample": round(cpu[a][lay] / len(v), 3), "n": len(v)}
                for lay, v in times[a].items()} for a in arms}  # fmt: skip
     ratio = {lay: round(res["writer_verdict"][lay]["p50_ms"] / res["rescan_beside"][lay]["p50_ms"], 4)
              for lay in ("files", "arena")}  # fmt: skip
-    wres = {k: {"p50_ms": pct(v, 0.5), "p99_ms": pct(v, 0.99)} for k, v in writer.items()}
+    wres = {k: {"p50_ms": rank_pct(v, 0.5), "p99_ms": rank_pct(v, 0.99)} for k, v in writer.items()}
     doc = {"benchmark": "host_checks", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "command": "python bench/host_checks.py " + " ".join(sys.argv[1:]), "host": platform.node(),
            "cores": os.cpu_count(), "torch": torch.__version__,

@@ -229,6 +229,7 @@ class SpoolWriter:
             if slot.arena != m.id:
                 raise A.ArenaError(f"arena changed: the slot is in arena {slot.arena}, the spool's is {m.id}")
             m.arena.check(slot)
+            m.arena.prefault_ahead(slot)  # in the background: the next slots' first writes pay no faults
             return m
 
     def slot_bytes_for(self, num_tokens: int) -> int:

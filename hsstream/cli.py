@@ -24,6 +24,7 @@ def serve(
     import uvicorn
 
     from connector import protocol as P
+    from connector.contract.arena import ArenaError
     from connector.contract.curve_keys import InsecureKeyFile
     from connector.contract.settings import Settings
     from hsstream import launch
@@ -45,7 +46,7 @@ def serve(
     launch.exit_0_on_stop()
     try:
         app_ = create_app(s)
-    except (P.SpoolNotOurs, InsecureKeyFile) as e:
+    except (P.SpoolNotOurs, InsecureKeyFile, ArenaError) as e:  # ArenaError: a tmpfs too small for it
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     # Slow, idle and surplus connections are closed (server/connections.py).

@@ -162,6 +162,16 @@ def open_arena(spool: Path, size: int) -> tuple[A.Arena, bool]:
                 pass
     old = A.Arena.open_existing(spool, size)
     if old is not None:
+        try:
+            old.reserve()  # an arena an older sidecar left sparse
+        except BaseException:
+            old.close()
+            raise
+        old.prefault()  # zeroes what reserve() just allocated; maps the rest (cheap)
         return old, True
     log.info("creating the arena %s (%d MiB)", spool / A.ARENA_NAME, size >> 20)
-    return A.Arena.create(spool, size), False
+    arena = A.Arena.create(spool, size)
+    # The pages' first touch zeroes them (fallocate only reserves them): done here, in the
+    # background, rather than in the connector's first write of each slot.
+    arena.prefault()
+    return arena, False

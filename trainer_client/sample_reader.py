@@ -48,8 +48,12 @@ class ArenaMaps:
     names another arena (a new one replaced it); thread-safe (the check workers share it). A
     mapping replaced while views of it live stays mapped until the last view goes."""
 
-    def __init__(self, spool: str | os.PathLike[str]) -> None:
+    def __init__(self, spool: str | os.PathLike[str], *, prefault: bool = True) -> None:
+        """``prefault``: map the slots past each one read ahead of their turn, in the background
+        (:meth:`~connector.contract.arena.Arena.prefault_ahead`); off only for
+        ``bench/arena_pages.py``'s control arm."""
         self.spool = spool
+        self.prefault = prefault
         self._arena: A.Arena | None = None
         self._lock = threading.Lock()
         self._registered: dict[str, bool] = {}  # arena id -> page-locked for CUDA (register_cuda)
@@ -71,6 +75,8 @@ class ArenaMaps:
                 a.check(slot)
             except A.ArenaError as e:
                 raise SlotNotReadable(str(e)) from e
+            if self.prefault:
+                a.prefault_ahead(slot)  # in the background: the next slots' first reads pay no faults
             return a
 
     def register_cuda(self, arena: A.Arena) -> bool:

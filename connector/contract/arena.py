@@ -29,10 +29,12 @@ Importable without torch (the writer and the readers import it where they need t
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,20 @@ ARENA_MAGIC = b"HSSARENA"
 ARENA_FORMAT = 1
 #: The smallest arena worth making (one page of header, one of data).
 MIN_ARENA_BYTES = 2 * PAGE
+#: ``madvise(2)`` advice (Linux 5.14+) that fills this process's page tables for a range ahead
+#: of use. A process's first touch of a slot otherwise faults its pages in a few at a time, even
+#: though another process wrote them (docs/benchmarks.md, the arena's page tables). The read
+#: advice, not the write one: on tmpfs (no dirty tracking) it maps the pages writable too, so the
+#: connector's writes take no faults either, and it maps 16 pages per fault where the write
+#: advice maps one (a third of the cost: docs/benchmarks.md).
+MADV_POPULATE_READ = 22
+#: Bytes per ``madvise`` call of :meth:`Arena.prefault`: a close stops it within one of these,
+#: and the mapping's lock is held for no longer than one of these takes.
+PREFAULT_CHUNK = 16 << 20
+#: How far past a slot in use :meth:`Arena.prefault_ahead` maps, in slots of its length: more
+#: than a trainer's credit and the samples a connector writes at once, so the slots assigned
+#: next (first fit: the next ones up) are mapped before their turn.
+PREFAULT_AHEAD_SLOTS = 16
 
 
 class ArenaError(ProtocolError):
@@ -154,6 +170,14 @@ class Arena:
         self._fd = fd
         self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.inode = os.fstat(fd).st_ino
+        #: Bytes of the mapping :meth:`prefault` has put in the page tables so far, and why it
+        #: stopped early (None: it did not, or has not run).
+        self.prefaulted = 0
+        self.prefault_error: str | None = None
+        self._closed = threading.Event()
+        self._pf_lock = threading.Lock()
+        self._pf_want = 0  # where the prefault runs to
+        self._pf_thread: threading.Thread | None = None
 
     @classmethod
     def create(cls, spool: str | os.PathLike[str], size: int, mode: int = 0o600) -> Arena:
@@ -167,6 +191,7 @@ class Arena:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
         try:
             os.ftruncate(fd, size)
+            reserve(fd, size, spool)
             head = ARENA_MAGIC + json.dumps({"format": ARENA_FORMAT, "size": size, "id": arena_id}).encode()
             os.pwrite(fd, head.ljust(PAGE, b" "), 0)
             os.rename(tmp, spool / ARENA_NAME)
@@ -227,15 +252,113 @@ class Arena:
         except OSError:
             return False
 
-    def close(self) -> None:
+    def reserve(self) -> None:
+        """Allocate every page of this arena's file now (:func:`reserve`)."""
+        reserve(self._fd, self.size, self.path.parent)
+
+    def prefault(self, upto: int | None = None, *, background: bool = True) -> threading.Thread | None:
+        """Fill this process's page tables for the mapping's first ``upto`` bytes (default: all of
+        it) with ``MADV_POPULATE_READ``, so no slot there pays page faults on its first read or
+        write in this process (they cost more than the slot's checksum: docs/benchmarks.md, the
+        arena's page tables). The pages themselves exist already (the sidecar reserved them,
+        :func:`reserve`); this maps them, it does not allocate.
+
+        One thread per mapping, from the low end up in :data:`PREFAULT_CHUNK` calls that release
+        the GIL; a call with a larger ``upto`` extends its run. ``background`` (default): returns
+        at once (the thread, or None when there is nothing to do); a slot used before its turn
+        faults as before. Otherwise waits for it. Stops at :meth:`close`. On a kernel without the
+        advice (before 5.14) it maps nothing and says why in :attr:`prefault_error`."""
+        upto = self.size if upto is None else max(0, min(self.size, round_up(upto)))
+        with self._pf_lock:
+            if self._closed.is_set() or self.prefault_error is not None:
+                self.prefault_error = self.prefault_error or "closed"
+                return None
+            self._pf_want = max(self._pf_want, upto)
+            t = self._pf_thread
+            if t is None and self.prefaulted < self._pf_want:
+                t = self._pf_thread = threading.Thread(target=self._populate, name="hsstream-arena-prefault",
+                                                       daemon=True)  # fmt: skip
+                t.start()
+        if t is not None and not background:
+            t.join()
+        return t
+
+    def prefault_ahead(self, slot: Slot) -> None:
+        """Map, in the background, from the low end to :data:`PREFAULT_AHEAD_SLOTS` slots of
+        ``slot``'s length past it: what a process in the middle of the arena's first pass will
+        touch next. Costs in proportion to the part of the arena in use (first fit keeps it at
+        the low end), not to the arena's size. Cheap when there is nothing to do (every slot)."""
+        if slot.end + PREFAULT_AHEAD_SLOTS * slot.length > self._pf_want:
+            self.prefault(slot.end + PREFAULT_AHEAD_SLOTS * slot.length)
+
+    def _populate(self) -> None:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            # An export of the mapping: it cannot be unmapped under the calls (close() then
+            # leaves it to the last user, as with a trainer's live views).
+            buf = (ctypes.c_char * self.size).from_buffer(self.map)
+        except (OSError, ValueError, TypeError, BufferError) as e:  # closed already, or no libc
+            with self._pf_lock:
+                self.prefault_error, self._pf_thread = f"{type(e).__name__}: {e}", None
+            return
+        try:
+            base = ctypes.addressof(buf)
+            while True:
+                with self._pf_lock:
+                    if self._closed.is_set():
+                        self.prefault_error = "closed"
+                    if self.prefault_error is not None or self.prefaulted >= self._pf_want:
+                        self._pf_thread = None  # a later, larger prefault() starts another
+                        return
+                    off = self.prefaulted
+                    n = min(PREFAULT_CHUNK, self._pf_want - off)
+                if libc.madvise(ctypes.c_void_p(base + off), ctypes.c_size_t(n), MADV_POPULATE_READ) != 0:
+                    err = ctypes.get_errno()
+                    with self._pf_lock:
+                        self.prefault_error = f"madvise: {os.strerror(err)}" + (
+                            " (MADV_POPULATE_READ needs Linux 5.14)" if err == errno.EINVAL else "")
+                    continue
+                self.prefaulted = off + n
+        finally:
+            del buf
+            if self._closed.is_set():
+                self._close_map()
+
+    def _close_map(self) -> None:
         try:
             self.map.close()
         except BufferError:
             pass  # views are still alive (a trainer's tensors): the mapping goes with the last one
+
+    def close(self) -> None:
+        self._closed.set()
+        self._close_map()
         try:
             os.close(self._fd)
         except OSError:
             pass
+
+
+def reserve(fd: int, size: int, where: str | os.PathLike[str] = "") -> None:
+    """Allocate every page of an arena file now (``posix_fallocate``): a tmpfs too small for the
+    arena fails here, when the sidecar starts, with the figures, instead of a writer dying of
+    SIGBUS in the middle of a sample when the tmpfs runs out. The arena holds its whole size of
+    shared memory from then on (it would after its first pass over the slots anyway)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        free = ""
+        try:
+            st = os.fstatvfs(fd)
+            free = f"; {st.f_bavail * st.f_frsize >> 20} MiB free there"
+        except OSError:
+            pass
+        raise ArenaError(
+            f"cannot reserve the arena's {size >> 20} MiB of shared memory in {where or 'the spool'}: "
+            f"{e.strerror or e}{free}. Lower the spool budget (HSSTREAM_SPOOL_BUDGET_BYTES) or enlarge the tmpfs"
+        ) from e
 
 
 def clear_cuda_error() -> None:

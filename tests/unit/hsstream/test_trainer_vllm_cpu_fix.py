@@ -26,7 +26,12 @@ def test_expands_per_request_values_to_tokens_with_replacement():
 
 def test_matches_the_cpu_kernel_on_integers_where_the_kernel_loses_floats():
     cpu = pytest.importorskip("vllm.utils.cpu_triton_utils")
-    importlib.import_module("vllm._C")  # registers torch.ops._C
+    from vllm.platforms import current_platform
+
+    # torch.ops._C, from the build vLLM picks for this CPU (vllm._C needs AVX512-BF16; else
+    # _C_AVX512 or _C_AVX2 register it): importing vllm._C beside one of those registers the
+    # namespace twice, which aborts the process.
+    current_platform.import_kernels()
     request_amx_permission()  # this process runs a vLLM kernel without vLLM's plug-ins (docs/vllm-cpu-fix.md)
     cu = torch.tensor([1, 4, 4, 7], dtype=torch.int64)
     ints = torch.tensor([3, 0, 9, 5], dtype=torch.int64)

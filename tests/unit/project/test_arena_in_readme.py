@@ -49,3 +49,21 @@ def test_the_h200_fp8_on_device_row_quotes_its_json():
     assert f"p99 {dv['latency_p99_ms']} vs {hv['latency_p99_ms']} ms" in row
     cs = (dv["breakdown"]["connector_checksum"]["p50_ms"], hv["breakdown"]["connector_checksum"]["p50_ms"])
     assert f"{cs[0]:.1f} vs {cs[1]:.1f} ms p50" in row
+
+
+def test_the_cpu_arena_row_quotes_the_previous_host_and_the_page_table_runs():
+    """The row's second host (the same code, the session before's run) and the prefault's own
+    bench, both hosts: each figure from its JSON."""
+    row = _row((ROOT / "README.md").read_text(), "| Arena vs files on 2 CPU cores")
+    here = json.loads((ROOT / "bench/results/arena_cpu.json").read_text())
+    assert f"one pass over a 33.5 MB slot takes {here['arms']['arena']['hop_p50_ms']['checksum']:.1f} ms" in row
+    prev = json.loads((ROOT / "bench/results/arena_cpu_prev_host.json").read_text())
+    f, a = prev["arms"]["files"], prev["arms"]["arena"]
+    assert f"{a['p50_ms']:.1f} vs {f['p50_ms']:.1f} ms, {prev['arena_vs_files']['p50']:.2f}×" in row
+    assert f"its pass {a['hop_p50_ms']['checksum']:.1f} ms" in row
+    runs = (("arena_pages_cpu.json", "took "), ("arena_pages_cpu_prev_host.json", "on the previous host "))
+    for name, prefix in runs:
+        pages = json.loads((ROOT / "bench/results" / name).read_text())
+        assert all(pages["checks"].values()), name
+        fresh, pre = pages["arms"]["fresh"]["p50_ms"], pages["arms"]["prefaulted"]["p50_ms"]
+        assert f"{prefix}{fresh:.1f}" in row and f"{pre:.1f} ms" in row, name
