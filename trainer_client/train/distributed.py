@@ -15,6 +15,7 @@ numbers the host needs at once, and a gloo all-reduce does not wait for the GPU'
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import sys
@@ -57,6 +58,12 @@ class World:
         size = cls.env_size()
         if size <= 1:
             return cls()
+        if not faulthandler.is_enabled():
+            # A rank killed by a native library (SIGABRT: "terminate called without an active
+            # exception", seen now and then at the end of a two-rank gloo run, cause not yet
+            # found) prints every thread's Python stack, so the report names where it was;
+            # torchrun or mp.spawn alone say only which signal it was.
+            faulthandler.enable()
         owned = False
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"

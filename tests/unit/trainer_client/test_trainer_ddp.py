@@ -97,3 +97,33 @@ def test_ranks_with_unequal_data_stop_together_with_one_writer_and_identical_wei
     from bench.gpu_smoke import main
 
     assert main(["--device", "cpu", "--nproc", "2", "--steps", "24", "--checkpoint-every", "10"]) == 0
+
+
+_ABORTING_RANK = """
+import os, torch
+from trainer_client.train.distributed import World
+w = World.from_env(torch.device("cpu"))
+assert w.size == 2
+def where_it_aborted():
+    os.abort()  # as a native library's std::terminate would
+where_it_aborted()
+"""
+
+
+def test_a_rank_killed_by_a_native_abort_prints_where_each_thread_was():
+    """A rank that a native library aborts (SIGABRT) says where: World.from_env turns on
+    faulthandler in each rank, whose stacks name the Python frame it died in."""
+    import subprocess
+    import sys
+
+    port = _port()
+    root = Path(__file__).resolve().parents[3]
+    procs = [subprocess.Popen([sys.executable, "-c", _ABORTING_RANK], cwd=root, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root), "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == -6, (p.returncode, err[-2000:])  # the abort still ends it (SIGABRT)
+        assert "Fatal Python error: Aborted" in err, err[-2000:]
+        assert "in where_it_aborted" in err, err[-2000:]
