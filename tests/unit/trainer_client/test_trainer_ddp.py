@@ -5,7 +5,8 @@
   step (with one TTT step the loss is then exactly the token-weighted mean over both);
 * ranks with unequal data (one runs dry, idle yields on the way) step together to the end,
   keep identical weights, rank 0 alone writes checkpoints and each rank acknowledges each of
-  its samples once: ``bench.gpu_smoke`` on CPU, the same check the GPU host runs.
+  its samples once: ``bench.gpu_smoke`` on CPU, the same check the GPU host runs;
+* a rank that a native library aborts prints its threads' Python stacks (faulthandler).
 
 The same with real streams from a real sidecar and vLLM: tests/integration/trainer_client/test_trainer_e2e.py.
 """
@@ -122,8 +123,14 @@ def test_a_rank_killed_by_a_native_abort_prints_where_each_thread_was():
                               env={**os.environ, "PYTHONPATH": str(root), "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for r in range(2)]  # fmt: skip
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == -6, (p.returncode, err[-2000:])  # the abort still ends it (SIGABRT)
-        assert "Fatal Python error: Aborted" in err, err[-2000:]
-        assert "in where_it_aborted" in err, err[-2000:]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == -6, (p.returncode, err[-2000:])  # the abort still ends it (SIGABRT)
+            assert "Fatal Python error: Aborted" in err, err[-2000:]
+            assert "in where_it_aborted" in err, err[-2000:]
+    finally:
+        for p in procs:  # one stuck in the rendezvous does not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
