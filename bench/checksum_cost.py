@@ -50,6 +50,7 @@ import blake3  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
+from bench import cpu_model  # noqa: E402
 from connector.contract import payload as PL, sample_file as SF  # noqa: E402
 
 
@@ -173,16 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             s = summary(ws, [], nbytes)
             brows.append({"arm": k, "algo": arm[k][0], "threads": arm[k][1], **s})
             print(f"{k:40s} {s['ms_p50']:8.2f} {s['ms_p99']:8.2f} {s['gb_per_s_p50']:7.2f}")
-    from bench import cpu_model as _cpu_model
-
-    cpu_model = _cpu_model()
     res = {
         "what": "per-sample checksum of the connector's writer (sample_file.sample_checksum over the payload codec's "
                 "tensors + int64 token ids), by algorithm and thread count",
         "command": "python bench/checksum_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": {"tokens": a.tokens, "layers": a.layers, "hidden": a.hidden, "dtype": "bfloat16",
                   "bytes": nbytes, "mb": round(mb, 1)},
-        "host": {"cpus": cpus, "cpu_model": cpu_model, "machine": platform.machine(),
+        "host": {"cpus": cpus, "cpu_model": cpu_model(), "machine": platform.machine(),
                  "loadavg_start": [round(x, 2) for x in load0], "loadavg_end": [round(x, 2) for x in load1],
                  "note": a.note},
         "versions": {"python": platform.python_version(), "blake3": blake3.__version__, "xxhash": xxhash.VERSION,
