@@ -201,13 +201,27 @@ def test_the_pool_never_holds_more_than_the_credit_even_from_a_sidecar_that_igno
     assert not list(spool.iterdir())
 
 
-def test_close_mid_burst_settles_what_was_read_and_stops_every_worker(tmp_path):
+def test_close_mid_burst_settles_what_was_read_and_stops_every_worker(tmp_path, monkeypatch):
     spool = tmp_path / "spool"
     spool.mkdir()
     ds = [write_sample(spool, i, tokens=512) for i in range(16)]
+    real, streams = S.load_and_check, []
+
+    def second_waits_for_the_burst(spool_, d, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        # The second sample's check waits (for the pool, not for a while) until the stream has
+        # taken more deliveries than it will yield: on a loaded machine the burst can otherwise
+        # still be in the socket when the loop gets its two samples, and nothing is mid-burst.
+        if d.notice.key.index == 1:
+            t0 = time.monotonic()
+            while len(streams[0]._pool) < 4 and time.monotonic() - t0 < 10:
+                time.sleep(0.002)
+        return real(spool_, d, *a, **kw)
+
+    monkeypatch.setattr(S, "load_and_check", second_waits_for_the_burst)
     sc = FakeSidecar(tmp_path, ds, end=False)
+    s = HiddenStateStream(sc.endpoint, spool_dir=spool, credit=16, timeout_s=20, workers=4, ack="manual")
+    streams.append(s)
     try:
-        s = HiddenStateStream(sc.endpoint, spool_dir=spool, credit=16, timeout_s=20, workers=4, ack="manual")
         it = iter(s)
         first = [next(it), next(it)]
         held = len(s._pool)
@@ -217,6 +231,7 @@ def test_close_mid_burst_settles_what_was_read_and_stops_every_worker(tmp_path):
         assert not _workers_alive()
         time.sleep(0.3)
     finally:
+        s.close()  # again, harmless; on a failed assertion above it stops the workers for the next test
         sc.stop()
     received = sc.keys(P.Received)
     assert len(received) == len(set(received))  # never twice
