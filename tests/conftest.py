@@ -56,6 +56,17 @@ def _no_spool_dirs_leak():
     assert not leaked, f"spool directories left in /dev/shm: {leaked}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_orphaned_semaphores():
+    """The semaphores of process groups the kill tests SIGKILLed are unlinked at the end
+    (tests/support/semaphores.py says why they are left)."""
+    from tests.support import semaphores
+
+    before = semaphores.present()
+    yield
+    semaphores.remove_orphans(before)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if Path(str(item.fspath)).parent.name == "integration":
