@@ -18,7 +18,8 @@ the one import callers need):
 ``children.py``                   ``Proc`` (a child whose output is streamed and kept), the
                                   parent-death signal, ``describe_exit``, ``reap_group``
 ``shm_cleanup.py``                the /dev/shm files a killed vLLM group leaves:
-                                  ``shm_snapshot``, ``group_shm_files``, ``remove_shm_files``
+                                  ``shm_snapshot``, ``group_shm_files``, ``remove_shm_files``,
+                                  ``live_shm_inodes``
 ``ports.py``                      ``port_in_use``: the check before anything binds
 ``log_noise.py``                  vLLM's and triton's harmless messages and the one line shown
                                   for each
@@ -58,7 +59,7 @@ from hsstream.up.log_noise import (
     VLLM_STOP_RACE_EXPLAINED,
 )
 from hsstream.up.ports import port_in_use
-from hsstream.up.shm_cleanup import group_shm_files, remove_shm_files, shm_snapshot
+from hsstream.up.shm_cleanup import group_shm_files, live_shm_inodes, remove_shm_files, shm_snapshot
 from hsstream.up.supervisor import STOP_ORDER, Supervisor
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "hsstream_vllm_cli",
     "is_engine",
     "launch",
+    "live_shm_inodes",
     "os",
     "port_in_use",
     "read_env_file",

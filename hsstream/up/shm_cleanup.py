@@ -40,9 +40,23 @@ def _maps_of(pid: str) -> list[tuple[int, str]]:
     return out
 
 
+def _current_name(inode: int, path: str, names: dict[int, str]) -> str | None:
+    """The /dev/shm name a mapping's file has now. Most keep the name /proc shows; a named
+    semaphore does not: glibc makes it as a temporary ``sem.XXXXXX``, maps it, links it to its
+    final name (multiprocessing's spawn context, which vLLM uses, names them ``sem.mp-*``) and
+    unlinks the temporary, so /proc shows ``sem.XXXXXX (deleted)`` and only the inode leads
+    to the file (``names``: inode → path of the files in /dev/shm now)."""
+    try:
+        if os.lstat(path).st_ino == inode:
+            return path
+    except FileNotFoundError:
+        pass
+    return names.get(inode)
+
+
 def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[str]:
     """The /dev/shm files a process group made and has mapped (vLLM's queues between its
-    processes, torch's shared tensors).
+    processes, torch's shared tensors, multiprocessing's semaphores).
 
     vLLM removes them when it exits normally; after a SIGKILL or an OOM kill they stay, a few
     hundred MB of RAM each time. Recorded while the group lives, removed once it is gone, so
@@ -53,6 +67,7 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
     """
     existing = existing or {}
     uid = os.geteuid()
+    names = {inode: path for path, inode in shm_snapshot().items()}
     out: set[str] = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -62,8 +77,9 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
                 stat = f.read()
             if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:  # fields after comm: state ppid pgrp
                 continue
-            for inode, path in _maps_of(d):
-                if existing.get(path) == inode or path in out:
+            for inode, mapped_as in _maps_of(d):
+                path = _current_name(inode, mapped_as, names)
+                if path is None or existing.get(path) == inode or path in out:
                     continue
                 try:
                     st = os.lstat(path)
@@ -76,22 +92,29 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
     return out
 
 
-def remove_shm_files(paths: set[str]) -> tuple[list[str], list[str]]:
-    """Remove the recorded files of a dead group (``group_shm_files``) that no live process
-    maps: (removed, kept because mapped). A file a process still maps is in use, whoever made it."""
-    live: set[str] = set()
+def live_shm_inodes() -> set[int]:
+    """The inodes of the /dev/shm files some live process maps (by inode: /proc may show a
+    file under a name it no longer has, see ``_current_name``)."""
+    live: set[int] = set()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                live.update(path for _inode, path in _maps_of(d))
+                live.update(inode for inode, _path in _maps_of(d))
             except (OSError, ValueError, IndexError):
                 continue
+    return live
+
+
+def remove_shm_files(paths: set[str]) -> tuple[list[str], list[str]]:
+    """Remove the recorded files of a dead group (``group_shm_files``) that no live process
+    maps: (removed, kept because mapped). A file a process still maps is in use, whoever made it."""
+    live = live_shm_inodes()
     removed, kept = [], []
     for path in sorted(paths):
-        if path in live:
-            kept.append(path)
-            continue
         try:
+            if os.lstat(path).st_ino in live:
+                kept.append(path)
+                continue
             os.unlink(path)
             removed.append(path)
         except FileNotFoundError:  # vLLM removed it itself

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,33 @@ def test_a_file_replaced_under_the_same_name_is_not_the_engines(names):
         eng.kill()
         eng.wait()
     assert names["pre"] in got  # same name, another inode: made after the engine started
+
+
+# An "engine" that makes a semaphore the way vLLM's processes do (multiprocessing's spawn
+# context): /proc shows it under glibc's temporary name, deleted, not as /dev/shm/sem.mp-*.
+_SEMAPHORE_ENGINE = textwrap.dedent("""
+    import multiprocessing as mp, time
+    lock = mp.get_context("spawn").Lock()
+    print(lock._semlock.name, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_semaphore_the_dead_engine_made_is_recorded_under_its_name_and_removed():
+    before = shm_snapshot()
+    eng = subprocess.Popen([sys.executable, "-c", _SEMAPHORE_ENGINE], stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)  # fmt: skip
+    path = ""
+    try:
+        path = "/dev/shm/sem." + eng.stdout.readline().strip().lstrip("/")
+        assert os.path.exists(path)
+        got = group_shm_files(eng.pid, before)
+        assert path in got, f"the engine's semaphore was not recorded: {sorted(got)}"
+        removed, kept = remove_shm_files({path})  # the engine still maps it: in use, kept
+        assert kept == [path] and not removed and os.path.exists(path)
+    finally:
+        os.killpg(eng.pid, signal.SIGKILL)  # its resource tracker goes with it: nothing unlinks it
+        eng.wait()
+    assert os.path.exists(path)
+    removed, kept = remove_shm_files(got)
+    assert path in removed and not os.path.exists(path)
