@@ -40,20 +40,6 @@ def _maps_of(pid: str) -> list[tuple[int, str]]:
     return out
 
 
-def _current_name(inode: int, path: str, names: dict[int, str]) -> str | None:
-    """The /dev/shm name a mapping's file has now. Most keep the name /proc shows; a named
-    semaphore does not: glibc makes it as a temporary ``sem.XXXXXX``, maps it, links it to its
-    final name (multiprocessing's spawn context, which vLLM uses, names them ``sem.mp-*``) and
-    unlinks the temporary, so /proc shows ``sem.XXXXXX (deleted)`` and only the inode leads
-    to the file (``names``: inode → path of the files in /dev/shm now)."""
-    try:
-        if os.lstat(path).st_ino == inode:
-            return path
-    except FileNotFoundError:
-        pass
-    return names.get(inode)
-
-
 def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[str]:
     """The /dev/shm files a process group made and has mapped (vLLM's queues between its
     processes, torch's shared tensors, multiprocessing's semaphores).
@@ -67,6 +53,10 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
     """
     existing = existing or {}
     uid = os.geteuid()
+    # Resolved by inode, not by the name /proc shows: a named semaphore is made by glibc as a
+    # temporary ``sem.XXXXXX``, mapped, linked to its final name (multiprocessing's spawn
+    # context, which vLLM uses, names them ``sem.mp-*``) and the temporary unlinked, so /proc
+    # shows ``sem.XXXXXX (deleted)``; only the inode leads to the file.
     names = {inode: path for path, inode in shm_snapshot().items()}
     out: set[str] = set()
     for d in os.listdir("/proc"):
@@ -77,8 +67,8 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
                 stat = f.read()
             if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:  # fields after comm: state ppid pgrp
                 continue
-            for inode, mapped_as in _maps_of(d):
-                path = _current_name(inode, mapped_as, names)
+            for inode, _mapped_as in _maps_of(d):
+                path = names.get(inode)
                 if path is None or existing.get(path) == inode or path in out:
                     continue
                 try:
@@ -94,7 +84,7 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
 
 def live_shm_inodes() -> set[int]:
     """The inodes of the /dev/shm files some live process maps (by inode: /proc may show a
-    file under a name it no longer has, see ``_current_name``)."""
+    file under a name it no longer has, see ``group_shm_files``)."""
     live: set[int] = set()
     for d in os.listdir("/proc"):
         if d.isdigit():

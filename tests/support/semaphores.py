@@ -11,6 +11,8 @@ appeared during the run and that no live process maps, with the same rule as ``h
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from hsstream.up import remove_shm_files
 
@@ -31,3 +33,19 @@ def remove_orphans(before: set[str], shm: str = SHM) -> list[str]:
     return their names."""
     removed, _kept = remove_shm_files({os.path.join(shm, n) for n in present(shm) - before})
     return sorted(os.path.basename(p) for p in removed)
+
+
+_HOLDER = """
+import multiprocessing as mp, time
+lock = mp.get_context("spawn").Lock()
+print(lock._semlock.name, flush=True)
+time.sleep(60)
+"""
+
+
+def start_holder() -> tuple[subprocess.Popen, str]:
+    """A process group of its own that makes one semaphore the way vLLM's processes do
+    (multiprocessing's spawn context, its resource tracker in the group) and holds it mapped
+    until killed: (process, the semaphore's /dev/shm path)."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    return p, f"{SHM}/sem." + p.stdout.readline().strip().lstrip("/")

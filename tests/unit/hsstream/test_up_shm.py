@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from hsstream.up import group_shm_files, remove_shm_files, shm_snapshot
+from tests.support import semaphores
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.path.isdir("/proc/self"), reason="Linux only")
 
@@ -113,23 +114,12 @@ def test_a_file_replaced_under_the_same_name_is_not_the_engines(names):
     assert names["pre"] in got  # same name, another inode: made after the engine started
 
 
-# An "engine" that makes a semaphore the way vLLM's processes do (multiprocessing's spawn
-# context): /proc shows it under glibc's temporary name, deleted, not as /dev/shm/sem.mp-*.
-_SEMAPHORE_ENGINE = textwrap.dedent("""
-    import multiprocessing as mp, time
-    lock = mp.get_context("spawn").Lock()
-    print(lock._semlock.name, flush=True)
-    time.sleep(60)
-""")
-
-
 def test_a_semaphore_the_dead_engine_made_is_recorded_under_its_name_and_removed():
+    # An "engine" that makes a semaphore the way vLLM's processes do (multiprocessing's spawn
+    # context): /proc shows it under glibc's temporary name, deleted, not as /dev/shm/sem.mp-*.
     before = shm_snapshot()
-    eng = subprocess.Popen([sys.executable, "-c", _SEMAPHORE_ENGINE], stdout=subprocess.PIPE, text=True,
-                           start_new_session=True)  # fmt: skip
-    path = ""
+    eng, path = semaphores.start_holder()
     try:
-        path = "/dev/shm/sem." + eng.stdout.readline().strip().lstrip("/")
         assert os.path.exists(path)
         got = group_shm_files(eng.pid, before)
         assert path in got, f"the engine's semaphore was not recorded: {sorted(got)}"

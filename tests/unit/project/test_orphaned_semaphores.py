@@ -7,26 +7,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 from hsstream.up import live_shm_inodes
 from tests.support import semaphores
-
-CHILD = """
-import multiprocessing as mp, sys, time
-lock = mp.get_context("spawn").Lock()
-print(lock._semlock.name, flush=True)
-time.sleep(60)
-"""
 
 
 def test_a_killed_groups_semaphore_is_unlinked_and_a_live_ones_is_not(tmp_path):
     before = semaphores.present()
     (kept := tmp_path / "sem.mp-before").write_bytes(b"x")  # stands for one there before: same rule
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p, path = semaphores.start_holder()
+    name = os.path.basename(path)
     try:
-        name = "sem." + p.stdout.readline().strip().lstrip("/")
         assert name in semaphores.present() and name not in before
         assert os.stat(f"/dev/shm/{name}").st_ino in live_shm_inodes()
         assert name not in semaphores.remove_orphans(before)  # alive: mapped, kept
