@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Issue 26's measurement: the arena spool layout beside files, the same run, arms interleaved.
 
-Two full stacks stay up for the whole run, one per layout (``HSSTREAM_SPOOL_LAYOUT``), each with
-its own spool on /dev/shm, run dir, ledger and ports:
+Three full stacks stay up for the whole run, one per arm, each with its own spool on /dev/shm,
+run dir, ledger and ports: ``files`` and ``arena`` (``HSSTREAM_SPOOL_LAYOUT``, the stream's
+defaults: a slot read in place is trusted without a checksum, its lease keeps other writers out)
+and ``arena_verified`` (the arena with the stream's ``verify_slots``: every slot checksummed, as
+every file is), so what the trust saves is measured beside the rest:
 
 * a stand-in for vLLM (a bare ASGI app under uvicorn, as in ``bench/sidecar_throughput.py``)
   that runs the connector's REAL code for every ``/v1/completions``: ``SchedulerSide`` turns the
@@ -65,7 +68,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cpu_model  # noqa: E402
 
-ARMS = ("files", "arena")
+#: The arena arm trusts slots (the stream's default); ``arena_verified`` is the same layout with
+#: the stream's ``verify_slots`` on (a checksum of every slot, as files always take): what that
+#: pass costs, side by side.
+ARMS = ("files", "arena", "arena_verified")
 #: Qwen3-8B: 36 layers, 4096 hidden, bf16; the launcher's default layers [2, 18, 33, 36].
 QWEN3_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "torch_dtype": "bfloat16"}
 LAYER_IDS = [2, 18, 33, 36]
@@ -358,10 +364,12 @@ def stand_in(port: int, spool: str, notice_ep: str) -> None:
 class Arm:
     """One layout's stack: the sidecar and the stand-in, up for the whole run."""
 
-    def __init__(self, layout: str, a: argparse.Namespace, model_dir: Path) -> None:
+    def __init__(self, name: str, a: argparse.Namespace, model_dir: Path) -> None:
         from hsstream.devstack import free_port
 
-        self.layout = layout
+        self.name = name
+        layout = self.layout = "arena" if name.startswith("arena") else "files"
+        self.verify_slots = name == "arena_verified"
         self.spool = Path(tempfile.mkdtemp(prefix=f"hsstream-arena-bench-{layout}-", dir=a.spool_parent))
         self.run = Path(tempfile.mkdtemp(prefix=f"hsstream-arena-bench-{layout}-run-"))
         self.vport, self.aport = free_port(), free_port()
@@ -440,7 +448,7 @@ class Arm:
         hop: dict[str, list[float]] = {}
         t_last, acc, slots = t0, 0.0, 0
         with HiddenStateStream(f"ipc://{self.run}/delivery.sock", jobs=[job], spool_dir=self.spool,
-                               credit=self.a.credit,
+                               credit=self.a.credit, verify_slots=self.verify_slots,
                                pin_memory=False, timeout_s=120) as s:  # fmt: skip
             for x in s:
                 acc += touch(x)
@@ -467,7 +475,7 @@ class Arm:
         }  # fmt: skip
 
     def run_round(self, r: int, a: argparse.Namespace) -> dict:
-        out: dict[str, Any] = {"arm": self.layout, "round": r, "load_avg_1": round(os.getloadavg()[0], 2)}
+        out: dict[str, Any] = {"arm": self.name, "round": r, "load_avg_1": round(os.getloadavg()[0], 2)}
         if a.pace_ms > 0 and a.paced_samples > 0:
             self.pace(a.pace_ms)
             try:
@@ -515,7 +523,7 @@ def ok_round(r: dict) -> bool:
     layout (the arena arm's all from slots, the files arm's none): an arena arm that quietly fell
     back to files would measure files twice."""
     jobs = [r["saturated"], *([r["paced"]] if "paced" in r else [])]
-    layout_ok = all(j.get("from_slots", 0) == (j["samples"] if r.get("arm") == "arena" else 0) for j in jobs)
+    layout_ok = all(j.get("from_slots", 0) == (j["samples"] if str(r.get("arm")).startswith("arena") else 0) for j in jobs)
     return layout_ok and all(j["consumed"] == j["samples"] and not j["failed"] and j["yielded"] == j["samples"]
                              for j in jobs)  # fmt: skip
 
@@ -549,11 +557,12 @@ def tiny_section(a: argparse.Namespace) -> dict:
 
     model = str(build_tiny_verifier())
     stacks = {}
-    for layout in a.arms:
+    layouts = [x for x in a.arms if x in ("files", "arena")]  # the stream's default per layout
+    for layout in layouts:
         st = Stack(model, TINY_LAYER_IDS, Path(tempfile.mkdtemp(prefix=f"hsstream-arena-tiny-{layout}-")))
         st.env.update(HSSTREAM_SPOOL_LAYOUT=layout, HSSTREAM_MAX_CONCURRENCY=str(a.tiny_concurrency))
         stacks[layout] = st
-    rounds: dict[str, list[dict]] = {k: [] for k in a.arms}
+    rounds: dict[str, list[dict]] = {k: [] for k in layouts}
 
     def procs(st) -> tuple[int, int]:  # noqa: ANN001
         by = {c.name: c.proc.pid for c in st.children}
@@ -597,7 +606,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         for layout, st in stacks.items():  # warm-up: every connection of the concurrency opened
             job(st, max(8, 2 * a.tiny_concurrency), seed=99)
         for r in range(a.tiny_rounds):
-            for layout in a.arms if r % 2 == 0 else a.arms[::-1]:
+            for layout in layouts if r % 2 == 0 else layouts[::-1]:
                 res = job(stacks[layout], a.tiny_samples, seed=r)
                 rounds[layout].append({"arm": layout, "round": r, "latency_ms": res["latency_ms"],
                                        "hops_ms": res["hops_ms"], "saturated": res,
@@ -712,7 +721,8 @@ def main_section(a: argparse.Namespace, doc: dict) -> bool:
     summ = {k: summarize_arm(v) for k, v in rounds.items()}
     doc.update({
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-        "what": "notice -> tensor, CPU per sample, bytes copied per sample and samples/s of the two spool layouts, "
+        "what": "notice -> tensor, CPU per sample, bytes copied per sample and samples/s of the two spool layouts "
+                "(the arena also with verify_slots: arena_verified), "
                 "1,024-token samples of the Qwen3-8B shape through the connector's real code (stand-in vLLM), the "
                 "real sidecar and a HiddenStateStream, arms interleaved",
         "rounds": a.rounds,
@@ -734,6 +744,9 @@ def main_section(a: argparse.Namespace, doc: dict) -> bool:
         "arms": summ,
     })  # fmt: skip
     ok = all(ok_round(x) for v in rounds.values() for x in v) and not any(left.values())
+    if "files" in summ and "arena_verified" in summ:
+        doc["arena_verified_vs_files"], _ = compare(summ["files"], summ["arena_verified"], a.max_p50_ratio)
+        print("arena_verified / files:", json.dumps(doc["arena_verified_vs_files"]))
     if "files" in summ and "arena" in summ:
         doc["arena_vs_files"], checks = compare(summ["files"], summ["arena"], a.max_p50_ratio)
         doc["checks"] = {**checks, "all_samples_consumed": ok}

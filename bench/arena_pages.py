@@ -9,7 +9,8 @@ memory. A stream that opens the arena (every new ``HiddenStateStream``) paid tha
 on its first pass over the arena (``bench/arena.py`` opens a stream per job: most of its paced
 samples were such first touches, in the runs before it); since the prefault it does not. This times the stream's check
 of one Qwen3-8B-shape slot (1,024 tokens x 4 layers x 4096, bf16: 33.5 MB; ``load_and_check``,
-the writer's verdict taken, as a CPU stream runs it), the arms interleaved round by round, each
+the writer's verdict taken, with ``verify_slots``: a pass over the slot's bytes, as a CPU stream
+ran it before slots were trusted, and as it still runs for a file), the arms interleaved round by round, each
 round on a slot just rewritten through the writer's own mapping:
 
 * ``fresh``: the first check in a new mapping, no prefault (the stream before it);
@@ -93,9 +94,9 @@ def main() -> int:
                     if r:
                         prefault_ms.append(1000 * (time.perf_counter() - t0) / (arena.size / 2**30))
                 elif arm == "mapped":
-                    C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None)
+                    C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, verify_slots=True)
                 f0, t0 = faults(), time.perf_counter()
-                s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None)
+                s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, verify_slots=True)
                 dt, nf = time.perf_counter() - t0, faults() - f0
                 del s
                 maps.close()

@@ -5,7 +5,8 @@
 On a CPU trainer the checksum and a finiteness scan each read the whole 33.5 MB of a
 Qwen3-8B-shape sample (1,024 tokens x 4 layers x 4096, bf16). This times ``load_and_check`` on
 one real sample file in /dev/shm (mapped, as an unpinned stream reads it) and on one arena slot
-(a view), the arms interleaved round by round:
+(a view, with ``verify_slots``: checksummed as a file is; by default a stream trusts a slot and
+takes no checksum of it at all, ``bench/arena.py``), the arms interleaved round by round:
 
 * ``rescan_one_pass``: one core, the scan of each chunk right after hashing it;
 * ``rescan_beside``: the scan on the ``scan`` pool beside the checksum (``rescan_finite=True``);
@@ -75,7 +76,7 @@ def main() -> int:
     times: dict[str, dict[str, list[float]]] = {a: {"files": [], "arena": []} for a in arms}
     cpu: dict[str, dict[str, float]] = {a: {"files": 0.0, "arena": 0.0} for a in arms}
     writer = {"checksum": [], "checksum_and_finite": []}
-    hs = C.load_and_check(spool, d_slot, arenas=maps, keep=lambda _arr: None).hidden_states.clone()
+    hs = C.load_and_check(spool, d_slot, arenas=maps, keep=lambda _arr: None, verify_slots=True).hidden_states.clone()
     wt = {SF.HIDDEN_STATES_KEY: hs, SF.TOKEN_IDS_KEY: torch.zeros(T, dtype=torch.int64)}
     real = C._CPUS
     try:
@@ -85,7 +86,8 @@ def main() -> int:
                 C._CPUS, rescan = arms[arm]
                 for lay, d in (("files", d_file), ("arena", d_slot)):
                     c0, t0 = time.process_time(), time.perf_counter()
-                    s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, rescan_finite=rescan)
+                    s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, rescan_finite=rescan,
+                                          verify_slots=True)
                     dt = time.perf_counter() - t0
                     del s
                     if r >= 2:

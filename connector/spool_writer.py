@@ -65,6 +65,9 @@ class WriteJob:
     #: the token ids and the header are left to write; else the writer copies it in.
     in_slot: bool = False
     arena: MappedArena | None = None  # the mapping the slot is in (None: the writer's current one)
+    #: The writer's hold on the slot (taken by the gatherer before it copies into it; released
+    #: once the header is written or the write failed).
+    lease: A.SlotLease | None = None
 
     def host_bytes(self) -> int:
         """Host memory this job holds while it waits (hidden states already in their slot: none
@@ -106,10 +109,11 @@ class MappedArena:
                 weakref.finalize(self, cudart.cudaHostUnregister, ptr)
             return True
 
-    def begin(self, slot: A.Slot) -> None:
-        """Zero the slot's header length: until the header is written last, the slot reads as
-        "not written" (``arena.written_size`` refuses it)."""
-        self.arena.map[slot.offset : slot.offset + 8] = bytes(8)
+    def lease(self, slot: A.Slot) -> A.SlotLease:
+        """The hold on ``slot`` before any byte of it is written (``Arena.lease``: locked, its
+        claim checked, the header length zero until the header is written last). Raises
+        :class:`~connector.contract.arena.SlotReassigned` for a slot given up since."""
+        return self.arena.lease(slot)
 
     def tensor(self, slot: A.Slot, span: tuple[int, int], dtype: torch.dtype,
                shape: tuple[int, ...] | list[int]) -> torch.Tensor:  # fmt: skip
@@ -256,14 +260,35 @@ class SpoolWriter:
         """Queue a write, or refuse it with a "busy" notice when the queue is full."""
         nbytes = job.host_bytes()
         if not self.has_room(nbytes):
+            self._drop_lease(job)
             self.refuse_busy(job.request_id, job.tag)
             return False
         with self._lock:
             self._pending += 1
             self._pending_bytes += nbytes
         job.nbytes = nbytes
-        self._pool.submit(self._write, job)
+        try:
+            self._pool.submit(self._write, job)
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+                self._pending_bytes -= nbytes
+            self._drop_lease(job)
+            raise
         return True
+
+    @staticmethod
+    def _drop_lease(job: WriteJob) -> None:
+        """Let go of a job's slot that will not be written: once a copy still landing in it is in
+        (the sidecar may give the slot to another sample as soon as the lease is gone)."""
+        if job.lease is None:
+            return
+        try:
+            if job.ready is not None:
+                job.ready()
+        finally:
+            job.lease.release()
+            job.lease = None
 
     def submit_error(self, request_id: str, tag: M.RequestTag | None, reason: str) -> None:
         self._publish(self._notice(request_id, tag, status=M.NoticeStatus.error, reason=reason))
@@ -366,7 +391,8 @@ class SpoolWriter:
                 job.ready()
             t1 = time.perf_counter()
             mapped = job.arena or self.arena_for(slot)
-            mapped.begin(slot)  # already zero when the gatherer copied into it: a no-op then
+            if job.lease is None:  # the gatherer took it before copying into the slot, or not in place
+                job.lease = mapped.lease(slot)
             hs = job.hidden_states
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             if job.encoded is not None:  # encoded on the device: copied into the slot below
@@ -416,6 +442,9 @@ class SpoolWriter:
         finally:
             job.hidden_states = None  # type: ignore[assignment]
             job.arena = None
+            if job.lease is not None:
+                job.lease.release()  # after the header: the sidecar may void the slot from here
+                job.lease = None
             if job.lock is not None:
                 job.lock.abandon()
         self._publish(notice)

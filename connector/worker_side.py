@@ -151,7 +151,25 @@ class HiddenStateGatherer:
             self.writer.submit_error(p.request_id, tag,
                                      f"slot of {slot.length} bytes too small for the sample's {need}")  # fmt: skip
             return
-        mapped.begin(slot)
+        try:
+            lease = mapped.lease(slot)  # before a byte is copied into it: refused if given up since
+        except A.ArenaError as e:
+            self.mark_done(p.request_id)
+            self.writer.submit_error(p.request_id, tag, f"arena: {e}")
+            return
+        try:
+            job = self._slot_job(p, tag, slot, mapped, n, k, h)
+        except BaseException:
+            lease.release()
+            raise
+        job.lease = lease
+        job.gather_s = time.perf_counter() - t0
+        self.writer.submit(job)
+
+    def _slot_job(self, p: PendingSave, tag: M.RequestTag, slot: A.Slot, mapped: MappedArena,
+                  n: int, k: int, h: int) -> WriteJob:  # fmt: skip
+        """The gather of a slot's sample, started (under its lease): into the slot itself, or
+        via host memory where the payload is encoded or the mapping is not page-locked."""
         direct = self.in_place(p) and (not self.cuda or mapped.register_cuda())
         if not direct:  # an encoded payload (FP8), or no page-locked mapping: via host memory
             if self.cuda:
@@ -175,8 +193,7 @@ class HiddenStateGatherer:
                 self._inflight[p.request_id] = _InFlight(None)
                 ready = None
             job = WriteJob(p.request_id, p.file, tag, p.token_ids, out, ready=ready, in_slot=True, arena=mapped)
-        job.gather_s = time.perf_counter() - t0
-        self.writer.submit(job)
+        return job
 
     def _slot_hidden_states(self, mapped: MappedArena, slot: A.Slot, n: int, k: int, h: int) -> torch.Tensor:
         """The hidden states' span of the slot, as the header will lay it out (safetensors' order)."""

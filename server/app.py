@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # One shared-memory file of the budget's size (plus its header page), kept across
         # restarts when the size is unchanged; the ledger's rows hold the slots (recover rebuilds).
         arena, reused = open_arena(spool, s.spool_budget_bytes + A.PAGE)
-        ledger.attach_slots(SlotAllocator(arena.id, arena.size, quarantine_s=s.arena_quarantine_s))
+        ledger.attach_slots(SlotAllocator(arena.id, arena.size, quarantine_s=s.arena_quarantine_s, arena=arena))
         log.info("spool layout: arena %s, %d MiB (%s)", arena.path, arena.size >> 20, "kept" if reused else "new")
     sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids, s.payload_dtype)
     metrics = SidecarMetrics(ledger)  # a ledger listener: counts every move, on the thread that made it

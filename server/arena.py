@@ -14,10 +14,19 @@ waits (admission stops as for a full budget) until enough slots are freed and me
 arena is empty everything merges into one range, so any sample up to the arena's data size is
 served eventually and none waits forever.
 
-A slot given up by a sample that may still be written or read (its request abandoned: timed
-out, its engine marked down, the sidecar restarted; a leased sample cancelled) goes into
-quarantine for ``quarantine_s`` before it can be assigned again, so a late write or read lands
-in no one's sample; the generation in the slot's header catches what lands after that.
+Who may write a slot (``connector/contract/arena.py``): :meth:`alloc` writes the assignment's
+claim into the slot, the connector writes under a lease (a lock on the slot's bytes) and only
+while its claim is there, and every free voids the claim under the same lock first. A slot
+whose writer still holds its lease (an abandoned request whose engine is still writing) cannot
+be voided: it stays out of the free list until its writer lets go, and no write of a given-up
+assignment starts after its void. So no slot is ever written by two assignments, however late
+a writer is; the trainer trusts a slot's bytes without a checksum (docs/architecture.md).
+
+A slot given up by a sample that may still be read (its request abandoned, a leased sample
+cancelled: a trainer may still hold views of it) goes into quarantine for ``quarantine_s``
+after its void before it can be assigned again, so a late read sees no one else's bytes.
+A restarted sidecar voids the claims it finds in its free ranges (assignments the ledger never
+committed, or voids a crash cut off): :meth:`void_stale_claims`.
 """
 
 from __future__ import annotations
@@ -41,12 +50,16 @@ class ArenaStats:
     slots: int
     free_bytes: int
     largest_free: int
-    quarantined_bytes: int
+    quarantined_bytes: int  # given up: waiting out the quarantine, or for their writer to let go
     refused: int
 
 
 class SlotAllocator:
-    def __init__(self, arena_id: str, size: int, *, quarantine_s: float = 60.0, generation: int | None = None) -> None:
+    def __init__(self, arena_id: str, size: int, *, quarantine_s: float = 60.0, generation: int | None = None,
+                 arena: A.Arena | None = None) -> None:  # fmt: skip
+        """``arena``: the mapping whose slots are claimed and voided (None: the ranges only, for
+        tests of the policy)."""
+        self.arena = arena
         self.arena_id = arena_id
         self.size = size
         self.quarantine_s = quarantine_s
@@ -55,6 +68,8 @@ class SlotAllocator:
         self._lens: list[int] = [size - A.PAGE] if size > A.PAGE else []
         self._taken: dict[int, int] = {}  # offset -> length
         self._quarantine: list[tuple[float, int, int]] = []  # (free at, offset, length)
+        # Given up but not voided: a writer still holds the lease (slot, quarantined when voided)
+        self._writing: list[tuple[A.Slot, bool]] = []
         # Generations only grow, across restarts too (microseconds since the epoch at start, or
         # past the highest the ledger holds): a late write of an earlier assignment never matches.
         self._generation = max(generation or 0, int(time.time() * 1e6))
@@ -74,7 +89,10 @@ class SlotAllocator:
                     self._starts[i], self._lens[i] = off + need, ln - need
                 self._taken[off] = need
                 self._generation += 1
-                return A.Slot(arena=self.arena_id, offset=off, length=need, generation=self._generation)
+                slot = A.Slot(arena=self.arena_id, offset=off, length=need, generation=self._generation)
+                if self.arena is not None:
+                    self.arena.assign(slot)
+                return slot
         self.refused += 1
         return None
 
@@ -106,13 +124,49 @@ class SlotAllocator:
         if slot.arena != self.arena_id or self._taken.get(slot.offset) != slot.length:
             return
         del self._taken[slot.offset]
+        if self.arena is not None and not self.arena.void(slot):
+            self._writing.append((slot, quarantine))  # its writer is still at it: voided later (_thaw)
+            return
+        self._release(slot, quarantine)
+
+    def _release(self, slot: A.Slot, quarantine: bool) -> None:
         if quarantine and self.quarantine_s > 0:
             self._quarantine.append((time.monotonic() + self.quarantine_s, slot.offset, slot.length))
         else:
             self._merge_in(slot.offset, slot.length)
 
+    def void_stale_claims(self) -> int:
+        """Void the claims left in free ranges (a restart: assignments the ledger never committed,
+        or a void a crash cut off). Call once the ledger's slots are reserved. A claim whose writer
+        still holds its lease keeps its first page out of the free list until it is voided.
+        Returns the claims found."""
+        if self.arena is None:
+            return 0
+        found = 0
+        for off in A.claimed_pages(self.arena.map):
+            i = bisect.bisect_right(self._starts, off) - 1
+            if i < 0 or self._starts[i] + self._lens[i] < off + A.PAGE:
+                continue  # a taken slot's own claim
+            found += 1
+            stale = A.Slot(arena=self.arena_id, offset=off, length=A.PAGE, generation=1)
+            if not self.arena.void(stale, first_page_only=True):
+                self.reserve(stale)
+                self._writing.append((stale, False))
+                del self._taken[off]
+        if found:
+            log.info("voided %d claim(s) of slots the ledger does not hold", found)
+        return found
+
     # -------------------------------------------------------------- free list
     def _thaw(self) -> None:
+        if self._writing:
+            writing, self._writing = self._writing, []
+            for slot, quarantine in writing:
+                assert self.arena is not None
+                if self.arena.void(slot, first_page_only=slot.length == A.PAGE):
+                    self._release(slot, quarantine)
+                else:
+                    self._writing.append((slot, quarantine))
         if not self._quarantine:
             return
         now = time.monotonic()
@@ -146,7 +200,8 @@ class SlotAllocator:
         return ArenaStats(
             size=self.size, used_bytes=sum(self._taken.values()), slots=len(self._taken),
             free_bytes=sum(self._lens), largest_free=max(self._lens, default=0),
-            quarantined_bytes=sum(q[2] for q in self._quarantine), refused=self.refused,
+            quarantined_bytes=sum(q[2] for q in self._quarantine) + sum(w[0].length for w in self._writing),
+            refused=self.refused,
         )  # fmt: skip
 
 

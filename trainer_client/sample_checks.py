@@ -15,7 +15,9 @@ A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in p
 (``sample_reader.read_slot``): its tensors are views of the slot, unless the sample goes to a
 device or into pinned memory, where they are copied from the slot at once. The slot's header
 must hold this delivery's notice (same key, attempt and slot generation): anything else is a
-late write of another attempt, an :class:`InvalidSample`. Once the hidden states are on the device
+late write of another attempt, an :class:`InvalidSample`. Its checksum is not taken (unless
+``verify_slots``): only its claim's writer ever writes a slot, under its lease
+(``connector/contract/arena.py``). Once the hidden states are on the device
 its token ids are copied out too (a few bytes), so nothing holds the slot.
 """
 
@@ -43,7 +45,8 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
                    pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
                    alloc: Callable[[int], torch.Tensor] | None = None,
                    timings: dict[str, float] | None = None, arenas: ArenaMaps | None = None,
-                   keep: Callable | None = None, rescan_finite: bool = False) -> Sample:  # fmt: skip
+                   keep: Callable | None = None, rescan_finite: bool = False,
+                   verify_slots: bool = False) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
     a file from a plain vLLM request (no sample key), see :func:`read_hidden_states`.
@@ -70,6 +73,11 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     finite (``Notice.finite``). Without it a matching checksum stands for the scan: the bytes
     are the ones the writer hashed and scanned in the same pass. A writer that said some are
     not finite is refused either way.
+
+    ``verify_slots``: take the checksum of a slot read in place too. Without it a slot's bytes
+    are trusted: only the writer holding the slot's claim and lease writes them
+    (``connector/contract/arena.py``), so they are the bytes it hashed and scanned; the notice's
+    finiteness verdict stands for them as a matching checksum's would.
     """
     tm = timings if timings is not None else {}
     n = d.notice
@@ -81,7 +89,7 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     if n.dtype not in PL.CODECS:
         raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
     dev = torch.device(device) if device is not None else None
-    checks = _SampleChecks(n, dev, checksum_threads, tm, rescan_finite)
+    checks = _SampleChecks(n, dev, checksum_threads, tm, rescan_finite, trusted=in_slot and not verify_slots)
     copied = 0
     if in_slot:
         if arenas is None:
@@ -148,8 +156,9 @@ class _SampleChecks:
     (:meth:`host_checks`)."""
 
     def __init__(self, n: M.Notice, dev: torch.device | None, threads: int, tm: dict[str, float],
-                 rescan_finite: bool = False) -> None:  # fmt: skip
+                 rescan_finite: bool = False, trusted: bool = False) -> None:  # fmt: skip
         self.n, self.dev, self.tm, self.threads = n, dev, tm, threads
+        self.trusted = trusted  # a slot read in place: no checksum (load_and_check's verify_slots)
         self.rescan_finite = rescan_finite
         self.copy: DeviceCopy | None = None
         self.span = (0, 0)
@@ -190,7 +199,7 @@ class _SampleChecks:
         and the scales' copy to the device; returns (hidden states, ids, scales), on the host.
 
         Finiteness on the host: the writer's verdict (``Notice.finite``), which a matching
-        checksum makes this sample's, unless ``rescan_finite``; else a scan that goes with the
+        checksum (or, for a trusted slot, its lease) makes this sample's, unless ``rescan_finite``; else a scan that goes with the
         checksum: beside it on the ``scan`` pool, the hashing thread taking the chunks left once
         its checksum is done (several cores), or chunk by chunk in the checksum's own pass (one
         core, xxh3-128); ``bench/host_checks.py`` measures them."""
@@ -207,13 +216,16 @@ class _SampleChecks:
             if pooled:
                 helpers = beside(scan, "scan", min(_CPUS, 8) - 1)  # type: ignore[arg-type]
             t0 = time.perf_counter()
-            if scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
+            if self.trusted:
+                pass  # its writer's bytes (the slot's lease): a scan, where one is due, runs below
+            elif scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
                 digest, found = SF.checksum_and_finite(tensors, algo=algo, threads=self.threads)
             else:
                 digest = SF.sample_checksum(tensors, algo=algo, threads=self.threads)
-            self.tm["checksum_s"] = time.perf_counter() - t0  # fused: the scan's time is in it
-            if digest != self.n.checksum:
-                raise InvalidSample("checksum mismatch")
+            if not self.trusted:
+                self.tm["checksum_s"] = time.perf_counter() - t0  # fused: the scan's time is in it
+                if digest != self.n.checksum:
+                    raise InvalidSample("checksum mismatch")
             try:
                 PL.codec(self.n.dtype).check(tensors, self.n.num_tokens)  # the payload's own tensors
             except PL.PayloadError as e:

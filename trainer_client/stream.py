@@ -167,6 +167,11 @@ class StreamOptions:
     took its checksum). Off, a matching checksum stands for that scan — these are the bytes
     the writer scanned — and a CPU trainer reads each sample once instead of twice. A writer
     that found non-finite values has its sample refused either way.
+
+    ``verify_slots`` (off): take the checksum of a slot read in place, too (the arena layout).
+    Off, a slot's bytes are trusted without one: no writer but the slot's own ever writes it
+    (the claim and the lease, ``connector/contract/arena.py``), and a checksum of shared memory
+    could not catch a later write anyway. On, it costs a pass over every sample's bytes.
     """
 
     jobs: list[str] | None = None
@@ -189,6 +194,7 @@ class StreamOptions:
     host_buffers: HostBuffers | None = None
     ordered: bool | None = None
     rescan_finite: bool = False
+    verify_slots: bool = False
 
 
 class HiddenStateStream:
@@ -665,7 +671,8 @@ class HiddenStateStream:
         spool = self.spool if reads_spool else None
         sample = load_and_check(spool, d, data, pin_memory=self.pin_memory, device=self.device,
                                 alloc=self.host_buffers.alloc, timings=tm, arenas=self._arenas if reads_spool else None,
-                                keep=keep, rescan_finite=self.options.rescan_finite)  # fmt: skip
+                                keep=keep, rescan_finite=self.options.rescan_finite,
+                                verify_slots=self.options.verify_slots)  # fmt: skip
         decoded = sample.dequantized(self.dequantize)
         if decoded is not sample and tm.pop("in_slot", 0):
             # Decoded into new tensors: the slot's last views are the token ids; copied out, the

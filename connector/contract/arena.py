@@ -15,12 +15,16 @@ copy into before it knows the header (the checksum goes into the header, written
 tensors are in safetensors' order (largest item size first, then by name), so every tensor's
 bytes are aligned to its item size.
 
-The slot's life: assigned (sidecar, in the ledger) → written (connector; header length zeroed
-first, the header itself written last) → READY on its notice → read in place by a trainer →
-freed when the trainer says RECEIVED, which it sends only once no view of the slot is left.
-Each assignment has a new ``generation``; the notice inside the slot's header carries it, and a
-trainer refuses a slot whose header names another generation than its DELIVER (a late write of
-an older attempt), as it refuses a checksum mismatch. The arena's first page names the arena
+The slot's life: assigned (sidecar, in the ledger; its claim written into the slot,
+:meth:`Arena.assign`) → written (connector, under its :class:`SlotLease`: the slot's bytes
+locked, the claim checked, the data copied in, the header written last, the lease released) →
+READY on its notice → read in place by a trainer → freed when the trainer says RECEIVED, which it
+sends only once no view of the slot is left; every free voids the claim under the slot's lock
+first (:meth:`Arena.void`). Each assignment has a new ``generation``. A writer whose claim was
+voided is refused before it writes a byte, and a slot whose writer still holds its lease cannot
+be voided, so no two assignments ever write one slot: the trainer trusts a slot read in place
+without a checksum. The notice inside the slot's header carries the generation too, and a
+trainer refuses a slot whose header names another than its DELIVER. The arena's first page names the arena
 (``arena`` id, a random hex string made at creation), so a slot of another arena (the sidecar
 made a new one) is refused instead of read.
 
@@ -30,11 +34,14 @@ Importable without torch (the writer and the readers import it where they need t
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import mmap
 import os
 import secrets
+import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +59,7 @@ PAGE = 4096
 SLOT_HEADER = 4096
 #: The arena's first page: magic, format version, size, id (JSON after the magic).
 ARENA_MAGIC = b"HSSARENA"
-ARENA_FORMAT = 1
+ARENA_FORMAT = 2  # 2: slots are claimed by the sidecar and written under a lease (SlotLease)
 #: The smallest arena worth making (one page of header, one of data).
 MIN_ARENA_BYTES = 2 * PAGE
 #: ``madvise(2)`` advice (Linux 5.14+) that fills this process's page tables for a range ahead
@@ -69,10 +76,79 @@ PREFAULT_CHUNK = 16 << 20
 #: than a trainer's credit and the samples a connector writes at once, so the slots assigned
 #: next (first fit: the next ones up) are mapped before their turn.
 PREFAULT_AHEAD_SLOTS = 16
+#: A slot's claim (:meth:`Arena.assign`), in its header room right after the header length:
+#: the magic and the assignment's generation. Only the writer of that generation may write the
+#: slot, once: its header, written last, replaces the claim.
+CLAIM_MAGIC = b"HSSCLAIM"
+CLAIM_AT = 8
+CLAIM_LEN = len(CLAIM_MAGIC) + 8
+#: How long a writer waits for its slot's lock (held only by a writer of an overlapping, older
+#: assignment still writing, or by the sidecar for the moment it takes to void a claim).
+LEASE_WAIT_S = 10.0
 
 
 class ArenaError(ProtocolError):
     """An arena or slot that cannot be used (wrong arena, out of bounds, unreadable header)."""
+
+
+class SlotReassigned(ArenaError):
+    """The slot does not hold this writer's claim: its assignment was given up (the sample timed
+    out, its engine was marked down, the sidecar restarted) and the bytes may be another
+    sample's. The write is refused before a byte is written."""
+
+
+class SlotBusy(ArenaError):
+    """The slot's lock stayed held past :data:`LEASE_WAIT_S` (a writer of an overlapping, older
+    assignment is still writing)."""
+
+
+def claim_bytes(generation: int) -> bytes:
+    return CLAIM_MAGIC + generation.to_bytes(8, "little")
+
+
+def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """An open-file-description lock (``F_OFD_SETLK``) on ``[start, start + length)`` of ``fd``,
+    without waiting: True if taken (or released, for ``F_UNLCK``), False if another description
+    holds a conflicting one. OFD locks, not POSIX record locks: two descriptions in one process
+    (a late writer and a new one in the same vLLM worker) exclude each other, and the kernel drops
+    a description's locks when its last descriptor closes, a killed process's included."""
+    flock = struct.pack("hhxxxxqqixxxx", kind, os.SEEK_SET, start, length, 0)  # struct flock, x86-64/aarch64
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+class SlotLease:
+    """A writer's exclusive hold on one slot, from before its first byte is written until after
+    its header (:meth:`Arena.lease`): a write lock on the slot's bytes in a description of the
+    arena file of its own. While it is held the sidecar cannot void the slot's claim, so the slot
+    cannot be given to anyone else; once the claim is void, no lease of that assignment is ever
+    granted again. :meth:`release` is idempotent; a killed writer's lease goes with its process."""
+
+    def __init__(self, fd: int, slot: Slot) -> None:
+        self._fd: int | None = fd
+        self.slot = slot
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # drops the description's locks
+
+
+def claimed_pages(mapped: mmap.mmap) -> list[int]:
+    """Offsets of the pages that hold a claim (a slot assigned and not yet written, or an
+    assignment whose claim a crash left behind): what a restarted sidecar voids in its free
+    ranges (``server/arena.py``)."""
+    import numpy as np
+
+    pages = np.frombuffer(mapped, dtype=np.uint8)
+    pages = pages[: len(pages) // PAGE * PAGE].reshape(-1, PAGE)[:, CLAIM_AT : CLAIM_AT + len(CLAIM_MAGIC)]
+    hits = np.flatnonzero((pages == np.frombuffer(CLAIM_MAGIC, dtype=np.uint8)).all(axis=1))
+    return [int(i) * PAGE for i in hits if i > 0]  # page 0 is the arena's own header
 
 
 def round_up(n: int, unit: int = PAGE) -> int:
@@ -178,6 +254,7 @@ class Arena:
         self._pf_lock = threading.Lock()
         self._pf_want = 0  # where the prefault runs to
         self._pf_thread: threading.Thread | None = None
+        self._void_fd: int | None = None
 
     @classmethod
     def create(cls, spool: str | os.PathLike[str], size: int, mode: int = 0o600) -> Arena:
@@ -244,6 +321,64 @@ class Arena:
         """The slot's bytes (a view of the shared mapping)."""
         self.check(slot)
         return memoryview(self.map)[slot.offset : slot.end]
+
+    # -- who may write a slot: the claim (sidecar) and the lease (writer) --------------------------
+    def assign(self, slot: Slot) -> None:
+        """The sidecar's half of a slot's assignment: its header length zeroed ("not written") and
+        the claim of its generation after it. No lock is needed: the range was free, so every
+        earlier claim in it was voided under its lock (:meth:`void`), and a writer of those
+        assignments is refused by its claim however it interleaves with this one."""
+        self.check(slot)
+        self.map[slot.offset : slot.offset + CLAIM_AT + CLAIM_LEN] = bytes(CLAIM_AT) + claim_bytes(slot.generation)
+
+    def void(self, slot: Slot, *, first_page_only: bool = False) -> bool:
+        """The sidecar's half of a slot's end: the claim (or a written header) cleared under the
+        slot's lock, so no writer of its assignment is writing now or ever will. False, with
+        nothing changed, while a writer holds the lock (it is still writing: try again later).
+        ``first_page_only``: lock only the slot's first page (a claim found with no length known:
+        every writer's lock covers its slot's first page)."""
+        self.check(slot)
+        fd = self._lock_fd()
+        length = PAGE if first_page_only else slot.length
+        if not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, length):
+            return False
+        try:
+            self.map[slot.offset : slot.offset + CLAIM_AT + CLAIM_LEN] = bytes(CLAIM_AT + CLAIM_LEN)
+        finally:
+            _ofd_lock(fd, fcntl.F_UNLCK, slot.offset, length)
+        return True
+
+    def lease(self, slot: Slot, wait_s: float = LEASE_WAIT_S) -> SlotLease:
+        """The writer's hold on ``slot`` (:class:`SlotLease`): its bytes locked in a description
+        of the arena file of its own, then its claim checked. Raises :class:`SlotReassigned` when
+        the claim is not this assignment's (nothing is written then), :class:`SlotBusy` when the
+        lock stays taken for ``wait_s``. The header length is zero from here until the header is
+        written last (it was zeroed at the assignment)."""
+        self.check(slot)
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)  # a description of its own
+        try:
+            deadline, pause = time.monotonic() + wait_s, 0.0005
+            while not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, slot.length):
+                if time.monotonic() >= deadline:
+                    raise SlotBusy(f"slot {slot.offset}+{slot.length} still locked after {wait_s:g} s "
+                                   "(an older writer of these bytes is still writing)")  # fmt: skip
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+            if bytes(self.map[slot.offset + CLAIM_AT : slot.offset + CLAIM_AT + CLAIM_LEN]) != claim_bytes(slot.generation):
+                raise SlotReassigned(f"slot {slot.offset}+{slot.length} of generation {slot.generation} is no longer "
+                                     "claimed for it (given up, and maybe another sample's now): not written")  # fmt: skip
+            self.map[slot.offset : slot.offset + 8] = bytes(8)
+        except BaseException:
+            os.close(fd)
+            raise
+        return SlotLease(fd, slot)
+
+    def _lock_fd(self) -> int:
+        """The sidecar's own description for :meth:`void` (one per mapping, opened at first use)."""
+        with self._pf_lock:
+            if self._void_fd is None:
+                self._void_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+            return self._void_fd
 
     def is_current(self) -> bool:
         """Whether the file at :attr:`path` is still the one mapped (not replaced by a new arena)."""
@@ -335,10 +470,13 @@ class Arena:
     def close(self) -> None:
         self._closed.set()
         self._close_map()
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        for fd in (self._fd, self._void_fd):
+            try:
+                if fd is not None:
+                    os.close(fd)
+            except OSError:
+                pass
+        self._void_fd = None
 
 
 def reserve(fd: int, size: int, where: str | os.PathLike[str] = "") -> None:

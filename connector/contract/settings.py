@@ -60,8 +60,10 @@ class Settings(BaseSettings):
     # budget, a slot per sample: no file written, read or unlinked per sample). Sidecar only: the
     # connector and trainers follow the slot in each request and delivery.
     spool_layout: Literal["files", "arena"] = "files"
-    # Arena: seconds a slot whose request was abandoned (timed out, its engine down, the sidecar
-    # restarted) waits before it is assigned again, so a late write lands in no one's sample.
+    # Arena: seconds a slot whose sample was abandoned (timed out, its engine down, the sidecar
+    # restarted, a lease cancelled) waits before it is assigned again, so a late reader's views
+    # see no one else's bytes. Late writes need no wait: the slot's claim is voided first, under
+    # its lock (connector/contract/arena.py).
     arena_quarantine_s: float = Field(default=60.0, ge=0)
     max_ready_samples: int = 4096  # ready-but-unconsumed samples before submission pauses
     ledger_path: Path | None = None  # default: see ledger_file()

@@ -350,5 +350,7 @@ class LedgerCore:
             self._deferred = None
             # a row read as READY and kept READY is no move, so _save counted none of them
             self._n_ready = sum(1 for dq in self._ready.values() for x in dq if x.state == State.ready)
+            if self._slots is not None and (n := self._slots.void_stale_claims()):
+                stats["stale_claims_voided"] = n
         return dict(stats)
 

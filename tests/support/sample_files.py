@@ -148,7 +148,12 @@ def make_arena(spool: str | Path, size: int = 1 << 20, *, fill: int | None = Non
 
 
 def slot_for(arena: A.Arena, offset: int, length: int, generation: int = 1) -> A.Slot:
-    return A.Slot(arena=arena.id, offset=offset, length=length, generation=generation)
+    """A slot of ``arena`` assigned as the sidecar assigns one (its claim written), unless it lies
+    past the arena's end (then only named: the writer must refuse it)."""
+    slot = A.Slot(arena=arena.id, offset=offset, length=length, generation=generation)
+    if slot.end <= arena.size:
+        arena.assign(slot)
+    return slot
 
 
 def slot_bytes(tokens: int, layers: int, hidden: int, dtype: str = "bfloat16") -> int:

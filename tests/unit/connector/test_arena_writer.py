@@ -112,6 +112,7 @@ def test_a_slot_too_small_or_of_another_arena_gets_an_error_notice_and_no_write(
     small = SFX.slot_for(arena, 4 * A.PAGE, A.PAGE)  # one page: not even the header and the data
     other = A.Slot(arena="0" * 32, offset=4 * A.PAGE, length=8 * A.PAGE, generation=1)
     past = SFX.slot_for(arena, 63 * A.PAGE, 8 * A.PAGE)
+    before = bytes(arena.map)  # the slots assigned: their claims written
     for rid, slot in (("small", small), ("other", other), ("past", past)):
         g.submit(PendingSave(rid, f"hs-{rid}.safetensors", list(range(11)), [0, 1, 2], _tag(slot)))
     assert w.flush(10)
@@ -119,7 +120,7 @@ def test_a_slot_too_small_or_of_another_arena_gets_an_error_notice_and_no_write(
     why = {x.request_id: x.reason for x in sent if x.status == M.NoticeStatus.error}
     assert "too small" in why["small"] and "arena changed" in why["other"] and "past" in why["past"]
     assert all(x.slot is not None for x in sent)  # the error notices name the slot too
-    assert bytes(arena.map)[A.PAGE :] == bytes([PATTERN]) * (arena.size - A.PAGE)  # not one byte written
+    assert bytes(arena.map) == before  # not one byte written
     assert sorted(p.name for p in spool.iterdir()) == [A.ARENA_NAME]
     assert g.poll({"small", "other", "past"}) == {"small", "other", "past"}  # their blocks are freed
 
@@ -133,7 +134,9 @@ def test_the_writer_never_writes_past_its_slot_even_when_asked_by_the_writer_its
         SFX.write_sample(spool, tokens=11, layer_ids=LAYERS, hidden=H, slot=slot)
     whole = bytes(arena.map)
     assert whole[slot.offset : slot.offset + 8] == bytes(8)  # zeroed, the header never came
-    rest = whole[A.PAGE : slot.offset] + whole[slot.offset + 8 :]
+    claim = slot.offset + A.CLAIM_AT
+    assert whole[claim : claim + A.CLAIM_LEN] == A.claim_bytes(slot.generation)  # still its claim
+    rest = whole[A.PAGE : slot.offset] + whole[claim + A.CLAIM_LEN :]
     assert rest == bytes([PATTERN]) * len(rest)  # nothing else written
 
 

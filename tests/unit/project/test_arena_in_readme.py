@@ -52,11 +52,15 @@ def test_the_h200_fp8_on_device_row_quotes_its_json():
 
 
 def test_the_cpu_arena_row_quotes_the_previous_host_and_the_page_table_runs():
-    """The row's second host (the same code, the session before's run) and the prefault's own
-    bench, both hosts: each figure from its JSON."""
+    """The row's verified arm (the arena with ``verify_slots``, same run), the second host (the
+    code before the slot's lease, the session before's run) and the prefault's own bench, both
+    hosts: each figure from its JSON."""
     row = _row((ROOT / "README.md").read_text(), "| Arena vs files on 2 CPU cores")
     here = json.loads((ROOT / "bench/results/arena_cpu.json").read_text())
-    assert f"one pass over a 33.5 MB slot takes {here['arms']['arena']['hop_p50_ms']['checksum']:.1f} ms" in row
+    v, r = here["arms"]["arena_verified"], here["arena_verified_vs_files"]
+    assert f"gives {v['p50_ms']:.1f} ms, {r['p50']:.2f}×" in row
+    assert f"one pass over a 33.5 MB slot takes {v['hop_p50_ms']['checksum']:.1f} ms" in row
+    assert "checksum" not in here["arms"]["arena"]["hop_p50_ms"], "the arena arm must read its slots unverified"
     prev = json.loads((ROOT / "bench/results/arena_cpu_prev_host.json").read_text())
     f, a = prev["arms"]["files"], prev["arms"]["arena"]
     assert f"{a['p50_ms']:.1f} vs {f['p50_ms']:.1f} ms, {prev['arena_vs_files']['p50']:.2f}×" in row

@@ -85,11 +85,30 @@ def test_a_header_of_another_generation_is_invalid(spool):
     load_and_check(spool, ok.deliver, arenas=ArenaMaps(spool))
 
 
-def test_a_checksum_mismatch_in_a_slot_is_invalid(spool):
+def test_a_slot_is_trusted_without_a_checksum_unless_verify_slots(spool):
+    """By default a slot read in place takes no checksum (its lease keeps every other writer
+    out): a bit flipped behind the writer's back is not seen, and no checksum time is spent.
+    ``verify_slots`` takes it and refuses the slot."""
     arena = SFX.make_arena(spool)
     sf = _slot_sample(spool, arena, corrupt="checksum")
+    tm: dict = {}
+    s = load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool), timings=tm)
+    assert "checksum_s" not in tm and s.hidden_states.shape == (T, len(LAYERS), HID)
     with pytest.raises(SF.InvalidSample, match="checksum"):
+        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool), verify_slots=True)
+    tm = {}
+    good = _slot_sample(spool, arena, 1)
+    load_and_check(spool, good.deliver, arenas=ArenaMaps(spool), verify_slots=True, timings=tm)
+    assert tm["checksum_s"] > 0  # the control: verified, and it passes
+
+
+def test_a_slot_the_writer_found_non_finite_is_refused_without_a_checksum(spool):
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena, corrupt="nan")
+    with pytest.raises(SF.InvalidSample, match="non-finite"):
         load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))
+    with pytest.raises(SF.InvalidSample, match="non-finite"):  # scanned again: still there
+        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool), rescan_finite=True)
 
 
 def test_a_slot_past_the_arena_or_of_another_arena_is_not_readable(spool):
@@ -215,7 +234,7 @@ def test_an_invalid_slot_is_failed_and_never_received(tmp_path, spool):
     d = _slot_sample(spool, arena, corrupt="checksum").deliver
     sc = FakeSidecar(tmp_path, [d], end=False)
     try:
-        with _stream(sc, spool) as s:
+        with _stream(sc, spool, verify_slots=True) as s:
             it = iter(s)
             _until(lambda: bool(sc.of(P.Fail)), it)
             gc.collect()
