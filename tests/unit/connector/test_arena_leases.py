@@ -90,7 +90,8 @@ def test_a_killed_writer_leaves_no_lock_behind(spool):
     slot = SFX.slot_for(arena, A.PAGE, LEN, generation=9)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(spool), str(slot.offset), str(slot.length), "9"],
-                         stdout=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+                         stdout=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [root, *filter(None, [os.environ.get("PYTHONPATH")])])})  # fmt: skip
     try:
         assert p.stdout.readline().strip() == "held"
         assert not arena.void(slot)  # a writer in another process holds it

@@ -36,6 +36,13 @@ def test_the_h200_arena_row_quotes_its_json():
     assert f"{a['latency_p50_ms']} ms vs {f['latency_p50_ms']} ms ({s['arena_vs_files_p50']:.3f}×)" in row
     assert f"p99 {a['latency_p99_ms']} vs {f['latency_p99_ms']} ms" in row
     assert f"{a['vllm_ratio_to_plain']:.3f} vs {f['vllm_ratio_to_plain']:.3f} of plain" in row
+    later = json.loads((ROOT / "bench/results/online_gpu_h200x1_shared_arena_leases.json").read_text())
+    assert not later["errors"]
+    s2 = later["summary"]
+    a2, f2 = s2["by_spool_layout"]["arena"], s2["by_spool_layout"]["files"]
+    assert "check_checksum" not in a2["breakdown"], "the lease run's arena must read its slots unverified"
+    assert f"{a2['latency_p50_ms']} ms vs {f2['latency_p50_ms']} ms ({s2['arena_vs_files_p50']:.3f}×)" in row
+    assert f"p99 {a2['latency_p99_ms']} vs {f2['latency_p99_ms']} ms" in row
 
 
 def test_the_h200_fp8_on_device_row_quotes_its_json():
