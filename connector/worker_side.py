@@ -160,7 +160,11 @@ class HiddenStateGatherer:
         try:
             job = self._slot_job(p, tag, slot, mapped, n, k, h)
         except BaseException:
-            lease.release()
+            try:
+                if self._stream is not None:
+                    self._stream.synchronize()  # copies queued into the slot land before it is let go
+            finally:
+                lease.release()
             raise
         job.lease = lease
         job.gather_s = time.perf_counter() - t0

@@ -124,10 +124,21 @@ class SlotAllocator:
         if slot.arena != self.arena_id or self._taken.get(slot.offset) != slot.length:
             return
         del self._taken[slot.offset]
-        if self.arena is not None and not self.arena.void(slot):
+        if not self._void(slot):
             self._writing.append((slot, quarantine))  # its writer is still at it: voided later (_thaw)
             return
         self._release(slot, quarantine)
+
+    def _void(self, slot: A.Slot) -> bool:
+        """The claim voided (:meth:`~connector.contract.arena.Arena.void`); False while a writer
+        holds the slot, or when the lock cannot be taken at all (kept, tried again later)."""
+        if self.arena is None:
+            return True
+        try:
+            return self.arena.void(slot, first_page_only=slot.length == A.PAGE)
+        except A.ArenaError as e:
+            log.warning("slot %d+%d kept out of the free list: %s", slot.offset, slot.length, e)
+            return False
 
     def _release(self, slot: A.Slot, quarantine: bool) -> None:
         if quarantine and self.quarantine_s > 0:
@@ -149,10 +160,17 @@ class SlotAllocator:
                 continue  # a taken slot's own claim
             found += 1
             stale = A.Slot(arena=self.arena_id, offset=off, length=A.PAGE, generation=1)
-            if not self.arena.void(stale, first_page_only=True):
-                self.reserve(stale)
-                self._writing.append((stale, False))
-                del self._taken[off]
+            if self._void(stale):
+                continue
+            # Its writer is still at it (it outlived the sidecar): its whole lease stays out of
+            # the free list, as far as it lies in this free range, until it lets go.
+            held = self.arena.writer_range(off)
+            end = self._starts[i] + self._lens[i]
+            length = A.round_up(min(end, held[0] + held[1]) - off) if held and held[0] <= off else A.PAGE
+            stale = stale.model_copy(update={"length": max(A.PAGE, min(length, end - off))})
+            self.reserve(stale)
+            self._writing.append((stale, False))
+            del self._taken[off]
         if found:
             log.info("voided %d claim(s) of slots the ledger does not hold", found)
         return found
@@ -162,8 +180,7 @@ class SlotAllocator:
         if self._writing:
             writing, self._writing = self._writing, []
             for slot, quarantine in writing:
-                assert self.arena is not None
-                if self.arena.void(slot, first_page_only=slot.length == A.PAGE):
+                if self._void(slot):
                     self._release(slot, quarantine)
                 else:
                     self._writing.append((slot, quarantine))

@@ -147,6 +147,12 @@ def _check_slot_notice(meta: dict[str, str], n: M.Notice) -> None:
             f"{hn.slot.generation if hn.slot else None}), not the delivered {n.key} attempt {n.attempt} "
             f"generation {n.slot.generation}"
         )
+    # A trusted slot takes no checksum: what the delivery says of its bytes (their checksum, the
+    # writer's finiteness verdict, the token count) must be what its writer wrote beside them.
+    for field in ("checksum", "checksum_algo", "finite", "num_tokens", "dtype", "layer_ids", "hidden_size"):
+        if getattr(hn, field) != getattr(n, field):
+            raise InvalidSample(f"slot header's {field} {getattr(hn, field)!r} differs from the delivery's "
+                                f"{getattr(n, field)!r}")  # fmt: skip
 
 
 class _SampleChecks:

@@ -127,7 +127,9 @@ class SlotLease:
     its header (:meth:`Arena.lease`): a write lock on the slot's bytes in a description of the
     arena file of its own. While it is held the sidecar cannot void the slot's claim, so the slot
     cannot be given to anyone else; once the claim is void, no lease of that assignment is ever
-    granted again. :meth:`release` is idempotent; a killed writer's lease goes with its process."""
+    granted again. :meth:`release` is idempotent; a killed writer's lease goes with its process
+    (with its last descriptor of the description: a child forked meanwhile holds one too, which
+    is why :meth:`release` unlocks before it closes)."""
 
     def __init__(self, fd: int, slot: Slot) -> None:
         self._fd: int | None = fd
@@ -135,8 +137,14 @@ class SlotLease:
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # drops the description's locks
+        if fd is None:
+            return
+        try:
+            _ofd_lock(fd, fcntl.F_UNLCK, self.slot.offset, self.slot.length)  # a forked child's copy too
+        except OSError:
+            pass  # closing drops it anyway once no other descriptor of the description is left
+        finally:
+            os.close(fd)
 
 
 def claimed_pages(mapped: mmap.mmap) -> list[int]:
@@ -145,10 +153,18 @@ def claimed_pages(mapped: mmap.mmap) -> list[int]:
     ranges (``server/arena.py``)."""
     import numpy as np
 
-    pages = np.frombuffer(mapped, dtype=np.uint8)
-    pages = pages[: len(pages) // PAGE * PAGE].reshape(-1, PAGE)[:, CLAIM_AT : CLAIM_AT + len(CLAIM_MAGIC)]
-    hits = np.flatnonzero((pages == np.frombuffer(CLAIM_MAGIC, dtype=np.uint8)).all(axis=1))
+    words = np.frombuffer(mapped, dtype="<u8", count=len(mapped) // PAGE * (PAGE // 8))
+    at_claims = words[CLAIM_AT // 8 :: PAGE // 8]  # one word per page: no copy of the arena
+    hits = np.flatnonzero(at_claims == int.from_bytes(CLAIM_MAGIC, "little"))
     return [int(i) * PAGE for i in hits if i > 0]  # page 0 is the arena's own header
+
+
+def _lock_holder(fd: int, start: int, length: int) -> tuple[int, int] | None:
+    """The byte range of a write lock another description holds over ``[start, start + length)``
+    (``F_OFD_GETLK``), or None; a length of 0 means "to the end of the file"."""
+    flock = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+    kind, _, at, n, _ = struct.unpack("hhxxxxqqixxxx", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock))
+    return None if kind == fcntl.F_UNLCK else (at, n)
 
 
 def round_up(n: int, unit: int = PAGE) -> int:
@@ -338,15 +354,31 @@ class Arena:
         ``first_page_only``: lock only the slot's first page (a claim found with no length known:
         every writer's lock covers its slot's first page)."""
         self.check(slot)
-        fd = self._lock_fd()
         length = PAGE if first_page_only else slot.length
-        if not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, length):
-            return False
         try:
-            self.map[slot.offset : slot.offset + CLAIM_AT + CLAIM_LEN] = bytes(CLAIM_AT + CLAIM_LEN)
-        finally:
-            _ofd_lock(fd, fcntl.F_UNLCK, slot.offset, length)
+            fd = self._lock_fd()
+            if not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, length):
+                return False
+            try:
+                self.map[slot.offset : slot.offset + CLAIM_AT + CLAIM_LEN] = bytes(CLAIM_AT + CLAIM_LEN)
+            finally:
+                _ofd_lock(fd, fcntl.F_UNLCK, slot.offset, length)
+        except OSError as e:
+            raise ArenaError(f"cannot lock slot {slot.offset}+{slot.length} to void it: {e.strerror or e}") from e
         return True
+
+    def writer_range(self, offset: int) -> tuple[int, int] | None:
+        """``(offset, length)`` of the lease a writer holds over the page at ``offset`` (None: no
+        writer there): the extent of a stale claim's writer, which a restarted sidecar keeps out
+        of its free list until it lets go."""
+        try:
+            got = _lock_holder(self._lock_fd(), offset, PAGE)
+        except OSError:
+            return None
+        if got is None:
+            return None
+        at, n = got
+        return at, (self.size - at if n == 0 else n)
 
     def lease(self, slot: Slot, wait_s: float = LEASE_WAIT_S) -> SlotLease:
         """The writer's hold on ``slot`` (:class:`SlotLease`): its bytes locked in a description
@@ -355,8 +387,13 @@ class Arena:
         lock stays taken for ``wait_s``. The header length is zero from here until the header is
         written last (it was zeroed at the assignment)."""
         self.check(slot)
-        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)  # a description of its own
         try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)  # a description of its own
+        except OSError as e:
+            raise ArenaError(f"cannot open the arena again to lease a slot: {e.strerror or e}") from e
+        try:
+            if os.fstat(fd).st_ino != self.inode:  # this mapping's descriptor was closed and its number reused
+                raise ArenaError("the arena's descriptor in this process is gone (the arena was replaced)")
             deadline, pause = time.monotonic() + wait_s, 0.0005
             while not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, slot.length):
                 if time.monotonic() >= deadline:
@@ -368,6 +405,9 @@ class Arena:
                 raise SlotReassigned(f"slot {slot.offset}+{slot.length} of generation {slot.generation} is no longer "
                                      "claimed for it (given up, and maybe another sample's now): not written")  # fmt: skip
             self.map[slot.offset : slot.offset + 8] = bytes(8)
+        except OSError as e:
+            os.close(fd)
+            raise ArenaError(f"cannot lock slot {slot.offset}+{slot.length}: {e.strerror or e}") from e
         except BaseException:
             os.close(fd)
             raise

@@ -10,6 +10,7 @@ product's, never re-coded here. A test that needs a broken file asks for one (``
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import tempfile
 import time
@@ -111,6 +112,8 @@ def write_sample(
         raise RuntimeError(f"the writer failed: {notice.reason}")
     notice = notice.model_copy(update={"sent_at": time.time(), **notice_kw})
     if slot is not None:
+        if notice_kw:  # the header says what the delivery says, as a file's header does below
+            _rewrite_slot_metadata(spool, slot, SF.header_metadata(notice))
         tensors = read_slot_tensors(spool, slot)
         if corrupt == "checksum":
             tensors[SF.HIDDEN_STATES_KEY].view(-1).view(torch.uint8)[0] ^= 1
@@ -145,6 +148,21 @@ def make_arena(spool: str | Path, size: int = 1 << 20, *, fill: int | None = Non
     if fill is not None:
         arena.map[A.PAGE :] = bytes([fill]) * (arena.size - A.PAGE)
     return arena
+
+
+def _rewrite_slot_metadata(spool: str | Path, slot: A.Slot, metadata: dict[str, str]) -> None:
+    """Replace a written slot's header metadata (its tensors' table kept), padded as the writer pads it."""
+    arena = A.Arena.open(spool)
+    try:
+        head = bytes(arena.map[slot.offset : slot.offset + A.SLOT_HEADER])
+        table = json.loads(head[8:])
+        table["__metadata__"] = metadata
+        body = json.dumps(table, separators=(",", ":")).encode()
+        room = A.SLOT_HEADER - 8
+        assert len(body) <= room, "the rewritten header does not fit the slot's"
+        arena.map[slot.offset + 8 : slot.offset + A.SLOT_HEADER] = body + b" " * (room - len(body))
+    finally:
+        arena.close()
 
 
 def slot_for(arena: A.Arena, offset: int, length: int, generation: int = 1) -> A.Slot:

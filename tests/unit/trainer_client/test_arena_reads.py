@@ -85,6 +85,19 @@ def test_a_header_of_another_generation_is_invalid(spool):
     load_and_check(spool, ok.deliver, arenas=ArenaMaps(spool))
 
 
+@pytest.mark.parametrize("field,value", [("checksum", "0" * 32), ("finite", None), ("num_tokens", T - 1)])
+def test_a_delivery_that_says_other_than_the_slots_header_is_invalid(spool, field, value):
+    """No checksum of a trusted slot: the delivery's word on its bytes (checksum, the writer's
+    finiteness verdict, the token count) must be the header's, written beside them."""
+    arena = SFX.make_arena(spool)
+    sf = _slot_sample(spool, arena, algo="xxh3-128")  # a writer that gives its finiteness verdict
+    assert sf.notice.finite is True
+    load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))  # the control: as written, it passes
+    d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={field: value})})
+    with pytest.raises(SF.InvalidSample, match=f"{field} .* differs"):
+        load_and_check(spool, d, arenas=ArenaMaps(spool))
+
+
 def test_a_slot_is_trusted_without_a_checksum_unless_verify_slots(spool):
     """By default a slot read in place takes no checksum (its lease keeps every other writer
     out): a bit flipped behind the writer's back is not seen, and no checksum time is spent.
