@@ -135,7 +135,7 @@ class SlotAllocator:
         if self.arena is None:
             return True
         try:
-            return self.arena.void(slot, first_page_only=slot.length == A.PAGE)
+            return self.arena.void(slot)
         except A.ArenaError as e:
             log.warning("slot %d+%d kept out of the free list: %s", slot.offset, slot.length, e)
             return False

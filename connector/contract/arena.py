@@ -347,14 +347,14 @@ class Arena:
         self.check(slot)
         self.map[slot.offset : slot.offset + CLAIM_AT + CLAIM_LEN] = bytes(CLAIM_AT) + claim_bytes(slot.generation)
 
-    def void(self, slot: Slot, *, first_page_only: bool = False) -> bool:
+    def void(self, slot: Slot) -> bool:
         """The sidecar's half of a slot's end: the claim (or a written header) cleared under the
         slot's lock, so no writer of its assignment is writing now or ever will. False, with
         nothing changed, while a writer holds the lock (it is still writing: try again later).
-        ``first_page_only``: lock only the slot's first page (a claim found with no length known:
-        every writer's lock covers its slot's first page)."""
+        A claim found with no length known is voided as a one-page slot: every writer's lock
+        covers its slot's first page."""
         self.check(slot)
-        length = PAGE if first_page_only else slot.length
+        length = slot.length
         try:
             fd = self._lock_fd()
             if not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, length):
