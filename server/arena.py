@@ -149,7 +149,8 @@ class SlotAllocator:
     def void_stale_claims(self) -> int:
         """Void the claims left in free ranges (a restart: assignments the ledger never committed,
         or a void a crash cut off). Call once the ledger's slots are reserved. A claim whose writer
-        still holds its lease keeps its first page out of the free list until it is voided.
+        still holds its lease keeps that lease's range (as far as it lies in the claim's free
+        range) out of the free list until it is voided.
         Returns the claims found."""
         if self.arena is None:
             return 0

@@ -221,14 +221,12 @@ class _SampleChecks:
         try:
             if pooled:
                 helpers = beside(scan, "scan", min(_CPUS, 8) - 1)  # type: ignore[arg-type]
-            t0 = time.perf_counter()
-            if self.trusted:
-                pass  # its writer's bytes (the slot's lease): a scan, where one is due, runs below
-            elif scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
-                digest, found = SF.checksum_and_finite(tensors, algo=algo, threads=self.threads)
-            else:
-                digest = SF.sample_checksum(tensors, algo=algo, threads=self.threads)
-            if not self.trusted:
+            if not self.trusted:  # trusted: its writer's bytes (the slot's lease); a due scan runs below
+                t0 = time.perf_counter()
+                if scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
+                    digest, found = SF.checksum_and_finite(tensors, algo=algo, threads=self.threads)
+                else:
+                    digest = SF.sample_checksum(tensors, algo=algo, threads=self.threads)
                 self.tm["checksum_s"] = time.perf_counter() - t0  # fused: the scan's time is in it
                 if digest != self.n.checksum:
                     raise InvalidSample("checksum mismatch")

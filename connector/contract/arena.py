@@ -102,6 +102,15 @@ class SlotBusy(ArenaError):
     assignment is still writing)."""
 
 
+#: ``struct flock`` on Linux x86-64 and aarch64: l_type, l_whence, l_start, l_len, l_pid (0 for
+#: OFD locks), with the C struct's padding.
+_FLOCK = "hhxxxxqqixxxx"
+
+
+def _flock(kind: int, start: int, length: int) -> bytes:
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)
+
+
 def claim_bytes(generation: int) -> bytes:
     return CLAIM_MAGIC + generation.to_bytes(8, "little")
 
@@ -112,9 +121,8 @@ def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
     holds a conflicting one. OFD locks, not POSIX record locks: two descriptions in one process
     (a late writer and a new one in the same vLLM worker) exclude each other, and the kernel drops
     a description's locks when its last descriptor closes, a killed process's included."""
-    flock = struct.pack("hhxxxxqqixxxx", kind, os.SEEK_SET, start, length, 0)  # struct flock, x86-64/aarch64
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock)
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(kind, start, length))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
@@ -162,8 +170,7 @@ def claimed_pages(mapped: mmap.mmap) -> list[int]:
 def _lock_holder(fd: int, start: int, length: int) -> tuple[int, int] | None:
     """The byte range of a write lock another description holds over ``[start, start + length)``
     (``F_OFD_GETLK``), or None; a length of 0 means "to the end of the file"."""
-    flock = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
-    kind, _, at, n, _ = struct.unpack("hhxxxxqqixxxx", fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock))
+    kind, _, at, n, _ = struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, start, length)))
     return None if kind == fcntl.F_UNLCK else (at, n)
 
 
@@ -354,15 +361,14 @@ class Arena:
         A claim found with no length known is voided as a one-page slot: every writer's lock
         covers its slot's first page."""
         self.check(slot)
-        length = slot.length
         try:
             fd = self._lock_fd()
-            if not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, length):
+            if not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, slot.length):
                 return False
             try:
                 self.map[slot.offset : slot.offset + CLAIM_AT + CLAIM_LEN] = bytes(CLAIM_AT + CLAIM_LEN)
             finally:
-                _ofd_lock(fd, fcntl.F_UNLCK, slot.offset, length)
+                _ofd_lock(fd, fcntl.F_UNLCK, slot.offset, slot.length)
         except OSError as e:
             raise ArenaError(f"cannot lock slot {slot.offset}+{slot.length} to void it: {e.strerror or e}") from e
         return True
@@ -373,7 +379,7 @@ class Arena:
         of its free list until it lets go."""
         try:
             got = _lock_holder(self._lock_fd(), offset, PAGE)
-        except OSError:
+        except (OSError, ArenaError):
             return None
         if got is None:
             return None
@@ -385,15 +391,10 @@ class Arena:
         of the arena file of its own, then its claim checked. Raises :class:`SlotReassigned` when
         the claim is not this assignment's (nothing is written then), :class:`SlotBusy` when the
         lock stays taken for ``wait_s``. The header length is zero from here until the header is
-        written last (it was zeroed at the assignment)."""
+        written last: the assignment zeroed it, and only the header replaces the claim."""
         self.check(slot)
+        fd = self._description()
         try:
-            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)  # a description of its own
-        except OSError as e:
-            raise ArenaError(f"cannot open the arena again to lease a slot: {e.strerror or e}") from e
-        try:
-            if os.fstat(fd).st_ino != self.inode:  # this mapping's descriptor was closed and its number reused
-                raise ArenaError("the arena's descriptor in this process is gone (the arena was replaced)")
             deadline, pause = time.monotonic() + wait_s, 0.0005
             while not _ofd_lock(fd, fcntl.F_WRLCK, slot.offset, slot.length):
                 if time.monotonic() >= deadline:
@@ -404,7 +405,6 @@ class Arena:
             if bytes(self.map[slot.offset + CLAIM_AT : slot.offset + CLAIM_AT + CLAIM_LEN]) != claim_bytes(slot.generation):
                 raise SlotReassigned(f"slot {slot.offset}+{slot.length} of generation {slot.generation} is no longer "
                                      "claimed for it (given up, and maybe another sample's now): not written")  # fmt: skip
-            self.map[slot.offset : slot.offset + 8] = bytes(8)
         except OSError as e:
             os.close(fd)
             raise ArenaError(f"cannot lock slot {slot.offset}+{slot.length}: {e.strerror or e}") from e
@@ -417,8 +417,21 @@ class Arena:
         """The sidecar's own description for :meth:`void` (one per mapping, opened at first use)."""
         with self._pf_lock:
             if self._void_fd is None:
-                self._void_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+                self._void_fd = self._description()
             return self._void_fd
+
+    def _description(self) -> int:
+        """A descriptor of an open file description of its own on this arena's file (locks are
+        per description), through ``/proc/self/fd`` so it is this mapping's file even after the
+        spool's arena was replaced. :class:`ArenaError` if this mapping's descriptor is gone."""
+        try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise ArenaError(f"cannot open the arena again: {e.strerror or e}") from e
+        if os.fstat(fd).st_ino != self.inode:  # this mapping's descriptor was closed and its number reused
+            os.close(fd)
+            raise ArenaError("the arena's descriptor in this process is gone (the arena was replaced)")
+        return fd
 
     def is_current(self) -> bool:
         """Whether the file at :attr:`path` is still the one mapped (not replaced by a new arena)."""
