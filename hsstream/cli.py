@@ -21,16 +21,19 @@ def serve(
     """Run the sidecar: REST API, notice and delivery endpoints.
 
     Off 127.0.0.1 it needs HSSTREAM_API_TOKEN (or --insecure-no-token)."""
-    import uvicorn
+    from hsstream.extras import needs_extra
 
+    with needs_extra("server", "hsstream serve"):
+        import uvicorn
+
+        from server.app import create_app
+        from server.connections import connection_limit, protocol_class
     from connector import protocol as P
     from connector.contract.arena import ArenaError
     from connector.contract.curve_keys import InsecureKeyFile
     from connector.contract.settings import Settings
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
-    from server.app import create_app
-    from server.connections import connection_limit, protocol_class
 
     s = Settings()
     bind = host or s.host

@@ -203,8 +203,16 @@ def _batches_rows(batches: Iterable[Any]) -> Iterator[dict]:
         yield from b.to_pylist()
 
 
+def _pyarrow_missing(path: Path, e: ImportError) -> DataSourceError:
+    return DataSourceError(f"{path}: reading parquet and Arrow files needs pyarrow, which is not installed: "
+                           "pip install 'hidden-state-stream[data]'")  # fmt: skip
+
+
 def iter_parquet(path: Path, batch_rows: int = _BATCH_ROWS) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise _pyarrow_missing(path, e) from e
 
     try:
         pf = pq.ParquetFile(path)
@@ -216,7 +224,10 @@ def iter_parquet(path: Path, batch_rows: int = _BATCH_ROWS) -> Iterator[dict]:
 
 def iter_arrow(path: Path) -> Iterator[dict]:
     """Arrow IPC file (Feather v2) or stream format, memory-mapped, a record batch at a time."""
-    import pyarrow as pa
+    try:
+        import pyarrow as pa
+    except ImportError as e:
+        raise _pyarrow_missing(path, e) from e
 
     with pa.memory_map(str(path), "r") as src:
         try:
@@ -249,7 +260,7 @@ def load_datasets_folder(path: Path, split: str | None) -> Any:
     try:
         import datasets
     except ImportError as e:
-        raise DataSourceError(f"{path} is a `datasets` folder: `pip install datasets` to read it") from e
+        raise DataSourceError(f"{path} is a `datasets` folder: pip install 'hidden-state-stream[data]' to read it") from e
     return _pick_split(datasets.load_from_disk(str(path)), split, str(path))
 
 
@@ -257,7 +268,8 @@ def load_datasets_name(name: str, split: str | None, subset: str | None = None) 
     try:
         import datasets
     except ImportError as e:
-        raise DataSourceError(f"{name!r} is no file: `pip install datasets` to read it as a dataset name") from e
+        raise DataSourceError(f"{name!r} is no file: pip install 'hidden-state-stream[data]' to read it as a "
+                              "dataset name") from e
     if split is None:
         raise DataSourceError(f"{name!r} is no file or folder here; as a `datasets` name it needs --split")
     try:
