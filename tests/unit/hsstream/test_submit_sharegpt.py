@@ -158,3 +158,31 @@ def test_eval_takes_held_out_chat_rows_by_range_or_by_digest(tmp_path, tiny_mode
     plain = tmp_path / "p.txt"
     plain.write_text("one prompt\nanother\n")
     assert E.is_plain_text(plain)
+
+
+def test_the_commands_hand_their_flags_on(tmp_path, monkeypatch, tiny_model):
+    """``hsstream submit`` passes each job-option flag; ``hsstream eval --prompts SOURCE --rows``
+    prompts with the rows' conversations (the engine replaced: what it would serve is checked)."""
+    from typer.testing import CliRunner
+
+    from hsstream.cli import app
+
+    got: dict = {}
+    monkeypatch.setattr(RC, "submit", lambda *a, **kw: got.update(args=a, **kw) or 0)
+    r = CliRunner().invoke(app, ["submit", "f.json", "--preset", "sharegpt", "--on-invalid", "reject",
+                                 "--max-tokens-per-sample", "8", "--overlong", "truncate", "--mode", "regenerate",
+                                 "--temperature", "0.3", "--top-p", "0.9", "--max-new-tokens", "16", "--sampling-seed", "2",
+                                 "--chat-template-kwargs", "{}"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert got["job_flags"] == {"on_invalid": "reject", "max_tokens_per_sample": 8, "overlong": "truncate",
+                                "chat_template_kwargs": "{}", "mode": "regenerate", "temperature": 0.3, "top_p": 0.9,
+                                "max_new_tokens": 16, "sampling_seed": 2}  # fmt: skip
+    served: dict = {}
+    monkeypatch.setattr(E, "check_draft_dir", lambda d: d)
+    monkeypatch.setattr(E, "evaluate", lambda mdl, d, plist, **kw: served.update(prompts=plist) or {"per_temperature": {}})
+    p = shipped(tmp_path / "sg.json")
+    r = CliRunner().invoke(app, ["eval", "--draft", "d", "--model", tiny_model, "--prompts", str(p), "--preset", "sharegpt",
+                                 "--rows", "3:", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert len(served["prompts"]) == 2 and json.loads(r.stdout[r.stdout.index("{"):])["prompts_from"]["rows"] == "3:"
+    assert "note: " in r.output and "5 complete records read" in r.output
