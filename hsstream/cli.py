@@ -121,6 +121,18 @@ def demo(prompts: int = typer.Option(32, help="number of samples to stream"), wo
     raise typer.Exit(run_demo(prompts, workdir))
 
 
+#: The job-option flags of `submit` and `train` (hsstream/job_options.py), one help text each.
+H_ON_INVALID = "skip (default) | reject: a row no trainer can use is skipped and counted per reason, or refuses the job"
+H_MAX_TOKENS = "cap on a sample's tokens (see --overlong)"
+H_OVERLONG = "truncate | reject (default): what a sample over the cap becomes"
+H_KWARGS = 'the chat template\'s variables as JSON, as vLLM\'s chat_template_kwargs, e.g. \'{"enable_thinking": false}\''
+H_MODE = "extract (default: train on the data's replies) | regenerate (vLLM writes new replies: speculators' and EAGLE-3's recipe)"
+H_TEMPERATURE = "--mode regenerate: sampling temperature of the new replies (default 0)"
+H_TOP_P = "--mode regenerate: top-p of the new replies (default 1)"
+H_MAX_NEW = "--mode regenerate: tokens a new reply may have (default 256)"
+H_SAMPLING_SEED = "--mode regenerate: seed of the replies (each epoch gets its own, derived from it)"
+
+
 @app.command()
 def submit(
     file: str = typer.Argument(..., help="samples: JSONL (.jsonl, .jsonl.gz), a JSON array (.json), parquet, "
@@ -137,14 +149,27 @@ def submit(
                                                           "(uniform when the buffer holds the whole source)"),
     shuffle_buffer: int = typer.Option(10_000, min=1, help="rows held by --shuffle"),
     seed: int = typer.Option(0, help="--shuffle's seed"),
+    on_invalid: str = typer.Option(None, help=H_ON_INVALID),
+    max_tokens_per_sample: int = typer.Option(None, min=1, help=H_MAX_TOKENS),
+    overlong: str = typer.Option(None, help=H_OVERLONG),
+    chat_template_kwargs: str = typer.Option(None, help=H_KWARGS),
+    mode: str = typer.Option(None, help=H_MODE),
+    temperature: float = typer.Option(None, help=H_TEMPERATURE),
+    top_p: float = typer.Option(None, help=H_TOP_P),
+    max_new_tokens: int = typer.Option(None, help=H_MAX_NEW),
+    sampling_seed: int = typer.Option(None, help=H_SAMPLING_SEED),
 ) -> None:
     """Submit a file or dataset as one job; prints the job id.
 
-    The rows are read and uploaded as a stream (JSONL made on the fly): memory stays flat."""
+    The rows are read and uploaded as a stream (JSONL made on the fly): memory stays flat. Rows
+    no trainer can use are skipped and counted per reason (--on-invalid reject refuses the job)."""
     from hsstream.rest_client import submit as _submit
 
+    flags = {"on_invalid": on_invalid, "max_tokens_per_sample": max_tokens_per_sample, "overlong": overlong,
+             "chat_template_kwargs": chat_template_kwargs, "mode": mode, "temperature": temperature, "top_p": top_p,
+             "max_new_tokens": max_new_tokens, "sampling_seed": sampling_seed}  # fmt: skip
     raise typer.Exit(_submit(file, options, url, follow, preset=preset, fields=field, split=split, limit=limit,
-                             shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer))  # fmt: skip
+                             shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer, job_flags=flags))  # fmt: skip
 
 
 @app.command()
@@ -242,6 +267,15 @@ def train(
     submit_shuffle: bool = typer.Option(False, "--submit-shuffle", help="with --submit: buffer shuffle (10,000 rows), --seed"),
     epochs: int = typer.Option(1, help="with --submit: how many times the sidecar streams each sample"),
     loss_mask: str = typer.Option("assistant", help="with --submit: 'assistant' or 'all'"),
+    on_invalid: str = typer.Option(None, help="with --submit: " + H_ON_INVALID),
+    max_tokens_per_sample: int = typer.Option(None, min=1, help="with --submit: " + H_MAX_TOKENS),
+    overlong: str = typer.Option(None, help="with --submit: " + H_OVERLONG),
+    chat_template_kwargs: str = typer.Option(None, help="with --submit: " + H_KWARGS),
+    mode: str = typer.Option(None, help="with --submit: " + H_MODE),
+    temperature: float = typer.Option(None, help=H_TEMPERATURE),
+    top_p: float = typer.Option(None, help=H_TOP_P),
+    max_new_tokens: int = typer.Option(None, help=H_MAX_NEW),
+    sampling_seed: int = typer.Option(None, help=H_SAMPLING_SEED),
     api: str = typer.Option(None, help="sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     endpoint: str = typer.Option(None, help="delivery endpoint (default HSSTREAM_DELIVERY_ENDPOINT)"),
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
@@ -347,8 +381,11 @@ def train(
         return
     from connector.contract.holdout import check_fraction
 
+    from hsstream import job_options as JO
+
     try:  # before any sidecar is asked (the trainer refuses it beside --eval-ids)
         check_fraction(cfg.eval_fraction)
+        job_options = JO.build({"loss_mask": run.get("loss_mask", "assistant")}, **{k: run.get(k) for k in JO.FLAGS})
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -363,7 +400,7 @@ def train(
         result = run_train(
             cfg, api=run.get("api") or f"http://{s.host}:{s.port}", endpoint=run.get("endpoint") or s.delivery_ep(),
             spool_dir=run.get("spool") or str(s.spool_dir), jobs=run.get("jobs") or None, submit_file=run.get("submit"),
-            epochs=run.get("epochs", 1), job_options={"loss_mask": run.get("loss_mask", "assistant")},
+            epochs=run.get("epochs", 1), job_options=job_options,
             token_counts_file=run.get("token_counts"), api_token=s.api_token, timeout_s=run.get("timeout", 600.0),
             submit_source=submit_source(run, cfg.seed),
         )  # fmt: skip
@@ -391,13 +428,23 @@ def eval_(
                                         "Eagle-3, P-EAGLE or DFlash"),
     model: str = typer.Option(None, "--model", help="verifier checkpoint (default: the one the draft's config names, "
                                                     "if it is a directory here, else HSSTREAM_MODEL)"),
-    prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
+    prompts: str = typer.Option(None, help="plain text, one prompt a line; or samples as `hsstream submit` reads them "
+                                          "(JSONL, a JSON array, parquet, a dataset...: prompt, chat or token_ids rows; "
+                                          "a chat row prompts with its conversation up to the first reply) "
                                           "(default: the 32 prompts bench/acceptance.py measures on)"),
+    preset: str = typer.Option(None, help="with --prompts: the rows' layout, sharegpt | ultrachat | openai"),
+    field: list[str] = typer.Option(None, "--field", help="with --prompts: NAME=COLUMN (repeatable), as `hsstream submit --field`"),
+    data_split: str = typer.Option(None, "--split", help="with --prompts: the datasets split"),
+    rows: str = typer.Option(None, help="with --prompts: only the source's rows START:STOP (0-based, STOP excluded), "
+                                       "e.g. the rows a run did not train on"),
+    row_hashes: str = typer.Option(None, help="with --prompts: only the rows whose digest (sha256 of the row's "
+                                             "canonical JSON, trainer_client.data_sources.row_digest) is in FILE"),
+    chat_template_kwargs: str = typer.Option(None, help="with --prompts: the chat template's variables (JSON)"),
     job: str = typer.Option(None, help="or prompt with this job's held-out samples (the sidecar's; with --eval-fraction)"),
     eval_fraction: float = typer.Option(0.0, min=0.0, help="with --job: the share `hsstream train "
                                         "--eval-fraction` held out (same rule, same seed)"),
     eval_seed: int = typer.Option(0, help="with --job: the seed the run trained with (--eval-seed)"),
-    max_prompts: int = typer.Option(32, min=1, help="with --job: at most this many held-out samples"),
+    max_prompts: int = typer.Option(32, min=1, help="with --job or a --prompts source of samples: at most this many prompts"),
     api: str = typer.Option(None, help="with --job: sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
                                                            "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
@@ -439,6 +486,20 @@ def eval_(
                                                  max_prompt_tokens=max(1, max_model_len - max_tokens))  # fmt: skip
             except SidecarError as e:
                 raise ValueError(str(e)) from e
+        elif prompts and not E.is_plain_text(prompts) or preset or field or data_split or rows or row_hashes:
+            if not prompts:
+                raise ValueError("--preset, --field, --split, --rows and --row-hashes go with --prompts SOURCE")
+            from hsstream.job_options import parse_kwargs
+
+            plist, split = E.source_prompts(prompts, mdl, preset=preset, fields=field, split=data_split, rows=rows,
+                                            row_hashes=row_hashes, limit=max_prompts,
+                                            max_prompt_tokens=max(1, max_model_len - max_tokens),
+                                            chat_template_kwargs=parse_kwargs(chat_template_kwargs))  # fmt: skip
+            for note in split["notes"]:
+                typer.echo(f"note: {note}", err=True)
+            if split["skipped"]:
+                why = ", ".join(f"{k} {n}" for k, n in split["skipped"].items())
+                typer.echo(f"note: rows that give no prompt, skipped: {why}", err=True)
         elif prompts:
             plist = E.read_prompts(prompts)
         else:
@@ -458,7 +519,7 @@ def eval_(
         raise typer.Exit(1) from e
     res["workdir"] = str(wd)
     if split is not None:
-        res["held_out"] = split
+        res["held_out" if job else "prompts_from"] = split
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:

@@ -268,6 +268,20 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     return res
 
 
+def is_plain_text(path: str | Path) -> bool:
+    """A prompts file of the old kind: a text file whose first line is no JSON object (one
+    prompt a line, :func:`read_prompts`); anything else is a source of samples (:func:`source_prompts`)."""
+    from trainer_client import data_sources as DS
+
+    if DS.source_kind(path) != "jsonl":
+        return False
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return not line.lstrip().startswith("{")
+    return True
+
+
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: JSONL of ``{"prompt": ...}`` (the REST samples' prompt field) or plain
     text, one prompt a line."""
@@ -288,6 +302,105 @@ def read_prompts(path: str | Path) -> list[str]:
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def parse_rows(spec: str | None) -> tuple[int, int | None] | None:
+    """``--rows START:STOP`` (0-based, STOP excluded; either may be left out) as a pair."""
+    if spec is None:
+        return None
+    a, sep, b = spec.partition(":")
+    try:
+        lo, hi = int(a or 0), (int(b) if b.strip() else None)
+    except ValueError:
+        lo = hi = -1
+    if not sep or lo < 0 or (hi is not None and hi <= lo):
+        raise ValueError(f"--rows {spec!r}: START:STOP with 0 <= START < STOP, e.g. 17000:17100 (STOP may be left out)")
+    return lo, hi
+
+
+def read_digests(path: str | Path) -> set[str]:
+    """``--row-hashes FILE``: one row digest a line (``trainer_client.data_sources.row_digest``)."""
+    out = {ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    if not out:
+        raise ValueError(f"--row-hashes {path}: no digest in it")
+    return out
+
+
+def chat_prompt_ids(tok, sample: dict, chat_template_kwargs: dict | None = None) -> list[int]:  # noqa: ANN001
+    """A chat row's prompt as vLLM would be asked to answer it: its messages (a ShareGPT row
+    mapped and repaired as the sidecar does) up to its first assistant turn, rendered with the
+    generation prompt (the sidecar's regenerate mode renders a prompt so)."""
+    from connector.contract.sample_tokens import SampleRefused, encode_sample, sample_messages
+
+    msgs = sample_messages(sample)
+    first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+    if not any(m.get("role") == "user" for m in msgs[:first]):
+        raise SampleRefused("no user turn before the first reply", reason="no user turn")
+    row = {"messages": msgs[:first], **({"tools": sample["tools"]} if sample.get("tools") is not None else {})}
+    ids, _ = encode_sample(tok, row, mode="regenerate", chat_template_kwargs=chat_template_kwargs)
+    return ids
+
+
+def source_prompts(source: str, verifier: str, *, preset: str | None = None, fields: list[str] | None = None,
+                   split: str | None = None, rows: str | None = None, row_hashes: str | None = None,
+                   limit: int = 32, max_prompt_tokens: int | None = None,
+                   chat_template_kwargs: dict | None = None) -> tuple[list[str | list[int]], dict]:  # fmt: skip
+    """Prompts from a file or dataset read as ``hsstream submit`` reads it
+    (``trainer_client/data_sources.py``: any format, ``preset`` / ``fields`` / ``split``, a JSON
+    array cut off before its end), so held-out rows of a training set are named by where they
+    are: ``rows`` (``START:STOP``, indexes of the source's rows) and/or ``row_hashes`` (a file of
+    ``row_digest`` lines). Each selected row gives one prompt -- a ``prompt`` its text, a chat
+    row its conversation up to the first reply (:func:`chat_prompt_ids`), ``token_ids`` their
+    first half -- until ``limit``; rows that give none (an empty conversation) are counted, not
+    fatal. Returns the prompts and what was read (rows, digests, skipped per reason)."""
+    from collections import Counter
+
+    from connector.contract.sample_tokens import SampleRefused, load_tokenizer
+    from trainer_client import data_sources as DS
+
+    span = parse_rows(rows)
+    want = read_digests(row_hashes) if row_hashes else None
+    notes: list[str] = []
+    it = DS.iter_samples(source, preset=preset, fields=fields, split=split,
+                         on_truncated=lambda t: notes.append(t.line()))  # fmt: skip
+    tok = None
+    prompts: list[str | list[int]] = []
+    used: list[dict] = []
+    skipped: Counter[str] = Counter()
+    for i, smp in enumerate(it):
+        if span is not None and (i < span[0] or (span[1] is not None and i >= span[1])):
+            if span[1] is not None and i >= span[1]:
+                break
+            continue
+        digest = DS.row_digest(smp)
+        if want is not None and digest not in want:
+            continue
+        try:
+            if isinstance(smp.get("prompt"), str) and smp.get("messages") is None and smp.get("conversations") is None:
+                p: str | list[int] = smp["prompt"]
+                if not p:
+                    raise SampleRefused("empty prompt")
+            elif smp.get("token_ids") is not None:
+                ids = [int(t) for t in smp["token_ids"]]
+                p = ids[: max(1, len(ids) // 2)]
+            else:
+                tok = tok or load_tokenizer(verifier)
+                p = chat_prompt_ids(tok, smp, chat_template_kwargs)
+        except SampleRefused as e:
+            skipped[e.reason] += 1
+            continue
+        if max_prompt_tokens is not None and not isinstance(p, str):
+            p = p[-max_prompt_tokens:]
+        prompts.append(p)
+        used.append({"row": i, "id": smp.get("id"), "digest": digest})
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        why = ", ".join(f"{k}: {n}" for k, n in skipped.items()) or "none matched"
+        raise ValueError(f"{source}: no prompt in the rows selected ({why})")
+    info = {"source": str(source), "rows": rows, "row_hashes": row_hashes, "prompts": len(prompts),
+            "skipped": dict(skipped), "used": used, "notes": notes}  # fmt: skip
+    return prompts, info
 
 
 def sample_prompt(token_ids: list[int], loss_mask: list[int] | None, prompt_len: int | None) -> list[int]:

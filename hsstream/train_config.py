@@ -42,6 +42,16 @@ RUN_KEYS: dict[str, object] = {
     "submit_shuffle": bool,  # buffer shuffle, seeded with the run's seed
     "epochs": int,
     "loss_mask": str,
+    # the job's options with --submit (hsstream/job_options.py): the same names as the flags
+    "on_invalid": str,
+    "max_tokens_per_sample": int,
+    "overlong": str,
+    "chat_template_kwargs": dict,
+    "mode": str,
+    "temperature": float,
+    "top_p": float,
+    "max_new_tokens": int,
+    "sampling_seed": int,
     "api": str,
     "endpoint": str,
     "spool": str,
@@ -195,6 +205,11 @@ def _scalar(tp: type, value: object) -> object:
             raise TypeError("a string")
         return value
     if tp is dict:
+        if isinstance(value, str):  # a flag: JSON text
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise TypeError("a mapping (JSON text of an object)") from None
         if not isinstance(value, dict):
             raise TypeError("a mapping")
         return dict(value)

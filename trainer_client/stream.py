@@ -302,6 +302,13 @@ class HiddenStateStream:
         self._slot_released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._hold_ids = itertools.count(1)
         self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
+        self.lease_s: float | None = None  # the sidecar's lease on what it delivers (from the DELIVERs)
+
+    @property
+    def unacked(self) -> int:
+        """Samples delivered to this stream and neither acknowledged nor refused: what the sidecar
+        hands out again (after :attr:`lease_s` of silence) if the stream goes away now."""
+        return len(self._tokens)
 
     @property
     def slots_held(self) -> int:
@@ -620,6 +627,7 @@ class HiddenStateStream:
             self._send_acks([(key, d.token)])  # after the RECEIVED of a slot still in use
             return False
         self._tokens[key] = d.token  # the latest lease: the one our ack must name
+        self.lease_s = d.lease_s
         if key in self._used_set:
             # Redelivered while we hold it unacked (our lease lapsed, e.g. a long checkpoint):
             # the loop already has this sample; its later ack settles this copy too.

@@ -113,6 +113,7 @@ class TrainResult:
     serve: str | None = None  # the `vllm serve` line that serves the verifier with final_dir
     draft: str = "eagle3"
     speculative_config: dict | None = None  # what vLLM's --speculative-config takes for final_dir
+    skipped_no_loss: int = 0  # this rank: samples with no loss-carrying position, acknowledged untrained
 
     def summary(self) -> dict:
         d = asdict(self)

@@ -186,7 +186,12 @@ def resolve_jobs_and_counts(
     else:
         if api:
             counts = V.token_counts_from_sidecar(api, jobs, api_token)
-        if counts is None and samples is not None:
+        # None: no such endpoint; empty: nothing masked yet (a regenerate job: vLLM writes the
+        # replies while it trains): then the data's own replies, tokenised here, stand in
+        if not counts and samples is not None:
+            if counts is not None:
+                log.info("the sidecar counts no trained token yet (regenerate mode?): the draft vocabulary comes "
+                         "from the data's own replies")  # fmt: skip
             opts = job_options or {}
             job = {k: opts[k] for k in ("chat_template", "chat_template_kwargs") if opts.get(k) is not None}
             counts = V.token_counts_from_samples(cfg.verifier, samples(), opts.get("loss_mask", "assistant"), **job)

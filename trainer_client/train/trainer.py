@@ -131,6 +131,8 @@ class OnlineTrainer:
         self.aux_layer_ids: list[int] | None = None
         self._metrics: L.MetricLoggers | None = None  # TensorBoard, W&B (rank 0)
         self.resumed_from: Path | None = None
+        self.resumed_step: int | None = None
+        self.stop_report: list[str] | None = None  # what a stop (Ctrl-C, SIGTERM) left behind: stop_lines()
         self.data_stats: dict = {}  # of the last train(): batches copied through the side stream, ...
         self.heldout_ids: set[str] = set()  # with cfg.eval_ids: the ids held out so far
         self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples (rank 0)
@@ -229,7 +231,7 @@ class OnlineTrainer:
             skip = set(state["unacked_keys"])
             self.heldout_digests = set(state.get("heldout_digests", []))
             self.heldout_ids = set(state.get("heldout_ids", []))
-            self.resumed_from = ckpt
+            self.resumed_from, self.resumed_step = ckpt, self.step
             log.info("resumed from %s at step %d (%d samples); %d keys possibly unacknowledged", ckpt, self.step,
                      self.samples_trained, len(skip))  # fmt: skip
         self.policy = CheckpointPolicy(self.out, cfg.checkpoint_every, world, skip)
@@ -389,7 +391,7 @@ class OnlineTrainer:
         step0, report = self.step, getattr(stream, "report", None)  # HiddenStateStream.report, if the stream has it
         wait_s = 0.0
         history: list[dict] = []
-        skipped = 0
+        skipped = no_loss = 0
         global_pending = 0
         run = {"samples": 0, "tokens": 0}  # this rank
         g_run = {"samples": 0, "tokens": 0}  # all ranks
@@ -433,6 +435,7 @@ class OnlineTrainer:
                 if hb is not None:
                     policy.used(hb)
                     skipped += hb.skipped
+                    no_loss += hb.no_loss
                 stepped = g_samples > 0
                 if stepped:
                     batch = copier.ready(st) if st is not None and st.tensors is not None else None
@@ -485,6 +488,11 @@ class OnlineTrainer:
                                     wait_s, self.resumed_from, last_eval)  # fmt: skip
             if policy.last_path is None or g_pending or policy.last_step != self.step:
                 self._checkpoint(stream)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM under `hsstream train` (exit_0_on_stop)
+            self.stop_report = self.stop_lines(stream)
+            for line in self.stop_report:
+                log.warning("%s", line)
+            raise
         finally:
             self.data_stats = {"staged": copier.staged, "prefetch": pre.depth, "samples_seen": source.seen}
             if bar is not None:
@@ -495,7 +503,7 @@ class OnlineTrainer:
                 self._metrics.close()  # W&B's run ends with the training
                 self._metrics = None
         return self._result(history, g_run, run, skipped, time.perf_counter() - t_start, wait_s, policy.last_path,
-                            last_eval)  # fmt: skip
+                            last_eval, no_loss=no_loss)  # fmt: skip
 
     def _log_step(self, m: dict, metrics_log, bar) -> None:  # noqa: ANN001
         cfg = self.cfg
@@ -513,7 +521,35 @@ class OnlineTrainer:
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_0']:.2f}", sps=f"{m['samples_per_s']:.1f}",
                             wait=f"{m['wait_frac']:.0%}")  # fmt: skip
 
-    def _result(self, history, g_run, run, skipped, wall, wait, ckpt, last_eval=None, window: int = 50) -> TrainResult:  # noqa: ANN001
+    def stop_lines(self, stream=None) -> list[str]:  # noqa: ANN001
+        """Two lines on a run stopped mid-way: what is saved (the newest checkpoint and its step,
+        which a run on the same out dir resumes from) and what comes back (every sample delivered
+        since that checkpoint is unacknowledged -- acks follow checkpoints -- so the sidecar
+        produces it again once this trainer's lease lapses; its jobs stay open meanwhile)."""
+        p = self.policy
+        path, at = (p.last_path, p.last_step) if p is not None and p.last_path is not None else (
+            self.resumed_from, self.resumed_step)  # fmt: skip
+        if path is not None:
+            first = (f"stopped at step {self.step}: saved {path} (step {at}); a run with the same out dir "
+                     f"({self.out}) resumes from it, on the same jobs")  # fmt: skip
+        else:
+            first = (f"stopped at step {self.step}, before the first checkpoint: nothing saved; a run with the same "
+                     f"out dir ({self.out}) starts over, on the same jobs")  # fmt: skip
+        n = getattr(stream, "unacked", None)
+        if n is None:
+            n = len(p.pending) if p is not None else 0
+        lease = getattr(stream, "lease_s", None)
+        when = (f"after {lease:.0f} s without word from this trainer (its lease)" if lease
+                else "once this trainer's lease lapses")  # fmt: skip
+        since = (f", and the {self.step - at} step(s) trained since are not saved" if at is not None and self.step > at
+                 else "")  # fmt: skip
+        second = (f"{n} sample(s) delivered {'since then' if path is not None else 'to this run'} are not "
+                  f"acknowledged{since}: the sidecar hands them out again {when}; the jobs stay open on the sidecar "
+                  "until every sample is acknowledged")  # fmt: skip
+        return [first, second]
+
+    def _result(self, history, g_run, run, skipped, wall, wait, ckpt, last_eval=None, window: int = 50,  # noqa: ANN001
+                no_loss: int = 0) -> TrainResult:
         k = self.k
         tail = [h for h in history if "loss" in h][-window:]
         top1 = []
@@ -537,5 +573,5 @@ class OnlineTrainer:
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
             held_out=len(self.heldout), held_out_by_fraction=self.held_out_by_fraction, final_dir=str(final) if final else None, serve=serve,
-            draft=self.draft.name, speculative_config=spec,
+            draft=self.draft.name, speculative_config=spec, skipped_no_loss=no_loss,
         )  # fmt: skip

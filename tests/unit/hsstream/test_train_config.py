@@ -102,7 +102,7 @@ def test_config_file_round_trips_every_field(train, tmp_path, suffix):
         else:
             assert have == want and type(have) is type(want), name
     assert got["jobs"] == ["j1", "j2"] and got["submit_file"] == "data.jsonl" and got["epochs"] == 3
-    assert got["job_options"] == {"loss_mask": "all"} and got["api"] == "http://h:1" and got["endpoint"] == "tcp://h:2"
+    assert got["job_options"] == {"loss_mask": "all", "on_invalid": "skip"} and got["api"] == "http://h:1" and got["endpoint"] == "tcp://h:2"
     assert got["spool_dir"] == "/s" and got["token_counts_file"] == "tc.json" and got["timeout_s"] == 9.0
 
 
