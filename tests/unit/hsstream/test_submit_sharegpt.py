@@ -96,23 +96,9 @@ def app_client(tmp_path, tiny_model):
     return TestClient(create_app(s), raise_server_exceptions=False)
 
 
-class _Untimed:
-    """The app's TestClient without per-request timeouts (the TestClient refuses httpx's Timeout
-    objects the upload passes; what is tested here is the rows, not the timeouts)."""
-
-    def __init__(self, tc: TestClient) -> None:
-        self.tc, self.base_url = tc, tc.base_url
-
-    def request(self, *a, timeout=None, **kw):  # noqa: ANN002, ANN003, ANN201, ARG002
-        return self.tc.request(*a, **kw)
-
-    def close(self) -> None:
-        pass
-
-
 def test_submit_of_the_file_as_shipped_reports_the_cut_and_accounts_for_every_record(tmp_path, app_client, monkeypatch,
                                                                                       capsys):  # fmt: skip
-    monkeypatch.setattr(RC, "_client", lambda url: SidecarClient(http=_Untimed(app_client), token=""))
+    monkeypatch.setattr(RC, "_client", lambda url: SidecarClient(http=app_client, token=""))
     p = shipped(tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json")
     code = RC.submit(str(p), "{}", None, False, preset="sharegpt", job_flags={"max_tokens_per_sample": 256,
                                                                               "overlong": "truncate"})  # fmt: skip
