@@ -480,6 +480,11 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
     typer.echo(f"public: {pub}\nsecret: {sec} (mode 0600: keep it on this host)")
 
 
+from hsstream.proxy.cli import app as _proxy_app  # noqa: E402  (typer only: its commands import lazily)
+
+app.add_typer(_proxy_app, name="proxy")
+
+
 def main() -> None:
     from connector.contract.endpoints import InsecureEndpoint
 

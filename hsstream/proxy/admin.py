@@ -96,6 +96,11 @@ class Admin:
             elif (method, path) == ("POST", "/admin/upstream"):
                 out = await self.switch_to(_str(body, "url").rstrip("/"), _str(body, "version"), draft=body.get("draft"),
                                            gate=body.get("gate"))  # fmt: skip
+            elif (method, path) == ("POST", "/admin/refused"):  # a gate said no: logged, counted
+                out = {"t": time.time(), "from": self.ups.live.version, "to": _str(body, "version"),
+                       "gate": body.get("gate"), "result": "refused_by_gate"}  # fmt: skip
+                self.m.swaps.labels("refused").inc()
+                self._log(out)
             elif (method, path) == ("POST", "/admin/rollback"):
                 out = await self.rollback()
             elif (method, path) == ("POST", "/admin/forget"):

@@ -37,6 +37,9 @@ class TeeSample:
     row: dict
     options_key: str  # JSON of the chat_template_kwargs ("" for none): one traffic job per key
     digest: str
+    #: What the request asked, without the reply (``messages`` [+ ``tools``], or ``prompt``): all
+    #: the held-out slice keeps, and what the swap's gate prompts with.
+    prompt: dict
 
     @property
     def label(self) -> str:
@@ -180,8 +183,9 @@ def build(route: str, request: bytes, reply: bytes) -> TeeSample:
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise NotTeed("no_messages")
         row: dict = {"messages": [*msgs, chat_reply(reply, streamed)]}
+        prompt: dict = {"messages": msgs}
         if req.get("tools"):
-            row["tools"] = req["tools"]
+            row["tools"] = prompt["tools"] = req["tools"]
         kw = req.get("chat_template_kwargs")
         key = json.dumps(kw, sort_keys=True) if isinstance(kw, dict) and kw else ""
     elif route == "completions":
@@ -193,8 +197,9 @@ def build(route: str, request: bytes, reply: bytes) -> TeeSample:
         if req.get("echo"):
             raise NotTeed("echo")
         row, key = {"prompt": prompt + completion_text(reply, streamed)}, ""
+        prompt = {"prompt": prompt}  # type: ignore[assignment]
     else:
         raise NotTeed("route")
     if not row.get("prompt", True):
         raise NotTeed("empty")
-    return TeeSample(row, key, digest(row, key))
+    return TeeSample(row, key, digest(row, key), prompt)  # type: ignore[arg-type]

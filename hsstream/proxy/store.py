@@ -7,8 +7,8 @@ Three things, each bounded in count and in time (``HSSTREAM_PROXY_RETENTION_S``)
   also across a restart;
 * ``jobs``: the sidecar traffic jobs the proxy made (id, time, size), so what was teed can be
   found and deleted in the sidecar, and a job no trainer took is cancelled after the retention;
-* ``heldout``: the held-out conversations (content: private), the newest ``holdout_keep``,
-  never sent for training; the swap's gate measures acceptance on them.
+* ``heldout``: the held-out requests (their prompts, without the reply: content, private), the
+  newest ``holdout_keep``, never sent for training; the swap's gate measures acceptance on them.
 
 The training samples themselves are not kept here: they live in the sidecar's ledger until a
 trainer consumed them and the sidecar's own retention (``HSSTREAM_JOB_RETENTION_S``) compacted

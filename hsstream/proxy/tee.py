@@ -148,7 +148,7 @@ class Tee:
             self.count("duplicate")
             return
         if held_out(smp.label, self.s.holdout_fraction, self.s.holdout_seed):
-            self.store.hold_out(smp.digest, smp.row, smp.options_key)
+            self.store.hold_out(smp.digest, smp.prompt, smp.options_key)
             self.count("held_out")
             return
         now = self._clock()
