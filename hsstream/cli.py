@@ -160,13 +160,15 @@ def top(
     url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     interval: float = typer.Option(1.0, min=0.2, help="seconds between refreshes"),
     once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+    proxy: str = typer.Option(None, help="also show the live draft of the serving proxy at this URL "
+                              "(hsstream proxy serve)"),
 ) -> None:
     """Live view: jobs, samples/s, spool fill, trainers' wait share.
 
     Refreshed every second from the sidecar's GET /v1/overview; Ctrl-C quits."""
     from hsstream.top import run_top
 
-    raise typer.Exit(run_top(url, interval, once))
+    raise typer.Exit(run_top(url, interval, once, proxy))
 
 
 @app.command()

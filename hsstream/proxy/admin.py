@@ -124,6 +124,7 @@ class Admin:
     async def swap(self, draft: str, version: str, *, mode: str | None = None, gate: dict | None = None) -> dict:
         if mode not in (None, "blue_green", "in_place"):
             raise ValueError(f"mode {mode!r}: blue_green or in_place")
+        draft = await asyncio.to_thread(self._keep_copy, draft, version)
         if mode == "in_place" or (mode is None and self.engines is not None and self.engines.weight_transfer):
             return await self._locked(version, gate, self._in_place, draft, version)
         if self.engines is None:
@@ -170,6 +171,38 @@ class Admin:
                 self.m.swap_seconds.set(rec["seconds"])
                 self.swapping = None
                 self._log(rec)
+
+    #: Drafts kept in STATE_DIR/drafts (the live one, and those a rollback may go back to).
+    KEEP_DRAFTS = 4
+
+    def _keep_copy(self, draft: str, version: str) -> str:
+        """The draft copied into the proxy's state dir (a training run rotates its checkpoints
+        away; a rollback must still find the draft it goes back to); the copy's path."""
+        import shutil
+        from pathlib import Path
+
+        from hsstream.weight_swap import draft_files
+
+        src = Path(draft).resolve()
+        root = (self.s.state_dir / "drafts").resolve()
+        if src.parent == root:
+            return str(src)  # one of ours already (a rollback)
+        draft_files(src)  # checked before anything is copied
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in version)[:80] or "v"
+        dst = root / safe
+        tmp = root / f".{safe}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
+        live = {str(Path(u.draft).resolve()) for u in [self.ups.live, *self.ups.draining] if u.draft}
+        kept = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                      key=lambda p: p.stat().st_mtime, reverse=True)  # fmt: skip
+        for old in kept[self.KEEP_DRAFTS:]:
+            if str(old) not in live and old != dst:
+                shutil.rmtree(old, ignore_errors=True)
+        return str(dst)
 
     def _log(self, rec: dict) -> None:
         self.s.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

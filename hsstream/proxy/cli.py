@@ -120,15 +120,32 @@ def status(url: str = typer.Option(None, help="the proxy's URL (default http://H
     typer.echo(json.dumps(_admin(url, "GET", "/admin/state"), indent=1))
 
 
+def swap_once(draft: str, version: str, *, gate: bool, url: str | None, model: str | None = None,
+              max_prompts: int = 32, max_tokens: int = 64, margin: float = 0.0, mode: str | None = None) -> dict:
+    """Gate (unless ``gate`` is False) and swap; the admin's record, or ``{"result": "refused_by_gate"}``."""
+    from hsstream.proxy import gate as G
+
+    figures = None
+    if gate:
+        state = _admin(url, "GET", "/admin/state")
+        held = _admin(url, "GET", f"/admin/heldout?limit={max_prompts}")["samples"]
+        figures = G.measure(draft, state["live"]["draft"], held, model=model, max_tokens=max_tokens)
+        typer.echo(json.dumps(figures), err=True)
+        if not G.passes(figures, margin):
+            return _admin(url, "POST", "/admin/refused", {"version": version, "gate": figures})
+    body = {"draft": draft, "version": version, "gate": figures, **({"mode": mode} if mode else {})}
+    return _admin(url, "POST", "/admin/swap", body, timeout=3600)
+
+
 @app.command()
 def swap(
     draft: str = typer.Option(..., help="the new draft (a speculators-format dir, e.g. a run's OUT/final)"),
-    version: str = typer.Option(None, help="its version (default: the dir's name and its checkpoint step)"),
+    version: str = typer.Option(None, help="its version (default: the run's name and its checkpoint step)"),
     mode: str = typer.Option(None, help="in_place or blue_green (default: the proxy's)"),
     gate: bool = typer.Option(True, "--gate/--no-gate", help="swap only if the new draft's acceptance on the "
                               "held-out slice of recent traffic is at least the live one's"),
     model: str = typer.Option(None, help="with --gate: the verifier (default: the draft's config's, else HSSTREAM_MODEL)"),
-    max_prompts: int = typer.Option(32, min=1, help="with --gate: held-out conversations measured"),
+    max_prompts: int = typer.Option(32, min=1, help="with --gate: held-out requests measured"),
     max_tokens: int = typer.Option(64, min=1, help="with --gate: tokens generated per prompt"),
     margin: float = typer.Option(0.0, help="with --gate: the new draft must beat the live one by this much "
                                  "(mean acceptance length)"),
@@ -143,24 +160,59 @@ def swap(
     except DraftError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
-    version = version or G.draft_version(draft)
-    figures = None
-    if gate:
-        state = _admin(url, "GET", "/admin/state")
-        held = _admin(url, "GET", f"/admin/heldout?limit={max_prompts}")["samples"]
-        try:
-            figures = G.measure(draft, state["live"]["draft"], held, model=model, max_tokens=max_tokens)
-        except (ValueError, RuntimeError) as e:
-            typer.echo(f"error: the gate could not measure: {e}", err=True)
-            raise typer.Exit(1) from e
-        typer.echo(json.dumps(figures, indent=1), err=True)
-        if not G.passes(figures, margin):
-            _admin(url, "POST", "/admin/refused", {"version": version, "gate": figures})
-            typer.echo(f"not swapped: {version}'s held-out acceptance {figures['new']} is below the live draft's "
-                       f"{figures['live']} (+{margin})", err=True)  # fmt: skip
-            raise typer.Exit(4)
-    body = {"draft": draft, "version": version, "gate": figures, **({"mode": mode} if mode else {})}
-    typer.echo(json.dumps(_admin(url, "POST", "/admin/swap", body, timeout=3600), indent=1))
+    try:
+        rec = swap_once(draft, version or G.draft_version(draft), gate=gate, url=url, model=model,
+                        max_prompts=max_prompts, max_tokens=max_tokens, margin=margin, mode=mode)  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        typer.echo(f"error: the gate could not measure: {e}", err=True)
+        raise typer.Exit(1) from e
+    typer.echo(json.dumps(rec, indent=1))
+    if rec.get("result") == "refused_by_gate":
+        typer.echo("not swapped: the new draft's held-out acceptance is below the live one's", err=True)
+        raise typer.Exit(4)
+
+
+@app.command()
+def autoswap(
+    run: str = typer.Option(..., help="the run dir `hsstream train --follow --out RUN` writes checkpoints to"),
+    every_s: float = typer.Option(300.0, min=1.0, help="seconds between looks at the run's newest checkpoint"),
+    gate: bool = typer.Option(True, "--gate/--no-gate", help="as `swap`"),
+    model: str = typer.Option(None, help="with --gate: the verifier"),
+    max_prompts: int = typer.Option(32, min=1, help="with --gate: held-out requests measured"),
+    max_tokens: int = typer.Option(64, min=1, help="with --gate: tokens generated per prompt"),
+    margin: float = typer.Option(0.0, help="with --gate: as `swap`"),
+    url: str = typer.Option(None, help="the proxy's URL"),
+) -> None:
+    """Swap each new checkpoint of a training run in, gated, every --every-s seconds."""
+    import time
+    from pathlib import Path
+
+    from hsstream import launch
+    from hsstream.proxy import gate as G
+
+    launch.exit_0_on_stop()
+    tried: set[str] = set()
+    while True:
+        ckpt = latest_draft(Path(run))
+        if ckpt is not None and str(ckpt) not in tried:
+            tried.add(str(ckpt))
+            version = G.draft_version(ckpt)
+            try:
+                rec = swap_once(str(ckpt), version, gate=gate, url=url, model=model, max_prompts=max_prompts,
+                                max_tokens=max_tokens, margin=margin)  # fmt: skip
+                typer.echo(json.dumps({k: rec.get(k) for k in ("t", "from", "to", "result", "seconds", "gate")}))
+            except typer.Exit:
+                pass  # the proxy said why on stderr; the next look tries the next checkpoint
+            except (ValueError, RuntimeError) as e:
+                typer.echo(f"autoswap: {version}: {e}", err=True)
+        time.sleep(every_s)
+
+
+def latest_draft(run: object):  # noqa: ANN201
+    """The newest checkpoint's draft dir of a run (``checkpoints/step-N/draft``), or None."""
+    from trainer_client.train.checkpoints import latest_draft as newest
+
+    return newest(run)
 
 
 @app.command()

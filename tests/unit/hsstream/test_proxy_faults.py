@@ -212,6 +212,10 @@ def test_switching_upstreams_moves_new_requests_and_drains_the_old(stub, tmp_pat
             assert [e for e in green.events if e[0] == "start"] == [("start", "/v1/models")] * 2  # the check + ours
             m = httpx.get(p.url + "/metrics").text
             assert 'hsstream_proxy_draft_info{upstream="' + green.url + '",version="v2"} 1.0' in m
+            from hsstream.top import proxy_line
+
+            assert str(proxy_line(p.url)).startswith("live draft  v2")  # what `hsstream top --proxy` shows
+            assert "did not answer" in str(proxy_line(f"http://127.0.0.1:{free_port()}"))
             assert "initial" not in m.split("hsstream_proxy_draft_info")[-1].split("\n# ")[0]
             log = [json.loads(x) for x in (tmp_path / "proxy-state" / "swaps.jsonl").read_text().splitlines()]
             assert log[-1]["to"] == "v2" and log[-1]["result"] == "done"
