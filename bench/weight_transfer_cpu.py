@@ -103,10 +103,11 @@ def build_drafts(verifier: str, wd: Path) -> tuple[str, str]:
     from trainer_client.drafts import eagle3 as E3
 
     layers = default_layer_ids(num_hidden_layers(verifier))[:3]
+    vocab = int(json.loads((Path(verifier) / "config.json").read_text())["vocab_size"])  # the full vocabulary: no maps
     dirs = []
     for seed in (1, 2):
         d = wd / f"draft-{seed}"
-        E3.build_draft(verifier, layers, draft_vocab_size=10**9, t2d=None, d2t=None, seed=seed).save_pretrained(d)
+        E3.build_draft(verifier, layers, draft_vocab_size=vocab, t2d=None, d2t=None, seed=seed).save_pretrained(d)
         dirs.append(str(d))
     return dirs[0], dirs[1]
 

@@ -21,14 +21,15 @@ FIGURE = "mean_acceptance_length"
 
 
 def draft_version(draft: str | Path) -> str:
-    """A version name for a draft dir: ``<run>-step<N>`` for a run's checkpoint or final/, else the dir's name."""
+    """A version name for a draft dir: ``<run>-step<N>`` for a run's checkpoint
+    (``RUN/checkpoints/step-N/draft``), else ``<parent>-<name>-<mtime of its weights>``."""
     d = Path(draft).resolve()
-    m = re.search(r"step[-_]?(\d+)", str(d))
-    run = d.parent.parent.name if d.name == "draft" else d.parent.name
-    if m:
-        return f"{run}-step{int(m.group(1))}"
-    meta = d.parent / "latest.json"
-    return f"{run}-{d.name}" if not meta.is_file() else f"{run}-{json.loads(meta.read_text()).get('step', d.name)}"
+    if d.name == "draft" and (m := re.fullmatch(r"step[-_]?(\d+)", d.parent.name)):
+        return f"{d.parent.parent.parent.name}-step{int(m.group(1))}"
+    if m := re.fullmatch(r"step[-_]?(\d+)", d.name):
+        return f"{d.parent.parent.name}-step{int(m.group(1))}"
+    w = d / "model.safetensors"
+    return f"{d.parent.name}-{d.name}-{int((w if w.exists() else d).stat().st_mtime)}"
 
 
 def prompts_of(held: list[dict], verifier: str, max_prompt_tokens: int) -> list[list[int]]:
@@ -46,7 +47,7 @@ def prompts_of(held: list[dict], verifier: str, max_prompt_tokens: int) -> list[
                                        mode="regenerate", chat_template_kwargs=kw)  # fmt: skip
             else:
                 ids, _ = encode_sample(tok, {"prompt": p["prompt"]})
-        except (SampleRefused, KeyError, TypeError):
+        except (SampleRefused, KeyError, TypeError, ValueError):
             continue
         out.append(ids[-max_prompt_tokens:])
     return out
