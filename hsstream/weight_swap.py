@@ -74,6 +74,9 @@ def _engine_class() -> type:
     class FileUpdateInfo(WeightTransferUpdateInfo):
         path: str
         version: str | None = None
+        #: log a digest of the live draft's parameters before and after the load (evidence that
+        #: the module proposing tokens changed; a pass over the draft's bytes)
+        digest: bool = False
 
     class FileWeightTransferEngine(WeightTransferEngine):
         """Loads a draft directory's weights into the live draft (``update_weights {"path"}``)."""
@@ -96,14 +99,29 @@ def _engine_class() -> type:
             # transfers; this load is synchronous, and the CPU build has no accelerator.
             self.receive_weights(self.parse_update_info(update_info))
 
+        def _digest(self) -> str:
+            import hashlib
+
+            h = hashlib.sha256()
+            for name, p in sorted(self.model.named_parameters()):
+                h.update(name.encode())
+                h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+            return h.hexdigest()[:16]
+
         def receive_weights(self, update_info: Any) -> None:  # noqa: ANN401
+            import logging
+
             import torch
 
+            before = self._digest() if update_info.digest else None
             names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
             with torch.no_grad():
                 loaded = self.model.load_weights(iter_weights(update_info.path))
             if loaded is not None and names and not set(loaded) & names:
                 raise RuntimeError(f"{update_info.path}: no weight of it matched the serving draft")
+            if before is not None:
+                logging.getLogger("vllm").warning("hsstream_file: draft parameters %s -> %s (version %s, %s)", before,
+                                                  self._digest(), update_info.version, update_info.path)  # fmt: skip
 
         def shutdown(self) -> None:
             pass
@@ -131,8 +149,10 @@ def __getattr__(name: str) -> Any:  # noqa: ANN401
 
 
 # ----------------------------------------------------------------------------- the client side
-async def push_draft(session: Any, url: str, draft: str, version: str, timeout_s: float = 600.0) -> None:  # noqa: ANN401
-    """Load ``draft`` into the live draft of the engine at ``url`` (an aiohttp session)."""
+async def push_draft(session: Any, url: str, draft: str, version: str, timeout_s: float = 600.0,  # noqa: ANN401
+                     digest: bool = False) -> None:  # fmt: skip
+    """Load ``draft`` into the live draft of the engine at ``url`` (an aiohttp session);
+    ``digest``: the engine logs its draft's parameter digest before and after."""
     import aiohttp
 
     draft_files(draft)
@@ -145,7 +165,8 @@ async def push_draft(session: Any, url: str, draft: str, version: str, timeout_s
 
     await post("/start_draft_weight_update", {})
     try:
-        await post("/update_weights", {"update_info": {"path": str(Path(draft).resolve()), "version": version}})
+        await post("/update_weights", {"update_info": {"path": str(Path(draft).resolve()), "version": version,
+                                                       "digest": digest}})  # fmt: skip
     except BaseException:
         try:  # leave the update session if the worker did not already (it does when a load fails)
             await post("/finish_weight_update", {"weight_version": None})

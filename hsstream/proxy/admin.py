@@ -244,7 +244,8 @@ class Admin:
 
         live = self.ups.live
         t0 = time.monotonic()
-        await weight_swap.push_draft(self._session(), live.url, draft, version)
+        # digest: the engine logs its draft's parameter digest before and after (an audit of the load)
+        await weight_swap.push_draft(self._session(), live.url, draft, version, digest=True)
         # Same engine, new weights: the version changes for the requests from now on.
         new = Upstream(live.url, version, draft, handle=live.handle)
         new.in_flight = 0
