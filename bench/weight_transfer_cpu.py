@@ -134,7 +134,8 @@ def measure(url: str, prompts: list[str], max_tokens: int) -> dict:
         r.raise_for_status()
     after = spec_counts(url)
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    d["acceptance_rate"] = d["num_accepted_tokens_total"] / d["num_draft_tokens_total"] if d.get("num_draft_tokens_total") else None
+    dt = d.get("spec_decode_num_draft_tokens_total")
+    d["acceptance_rate"] = d["spec_decode_num_accepted_tokens_total"] / dt if dt else None
     return d
 
 
