@@ -174,8 +174,7 @@ def run_arm(arm: str, a: argparse.Namespace, wd: Path, model: str, d0: str, prom
                              "HSSTREAM_RUN_DIR": str(wd / "run"), "HSSTREAM_SPOOL_DIR": f"/dev/shm/hsstream-study-{os.getpid()}-{arm}",
                              "HSSTREAM_PROXY_HOLDOUT_FRACTION": str(a.holdout), "HSSTREAM_PROXY_FLUSH_S": "5",
                              "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{free_port()}"})  # fmt: skip
-    serve_env = {**base, "VLLM_CPU_OMP_THREADS_BIND": a.serving_cores.replace(",", "-") if "," not in a.serving_cores
-                 else a.serving_cores}  # fmt: skip
+    serve_env = {**base, "VLLM_CPU_OMP_THREADS_BIND": a.serving_cores}
     loop_env = {**base, "VLLM_CPU_OMP_THREADS_BIND": a.loop_cores}
     out: dict = {"arm": arm}
     try:
@@ -184,7 +183,7 @@ def run_arm(arm: str, a: argparse.Namespace, wd: Path, model: str, d0: str, prom
                               *(["--no-tee"] if arm == "static" else [])], serve_env, a.serving_cores)  # fmt: skip
         proxy = f"http://127.0.0.1:{px}"
         wait_up(proxy + "/healthz", 1800)
-        engine = json.loads((wd / "proxy" / "admin.token").exists() and _state(proxy, wd))["live"]["url"]
+        engine = _state(proxy, wd)["live"]["url"]  # the serving vLLM itself: its counters
         if arm == "live":
             procs.spawn("stack", [sys.executable, "-m", "hsstream", "up", "--model", model, "--layer-ids",
                                   ",".join(map(str, layer_ids)), "--max-model-len", "1024"], loop_env, a.loop_cores)  # fmt: skip
@@ -283,8 +282,8 @@ def main() -> int:
     ap.add_argument("--gate-prompts", type=int, default=16)
     ap.add_argument("--holdout", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--serving-cores", default="0")
-    ap.add_argument("--loop-cores", default="1")
+    ap.add_argument("--serving-cores", default="0", help="cores of the serving engine and the proxy (N or N-M)")
+    ap.add_argument("--loop-cores", default="1", help="cores of the loop: extraction, sidecar, trainer, gate (N or N-M)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from hsstream.launch import num_hidden_layers
