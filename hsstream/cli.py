@@ -188,13 +188,15 @@ def top(
     url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     interval: float = typer.Option(1.0, min=0.2, help="seconds between refreshes"),
     once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+    proxy: str = typer.Option(None, help="also show the live draft of the serving proxy at this URL "
+                              "(hsstream proxy serve)"),
 ) -> None:
     """Live view: jobs, samples/s, spool fill, trainers' wait share.
 
     Refreshed every second from the sidecar's GET /v1/overview; Ctrl-C quits."""
     from hsstream.top import run_top
 
-    raise typer.Exit(run_top(url, interval, once))
+    raise typer.Exit(run_top(url, interval, once, proxy))
 
 
 @app.command()
@@ -330,6 +332,13 @@ def train(
     prefetch: int = typer.Option(None, help="batches copied to the device ahead of the step (default 1 on CUDA, 0 on CPU)"),
     logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
+    follow: bool = typer.Option(False, "--follow", help="train on every job of the sidecar as it comes, with no end "
+                                "(live traffic from `hsstream proxy`); the LR stays constant after warm-up"),
+    init_draft: str = typer.Option(None, help="warm start: a trained draft dir (the serving one) whose weights, "
+                                   "layers and vocabulary the run starts from"),
+    mix: str = typer.Option(None, help="with --follow: a file or dataset (as --submit takes) kept at --mix-share "
+                            "of what is trained, against forgetting"),
+    mix_share: float = typer.Option(0.2, min=0.0, max=0.95, help="with --mix: the original data's share of the stream"),
 ) -> None:
     """Train a draft (Eagle-3, P-EAGLE, DFlash, DSpark) on the stream.
 
@@ -402,7 +411,8 @@ def train(
             spool_dir=run.get("spool") or str(s.spool_dir), jobs=run.get("jobs") or None, submit_file=run.get("submit"),
             epochs=run.get("epochs", 1), job_options=job_options,
             token_counts_file=run.get("token_counts"), api_token=s.api_token, timeout_s=run.get("timeout", 600.0),
-            submit_source=submit_source(run, cfg.seed),
+            submit_source=submit_source(run, cfg.seed), follow=bool(run.get("follow")),
+            mix={"file": run["mix"], "share": run.get("mix_share", 0.2)} if run.get("mix") else None,
         )  # fmt: skip
     except (MissingLayersError, DeviceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -542,6 +552,11 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     typer.echo(f"public: {pub}\nsecret: {sec} (mode 0600: keep it on this host)")
+
+
+from hsstream.proxy.cli import app as _proxy_app  # noqa: E402  (typer only: its commands import lazily)
+
+app.add_typer(_proxy_app, name="proxy")
 
 
 def main() -> None:

@@ -58,6 +58,9 @@ RUN_KEYS: dict[str, object] = {
     "token_counts": str,
     "timeout": float,
     "nproc": int,
+    "follow": bool,  # every job of the sidecar as it comes, no end (the live-traffic loop)
+    "mix": str,  # with follow: a file or dataset whose rows are kept at mix_share of the stream
+    "mix_share": float,
 }
 
 #: ``hsstream train``'s flags whose name is not the field's.

@@ -339,6 +339,7 @@ class JobCancelled(BaseModel):
     aborted_requests: int = Field(description="requests to vLLM aborted")
     removed_files: int = Field(description="sample files removed from the spool")
     counts: dict[str, int]
+    purged: bool = Field(default=False, description="with ?purge=true: the job's samples were deleted now")
 
 
 class SampleSize(BaseModel):

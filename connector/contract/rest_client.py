@@ -299,8 +299,10 @@ class SidecarClient:
             yield from page.samples
             offset = page.next_offset
 
-    def cancel(self, job_id: str) -> JobCancelled:
-        return self._call("DELETE", f"/v1/jobs/{job_id}", JobCancelled)
+    def cancel(self, job_id: str, *, purge: bool = False) -> JobCancelled:
+        """``DELETE /v1/jobs/{id}``; ``purge``: also delete its samples now (not after the retention)."""
+        params = {"purge": "true"} if purge else None
+        return self._call("DELETE", f"/v1/jobs/{job_id}", JobCancelled, params=params)
 
     def stats(self) -> Stats:
         return self._call("GET", "/v1/stats", Stats)

@@ -287,11 +287,20 @@ async def job_samples(
 
 
 @router.delete("/{job_id}", response_model=JobCancelled)
-async def cancel_job(j: JobDep, svc: ServicesDep) -> JobCancelled:
+async def cancel_job(
+    j: JobDep, svc: ServicesDep,
+    purge: bool = Query(False, description="also delete the job's samples (token ids, labels) now, as compaction "
+                        "does after HSSTREAM_JOB_RETENTION_S; its counts stay"),
+) -> JobCancelled:  # fmt: skip
     if j.compacted:
+        if purge:  # its data is gone already: purging it again is done
+            return JobCancelled(job_id=j.job_id, cancelled=False, aborted_requests=0, removed_files=0,
+                                counts=j.counts(), purged=True)  # fmt: skip
         raise HTTPException(409, f"job {j.job_id!r} finished and was compacted: nothing to cancel")
     files = await asyncio.to_thread(svc.ledger.cancel_job, j.job_id)  # O(job): off the event loop
     aborted = await svc.submitter.cancel_job(j.job_id)
     removed = svc.keeper.remove(files)
+    counts = svc.ledger.jobs[j.job_id].counts()
+    purged = await asyncio.to_thread(svc.ledger.purge, j.job_id) if purge else False
     return JobCancelled(job_id=j.job_id, cancelled=True, aborted_requests=aborted, removed_files=removed,
-                        counts=svc.ledger.jobs[j.job_id].counts())  # fmt: skip
+                        counts=counts, purged=purged)  # fmt: skip

@@ -85,6 +85,9 @@ class TrainConfig:
     num_draft_layers: int = 1  # DFlash, DSpark: decoder layers of the draft
     markov_rank: int = 256  # DSpark: rank of the Markov logit-bias head (speculators' default)
     confidence_head_alpha: float = 1.0  # DSpark: weight of the confidence head's loss
+    # Warm start (trainer_client/train/warm_start.py): a trained draft dir (the serving one) whose
+    # weights, aux layers and vocabulary the run starts from, instead of a fresh draft.
+    init_draft: str | None = None
     extra: dict = field(default_factory=dict)  # recorded in run.json (job ids, command line, ...)
 
 

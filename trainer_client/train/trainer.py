@@ -189,10 +189,22 @@ class OnlineTrainer:
             self.draft_vocab_size = int(state["draft_vocab_size"])
             t2d, d2t = maps.get("t2d"), maps.get("d2t")
         else:
-            self.aux_layer_ids = self.draft.layers(cfg.aux_layer_ids)
             from trainer_client.train.vocab import build_vocab_maps, coverage
 
-            d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
+            init = None
+            if cfg.init_draft:  # warm start: the serving draft decides layers and vocabulary (warm_start.py)
+                from trainer_client.train.warm_start import read_init_draft
+
+                init = read_init_draft(cfg.init_draft, self.vocab_size)
+                if init.speculators_type not in (None, self.draft.speculators_type):
+                    raise ValueError(f"--init-draft {cfg.init_draft} is a {init.speculators_type} draft, not "
+                                     f"{self.draft.speculators_type}: pass --draft to match it")  # fmt: skip
+            self.aux_layer_ids = self.draft.layers(init.aux_layer_ids if init and init.aux_layer_ids else cfg.aux_layer_ids)
+            if init is not None:
+                self.draft_vocab_size = min(init.draft_vocab_size or self.vocab_size, self.vocab_size)
+                d2t, t2d = init.d2t, init.t2d
+            else:
+                d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
             cov = coverage(self.token_counts or {}, t2d)
             if world.is_writer:
                 torch.save({"t2d": t2d, "d2t": d2t, "draft_vocab_size": self.draft_vocab_size}, self.out / VOCAB_FILE)
@@ -216,6 +228,9 @@ class OnlineTrainer:
                                       seed=cfg.seed)  # fmt: skip
         if state is not None:
             self.draft.load_weights(self.model, ckpt / M.DRAFT_DIR)
+        elif cfg.init_draft:
+            self.draft.load_weights(self.model, init.path)  # type: ignore[union-attr]
+            log.info("warm start: the draft's weights from %s", init.path)  # type: ignore[union-attr]
         # the draft and the verifier's frozen parts (embeddings, norm, lm_head rows) on the device
         self.model.to(self.device)
         world.broadcast_module_(self.model)

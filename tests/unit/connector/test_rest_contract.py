@@ -114,7 +114,13 @@ def test_every_client_call_parses_what_the_server_sends(app_client, tmp_path):
     assert ov.trainers[0].jobs == [created.job_id] and ov.jobs_total == 4 and ov.jobs[0].job_id == big.job_id
 
     cancelled = agrees(tc, c.cancel(created.job_id))
-    assert cancelled.cancelled and cancelled.counts["cancelled"] == 3
+    assert cancelled.cancelled and cancelled.counts["cancelled"] == 3 and not cancelled.purged
+    purged = agrees(tc, c.cancel(skipped.job_id, purge=True))  # what `hsstream proxy forget` asks for
+    assert purged.purged and purged.counts["cancelled"] == 1 and c.job(skipped.job_id).compacted
+    with pytest.raises(SidecarError) as e:
+        c.job_samples(skipped.job_id)
+    assert e.value.status == 410  # its token ids are gone now, not after the retention
+    assert agrees(tc, c.cancel(skipped.job_id, purge=True)).purged  # purging twice: done already
     assert "hsstream_" in c.metrics()
     assert "/v1/jobs/{job_id}" in c.openapi()["paths"]
 
