@@ -133,8 +133,8 @@ def resolve(out: Path, *, extras: tuple[str, ...] = LOCK_EXTRAS, resolution: str
         cmd += ["--no-emit-package", p]
     if upgrade:
         cmd.append("--upgrade")
-    if constraints is not None:
-        cmd += ["--constraint", str(constraints)]
+    if constraints is not None:  # (its temporary path would be in every "via" note: none are written)
+        cmd += ["--constraint", str(constraints), "--no-annotate"]
     links = [p for p in pip_find_links() if Path(p).is_dir()]
     for p in links:
         cmd += ["--find-links", p]

@@ -41,10 +41,11 @@ def test_compare_names_each_kind_of_difference():
 
 
 def test_every_locked_package_has_hashes_and_no_source():
-    text = LOCK.read_text()
-    for bad in ("://", "file:", "--find-links", "--index-url", "--extra-index-url", "-e ", "/opt/", "/tmp/"):
-        hits = [ln for ln in text.splitlines() if bad in ln and not ln.lstrip().startswith("# via")]
-        assert not hits, f"the lock names a source ({bad!r}): {hits[:3]}"
+    for path in (LOCK, L.lock_path(image=True)):
+        text = path.read_text()
+        for bad in ("://", "file:", "--find-links", "--index-url", "--extra-index-url", "-e ", "/opt/", "/tmp/"):
+            hits = [ln for ln in text.splitlines() if bad in ln and not ln.lstrip().startswith("# via")]
+            assert not hits, f"{path.name} names a source or a local path ({bad!r}): {hits[:3]}"
     lock = L.read_lock(LOCK)
     assert len(lock) > 100
     assert all(h for _v, h in lock.values()), [n for n, (_v, h) in lock.items() if not h]
