@@ -16,6 +16,13 @@ nothing but the pickled per-step metadata. Load it with::
 (``"none"``: no sidecar), ``layer_ids`` (the order written), ``layer_order`` (``config``:
 that order; ``sorted``: ascending, as the Example connector writes) and ``payload_dtype``
 (``model`` or ``fp8_e4m3``, ``connector/contract/payload.py``). See docs/drop-in.md.
+
+Which hooks vLLM calls when, runner by runner (V1; V2 as in 0.32; V2 with ``finalize_step`` as
+in 0.33/0.34), is ``connector/contract/vllm_hooks.py``: the class takes a step's saves when the
+metadata is bound and does the work in ``get_finished``, so it assumes nothing about where
+``wait_for_save`` and the metadata's ``clear`` fall. What vLLM added since is handled where the
+base class has it (sleep mode's ``unregister_kv_caches`` / ``restore_kv_caches``,
+``kv_cache_access``); docs/vllm-versions.md lists each change and the module it touched.
 """
 
 from __future__ import annotations
