@@ -460,8 +460,9 @@ def eval_(
     eval_seed: int = typer.Option(0, help="with --job: the seed the run trained with (--eval-seed)"),
     max_prompts: int = typer.Option(32, min=1, help="with --job: at most this many held-out samples"),
     api: str = typer.Option(None, help="with --job: sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
-    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
-                                                           "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
+    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 "
+                                                           "its TTT steps, P-EAGLE its parallel tokens, DFlash "
+                                                           "block_size - 1)"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),
