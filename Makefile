@@ -15,7 +15,7 @@ LOCK := deploy/lock/requirements-linux-$(ARCH).txt
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
-	base-image compose-smoke fuzz arena-bench lock deps-drift deps-lowest deps-extras versions
+	base-image compose-smoke fuzz arena-bench lock deps-drift deps-lowest deps-extras versions vllm-conformance
 
 $(STAMP): pyproject.toml $(wildcard $(LOCK))
 	@test -f $(LOCK) || { echo "error: no dependency lock for $(ARCH) (deploy/lock/ has: $$(ls deploy/lock))." \
@@ -102,6 +102,14 @@ fuzz: $(STAMP)
 # with it (~0.5 GB and ~1.5 min per version); writes bench/results/compat_matrix.json.
 compat-matrix: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(PY) bench/compat_matrix.py
+
+# Not in `make test` (the first run downloads ~0.9 GB of wheels, kept in ~/.cache/hsstream/vllm-wheels;
+# then ~1-3 min): the CUDA wheels of vLLM 0.32.0, 0.33.0 and 0.34.0 (--no-deps, unpacked into throw-away
+# folders) read against our connector, no engine: abstract methods and signatures, the hooks and classes we
+# rely on and where vLLM calls them, the hook order tests/unit/connector/test_hook_order.py drives, TokenBuffer,
+# P-EAGLE serving, the CPU fix's target (docs/vllm-versions.md). Writes bench/results/vllm_conformance.json.
+vllm-conformance: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) bench/vllm_conformance.py
 
 # Not CI: the same documents trained offline (files on disk, then 3 epochs), online (epochs=3,
 # while vLLM produces) and online regenerated; vLLM serves each arm's checkpoints taken every

@@ -264,6 +264,20 @@ class HiddenStateGatherer:
     def mark_done(self, request_id: str) -> None:
         self._inflight[request_id] = _InFlight(None)
 
+    def drain(self) -> None:
+        """Wait until every copy queued so far has landed: vLLM is about to release the cache's
+        memory (sleep mode). The copies stay in flight for :meth:`poll` to report as before."""
+        for f in self._inflight.values():
+            if f.event is not None:
+                f.event.synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def rebind(self, kv_cache: torch.Tensor) -> None:
+        """Take the cache tensor again after vLLM gave its memory back (sleep mode's wake-up): a
+        view taken before may still point at the released memory, whatever the tensor now holds."""
+        self.view = token_major_view(kv_cache, self.block_size, self.view.shape[2])
+
     def known(self, request_id: str) -> bool:
         return request_id in self._inflight
 
@@ -281,6 +295,20 @@ class WorkerSide:
         self._finished: set[str] = set()
         self._locks: dict[str, WriteLock] = {}
         self._lock_errors: dict[str, str] = {}
+        self._cache_released = False  # sleep mode: between unregister_kv_caches and restore_kv_caches
+
+    def release_cache(self) -> None:
+        """vLLM is releasing the KV cache's memory (sleep mode): finish every copy from it now;
+        until :meth:`retake_cache`, a save gets an error notice instead of a read."""
+        if self.gatherer is not None:
+            self.gatherer.drain()
+        self._cache_released = True
+
+    def retake_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM gave the cache's memory back: read it through ``kv_cache`` from now on."""
+        if self.gatherer is not None:
+            self.gatherer.rebind(kv_cache)
+        self._cache_released = False
 
     def step_starts(self) -> None:
         if self.gatherer is not None:
@@ -307,8 +335,11 @@ class WorkerSide:
         for p in pending:
             lock = self._locks.pop(p.request_id, None)
             lock_error = self._lock_errors.pop(p.request_id, None)
-            if p.error is None and lock_error is not None:
-                p.error = lock_error  # a file its client cannot wait for safely is not written
+            if p.error is None and (lock_error is not None or self._cache_released):
+                # A file its client cannot wait for safely is not written; nor one from a released
+                # cache. The scheduler kept the blocks for us (it saw no error): report them.
+                p.error = lock_error or "vLLM released its KV cache (sleep mode) before the states were copied"
+                self.gatherer.mark_done(p.request_id)
             if p.error is not None:
                 if lock is not None:
                     lock.abandon()

@@ -253,7 +253,79 @@ def up(
     raise typer.Exit(_up.Supervisor(cfg, say=sup_say).run())
 
 
-@app.command()
+class DraftOptionsCommand(typer.core.TyperCommand):
+    """``hsstream train``: beside its own options, every registered draft's settings as flags,
+    derived from the drafts' plug-ins (``Draft.Options``, trainer_client/drafts/options.py) and
+    put after ``--draft``. Built when the command is parsed or its help shown, not for every
+    ``hsstream`` command: the plug-ins come with torch. Their values reach the command through
+    ``ctx.params``, as every other setting does."""
+
+    def __init__(self, *args, callback=None, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        self._own: list = []
+        self._all: list | None = None  # one list object: click appends to it and pops (its help option)
+        self._drafts: list | None = None
+        inner = callback
+
+        def call(**values):  # noqa: ANN003, ANN202 - typer's callback knows only the command's own
+            names = {p.name for p in self._draft_params()}
+            return inner(**{k: v for k, v in values.items() if k not in names})
+
+        super().__init__(*args, callback=call if inner is not None else None, **kwargs)
+
+    @property
+    def params(self) -> list:  # type: ignore[override]
+        if self._all is None:
+            own = self._own
+            at = next((i + 1 for i, p in enumerate(own) if p.name == "draft"), len(own))
+            self._all = [*own[:at], *self._draft_params(), *own[at:]]
+        return self._all
+
+    @params.setter
+    def params(self, value: list) -> None:
+        self._own, self._all = list(value or []), None
+
+    def _draft_params(self) -> list:
+        if self._drafts is None:
+            self._drafts = draft_option_params()
+        return self._drafts
+
+
+def draft_option_params() -> list:
+    """One flag per draft setting (several drafts may share one), typed and bounded, its help
+    naming the drafts that take it and their defaults; None unless given (the draft's default)."""
+    import inspect
+
+    from trainer_client import drafts
+
+    params, hints = [], {}
+    for name, owners in drafts.option_table().items():
+        spec = owners[0][1]
+        groups: dict[tuple, list[str]] = {}
+        for d, s in owners:
+            groups.setdefault((s.help, s.default), []).append(d)
+        parts = []
+        for (text, default), ds in groups.items():
+            shown = "" if default is None or default is False else f" (default {default})"
+            parts.append(f"{', '.join(ds)}: {text}{shown}")
+        tp = spec.base_type
+        decls = [f"{spec.all_flags[0]}/--no-{spec.all_flags[0][2:]}"] if tp is bool else list(spec.all_flags)
+        mins = {s.min for _, s in owners}
+        bound = {"min": mins.pop()} if len(mins) == 1 and tp in (int, float) and None not in mins else {}
+        opt = typer.Option(None, *decls, help="; ".join(parts), show_default=False, **bound)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=tp | None))
+        hints[name] = tp | None
+
+    def settings(**values):  # noqa: ANN003, ANN202 - never called: typer reads its signature
+        return values
+
+    settings.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    settings.__annotations__ = hints
+    holder = typer.Typer(add_completion=False)
+    holder.command()(settings)
+    return list(typer.main.get_command(holder).params)
+
+
+@app.command(cls=DraftOptionsCommand)
 def train(
     ctx: typer.Context,
     config: str = typer.Option(None, help="YAML or TOML file of settings (keys: docs/trainer.md); flags override it"),
@@ -283,13 +355,7 @@ def train(
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
     token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
     draft: str = typer.Option("eagle3", "--draft", "--speculator-type", help="the draft to train: eagle3, peagle, dflash or dspark"),
-    mask_token_id: int = typer.Option(None, help="peagle/dflash/dspark: the mask token id (default: the verifier tokenizer's mask token)"),
-    block_size: int = typer.Option(4, min=2, help="dflash: tokens per block (drafts block_size - 1 a step; dspark: block_size)"),
-    num_depths: int = typer.Option(4, min=1, help="peagle: tokens drafted in parallel a step"),
-    max_anchors: int = typer.Option(256, min=1, help="peagle/dflash/dspark: anchors sampled per packed row"),
-    num_draft_layers: int = typer.Option(1, "--num-draft-layers", "--num-layers", min=1, help="dflash/dspark: draft decoder layers"),
-    markov_rank: int = typer.Option(256, min=1, help="dspark: rank of the Markov logit-bias head"),
-    confidence_head_alpha: float = typer.Option(1.0, min=0.0, help="dspark: weight of the confidence head's loss"),
+    # each draft's own settings follow here (DraftOptionsCommand: from the drafts' plug-ins)
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
     aux_layers: str = typer.Option(None, "--aux-layers", "--target-layer-ids",
                                    help="aux layer ids, comma-separated (default 2, N//2, N-3; Eagle-3 and P-EAGLE take three)"),
@@ -307,10 +373,6 @@ def train(
     weight_decay: float = typer.Option(0.0, help="AdamW weight decay"),
     betas: str = typer.Option(None, help="AdamW betas, comma-separated (default 0.9,0.95)"),
     grad_clip: float = typer.Option(1.0, help="gradient norm clip"),
-    ttt_steps: int = typer.Option(3, help="test-time-training steps (draft tokens unrolled)"),
-    ttt_step_loss_decay: float = typer.Option(1.0, help="loss weight of each TTT step relative to the one before"),
-    train_lm_head: bool = typer.Option(False, "--train-lm-head/--no-train-lm-head", help="train the draft's lm_head (frozen by default, as speculators)", show_default=False),
-    draft_attn_impl: str = typer.Option("sdpa", help="draft attention: sdpa, eager or simple_flex_attention (GPU only)"),
     checkpoint_every: int = typer.Option(100, help="steps between checkpoints"),
     checkpoint_every_s: float = typer.Option(None, help="also checkpoint every this many seconds of wall-clock"),
     keep_checkpoints: int = typer.Option(2, help="checkpoints kept (0: all); final/ is never removed"),
@@ -421,6 +483,8 @@ def train(
         typer.echo(json.dumps(result.summary(), indent=2))
         if result.serve:  # stdout stays one JSON document; the line to copy goes to the terminal
             typer.echo(f"serve the trained draft ({result.final_dir}) with:\n  {result.serve}", err=True)
+        elif result.serve_refused:  # the draft's plug-in: the installed vLLM would refuse it
+            typer.echo(f"the trained draft is in {result.final_dir}, but {result.serve_refused}", err=True)
 
 
 def submit_source(run: dict, seed: int) -> dict:
@@ -456,8 +520,9 @@ def eval_(
     eval_seed: int = typer.Option(0, help="with --job: the seed the run trained with (--eval-seed)"),
     max_prompts: int = typer.Option(32, min=1, help="with --job or a --prompts source of samples: at most this many prompts"),
     api: str = typer.Option(None, help="with --job: sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
-    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
-                                                           "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
+    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 "
+                                                           "its TTT steps, P-EAGLE its parallel tokens, DFlash "
+                                                           "block_size - 1)"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),

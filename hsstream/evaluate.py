@@ -1,5 +1,6 @@
-"""Serve the verifier with a draft (Eagle-3, P-EAGLE, DFlash; DSpark on a GPU) in vLLM and measure
-acceptance (``hsstream eval``).
+"""Serve the verifier with a draft in vLLM and measure acceptance (``hsstream eval``). How vLLM
+serves a draft directory, and whether the installed vLLM can, is the draft's own plug-in's
+(``trainer_client/drafts/serving.py``).
 
 One vLLM engine per child process (its memory goes back when the child exits); the child runs
 ``python -m hsstream.evaluate --serve-child IN OUT``. bench/acceptance.py serves through here too.
@@ -26,58 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainer_client.drafts.serving import DraftError, check_draft_dir, speculative_config  # noqa: F401 - the CLI's
+
 SPEC_TOKENS = 3
-
-
-class DraftError(ValueError):
-    """The draft directory is not a draft this vLLM can serve (Eagle-3, P-EAGLE, DFlash; DSpark on a GPU)."""
-
-
-#: speculators_model_type → what vLLM 0.32's --speculative-config takes for it (its speculators
-#: loader maps peagle to eagle3 with parallel drafting, dflash to the dflash method, dspark to
-#: dspark).
-SERVED = {"eagle3": {"method": "eagle3"}, "peagle": {"method": "eagle3", "parallel_drafting": True},
-          "dflash": {"method": "dflash"}, "dspark": {"method": "dspark"}}  # fmt: skip
-
-#: Served by vLLM's V2 model runner only (vllm/v1/worker/gpu/: CUDA and Triton); the V1 runner,
-#: the CPU build's, refuses them in VllmConfig with this message.
-GPU_ONLY = {"dspark": "Model Runner V1 does not support: dspark speculative decoding"}
-
-
-def v2_runner_available() -> bool:
-    """Whether this vLLM build can run its V2 model runner: a CUDA-like platform with Triton
-    (vLLM's own test in ``VllmConfig.use_v2_model_runner``; the CPU build has neither)."""
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
-    return bool(current_platform.is_cuda_alike() and HAS_TRITON)
-
-
-def draft_type(c: dict) -> str | None:
-    t = c.get("speculators_model_type")
-    if t in SERVED:
-        return t
-    return "eagle3" if "eagle3" in json.dumps(c.get("architectures", "")).lower() else None
-
-
-def speculative_config(draft: str | Path, num_speculative_tokens: int | None = None) -> dict:
-    """vLLM's ``--speculative-config`` for the draft in ``draft`` (checked first): its method from
-    the checkpoint, its draft tokens a step given or the checkpoint's (Eagle-3: 3, its TTT
-    default; P-EAGLE: its parallel tokens; DFlash: block_size - 1; DSpark: block_size, its anchor
-    drafting too)."""
-    d = check_draft_dir(draft)
-    c = json.loads((d / "config.json").read_text())
-    t = draft_type(c)
-    n = num_speculative_tokens
-    if n is None:
-        if t in ("dflash", "dspark"):
-            n = int(c.get("block_size", 8)) - (0 if c.get("sample_from_anchor") else 1)
-        elif t == "peagle":
-            props = (c.get("speculators_config") or {}).get("proposal_methods") or [{}]
-            n = int(props[0].get("speculative_tokens") or SPEC_TOKENS)
-        else:
-            n = SPEC_TOKENS
-    return {**SERVED[t], "model": str(d), "num_speculative_tokens": int(n)}  # type: ignore[index]
 
 
 def draft_verifier(draft: str | Path) -> str | None:
@@ -89,35 +41,6 @@ def draft_verifier(draft: str | Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return str(p) if isinstance(p, str) and p and Path(p).is_dir() else None
-
-
-def check_draft_dir(draft: str | Path) -> Path:
-    """``draft`` resolved, or :class:`DraftError` saying what is missing (before an engine starts)."""
-    d = Path(draft)
-    if not d.is_dir():
-        raise DraftError(f"--draft {draft}: no such directory")
-    cfg = d / "config.json"
-    if not cfg.is_file():
-        hint = " (a run dir? its draft is in final/ or checkpoints/*/)" if (d / "final").is_dir() or (d / "checkpoints").is_dir() else ""
-        raise DraftError(f"--draft {draft}: no config.json, not a speculators-format draft{hint}")
-    try:
-        c = json.loads(cfg.read_text())
-    except ValueError as e:
-        raise DraftError(f"--draft {draft}: config.json is not JSON ({e})") from e
-    if draft_type(c) is None:
-        raise DraftError(f"--draft {draft}: config.json is not an Eagle-3 draft's, nor a P-EAGLE, DFlash or DSpark "
-                         f"one's (speculators_model_type {c.get('speculators_model_type')!r})")  # fmt: skip
-    if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
-        raise DraftError(f"--draft {draft}: no weights (*.safetensors)")
-    t = draft_type(c)
-    if t in GPU_ONLY and not v2_runner_available():
-        raise DraftError(
-            f"--draft {draft}: a {t} draft needs a GPU: vLLM 0.32 serves {t} only with its V2 model runner (a CUDA GPU "
-            f"and Triton); this vLLM (its CPU build) would run the V1 runner, which refuses it: \"{GPU_ONLY[t]}\". "
-            f"Serve it on a GPU host "
-            f"(--speculative-config '{{\"method\": \"{SERVED[t]['method']}\", ...}}')"
-        )
-    return d.resolve()
 
 
 # --------------------------------------------------------------------------------------------

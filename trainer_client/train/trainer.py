@@ -572,12 +572,17 @@ class OnlineTrainer:
             n = sum(h[f"n_{i}"] for h in tail)
             top1.append(sum(h[f"top1_{i}"] * h[f"n_{i}"] for h in tail) / n if n else 0.0)
         loss = sum(h["loss"] for h in tail) / len(tail) if tail else float("nan")
-        final = serve = spec = None
+        final = serve = spec = refused = None
         if ckpt is not None and self.world.is_writer:
             final = M.publish_final(self.out, Path(ckpt))
-            spec = self.draft.speculative_config(final)
-            serve = M.serve_command(self.cfg.verifier, final, spec=spec)
-            log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
+            try:
+                spec = self.draft.speculative_config(final)
+            except D.NotServable as e:  # the installed vLLM would refuse it (the draft's plug-in says why)
+                refused = str(e)
+                log.warning("the trained draft is in %s; %s", final, refused)
+            else:
+                serve = M.serve_command(self.cfg.verifier, final, spec=spec)
+                log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
         ranks = self.world.gather({"rank": self.world.rank, "device": str(self.device), "samples": run["samples"],
                                    "tokens": run["tokens"], "wait_s": round(wait, 2), "pid": os.getpid()})  # fmt: skip
         return TrainResult(
@@ -588,5 +593,5 @@ class OnlineTrainer:
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
             held_out=len(self.heldout), held_out_by_fraction=self.held_out_by_fraction, final_dir=str(final) if final else None, serve=serve,
-            draft=self.draft.name, speculative_config=spec, skipped_no_loss=no_loss,
+            draft=self.draft.name, speculative_config=spec, skipped_no_loss=no_loss, serve_refused=refused,
         )  # fmt: skip

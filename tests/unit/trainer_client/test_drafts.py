@@ -44,10 +44,12 @@ def samples(tiny_model) -> list[Sample]:
 
 
 def cfg(tiny_model, out, **kw) -> TrainConfig:
+    """The run's settings; the drafts' own (mask_token_id, block_size, ...) go into draft_options."""
     base = dict(verifier=tiny_model, out_dir=str(out), draft_vocab_size=128, checkpoint_every=12, progress=False,
                 tensorboard=False, lr=3e-3, warmup_steps=2, threads=1, mask_token_id=MASK, schedule="constant")  # fmt: skip
     base.update(kw)
-    return TrainConfig(**base)
+    opts = {k: base.pop(k) for k in list(base) if k in D.option_table()}
+    return TrainConfig(**base, draft_options=opts)
 
 
 def test_the_registry_names_every_draft_and_refuses_others():
@@ -111,12 +113,10 @@ def test_dspark_checkpoint_reloads_in_speculators_and_passes_vllms_own_parsing(t
     """The saved DSpark draft: speculators' from_pretrained gives back exactly its weights; vLLM's
     speculators loader (update_dspark) reads what its DSpark runtime needs; vLLM's engine config
     accepts the draft up to the model runner, where the CPU build's V1 runner refuses it with the
-    words hsstream eval quotes."""
+    words hsstream eval quotes (DSpark's plug-in, V1_REFUSAL)."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file
     from speculators.models.dspark import DSparkDraftModel
-
-    from hsstream import evaluate as E
 
     out = tmp_path / "ds"
     res = OnlineTrainer(cfg(tiny_model, out, draft="dspark", max_steps=3, markov_rank=16),
@@ -146,7 +146,7 @@ def test_dspark_checkpoint_reloads_in_speculators_and_passes_vllms_own_parsing(t
 
     spec = res.speculative_config
     assert spec == {"method": "dspark", "model": str(final.resolve()), "num_speculative_tokens": 4}
-    with pytest.raises(Exception, match=re.escape(E.GPU_ONLY["dspark"])):
+    with pytest.raises(Exception, match=re.escape(DS.V1_REFUSAL)):
         EngineArgs(model=tiny_model, speculative_config=spec, max_model_len=256).create_engine_config()
 
 
@@ -211,7 +211,7 @@ def test_a_wrong_layer_order_is_read_in_ascending_order_for_every_draft(tiny_mod
     from trainer_client.train.checkpoints import verifier_text_config
 
     for name in D.names():
-        d = D.get(name)(TrainConfig(verifier=tiny_model, out_dir="/nonexistent", mask_token_id=MASK),
+        d = D.get(name)(TrainConfig(verifier=tiny_model, out_dir="/nonexistent", draft_options={"mask_token_id": MASK}),
                         verifier_text_config(tiny_model))  # fmt: skip
         a, b = d.features(s, [2, 6, 9]), d.features(shuffled, [2, 6, 9])
         assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last), name
