@@ -25,7 +25,7 @@ NON_DEFAULT = {
     "samples_per_step": 3, "max_tokens_per_step": 2048, "checkpoint_every": 11, "checkpoint_every_s": 30.0,
     "clock_origin": 1234.5, "keep_checkpoints": 5, "eval_every": 6, "eval_samples": 4, "eval_ids": ("a", "b c"), "eval_fraction": 0.25, "eval_seed": 9,
     "log_every": 3, "seed": 42, "train_lm_head": True, "control": "swap-hidden", "tensorboard": False, "logger": "none",
-    "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5,
+    "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5, "init_draft": "/drafts/d0",
     "draft_attn_impl": "eager", "extra": {"note": "x"}, "draft": "dflash", "mask_token_id": 7, "block_size": 5,
     "num_depths": 3, "max_anchors": 17, "num_draft_layers": 2, "markov_rank": 32, "confidence_head_alpha": 0.5,
 }  # fmt: skip
