@@ -314,9 +314,7 @@ class StandIn:
             self.steps += 1
 
     def stats(self) -> dict:
-        with self.writer._lock:  # noqa: SLF001 - a consistent copy of the counters
-            w = dict(self.writer.stats)
-        return {"writer": w, "steps": self.steps, "queued": self.todo.qsize()}
+        return {"writer": self.writer.stats_snapshot(), "steps": self.steps, "queued": self.todo.qsize()}
 
     def close(self) -> None:
         self.todo.put(None)

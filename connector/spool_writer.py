@@ -214,6 +214,12 @@ class SpoolWriter:
         with self._lock:
             self.stats["bytes_copied"] += int(nbytes)
 
+    def stats_snapshot(self) -> dict[str, int]:
+        """A copy of :attr:`stats` taken under the writer's lock: counters from one moment, for
+        a reader on another thread (a benchmark's before and after)."""
+        with self._lock:
+            return dict(self.stats)
+
     # -- the arena layout --------------------------------------------------------------------
     def arena_for(self, slot: A.Slot) -> MappedArena:
         """The mapping ``slot`` is in: the arena is opened once per process and again when a slot
@@ -324,7 +330,7 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on
             # write), unless the gatherer encoded on the device (FP8: half the bytes copied).
-            payload = job.encoded if job.encoded is not None else self._encode(job.hidden_states)
+            payload = job.encoded if job.encoded is not None else self.encode(job.hidden_states)
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
@@ -373,7 +379,7 @@ class SpoolWriter:
             self._pending_bytes -= job.nbytes
             self._idle.notify_all()
 
-    def _encode(self, hs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, hs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The payload codec's tensors for ``hs``, the bytes of those it made anew counted (FP8's
         values and scales; a model-dtype payload is ``hs`` itself)."""
         out = PL.codec(self.shape.dtype).encode(hs)
@@ -398,7 +404,7 @@ class SpoolWriter:
             if job.encoded is not None:  # encoded on the device: copied into the slot below
                 payload = job.encoded
             else:
-                payload = {SF.HIDDEN_STATES_KEY: hs} if job.in_slot else self._encode(hs)
+                payload = {SF.HIDDEN_STATES_KEY: hs} if job.in_slot else self.encode(hs)
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}

@@ -309,6 +309,11 @@ class HiddenStateStream:
         return sum(1 for h in self._slot_holds.values() if h.settled and not h.released)
 
     @property
+    def pool_stats(self) -> dict[str, int]:
+        """The most deliveries the check pool ever held and ever checked at once (``check_pool.py``)."""
+        return {"max_held": self._pool.max_held, "max_running": self._pool.max_running}
+
+    @property
     def waited_s(self) -> float:
         """Seconds the loop has spent in the stream waiting for samples (the wait under way too)."""
         now = time.monotonic()

@@ -160,3 +160,51 @@ def describe(g: dict[str, dict[str, int]], circle: list[str], mods: dict[str, Pa
     for a, b in zip(circle, circle[1:]):
         steps.append(f"{a} ({mods[a].relative_to(root)}:{g[a][b]})")
     return " -> ".join([*steps, circle[-1]])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_names(mods: dict[str, Path]) -> set[str]:
+    """Every private name (``_x``, not a dunder) the modules define: module-level and class-level
+    functions, classes and assignments, and attributes set on ``self`` / ``cls``."""
+    out: set[str] = set()
+    for path in mods.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                out.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                out.add(node.attr)
+    return {n for n in out if _private(n)}
+
+
+def private_reaches(path: Path, product_privates: set[str], product: Iterable[str] = PRODUCT) -> list[tuple[int, str]]:
+    """(line, what) for each place ``path`` reaches into a private member of the product: a
+    private name or module imported from a product package, ``x._name`` on anything but
+    ``self``/``cls`` where the product defines ``_name``, and ``getattr``/``setattr``/
+    ``hasattr``/``monkeypatch.setattr`` with such a name as a string."""
+    roots = tuple(product)
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in roots:
+            mod_parts = (node.module or "").split(".")
+            if any(_private(p) for p in mod_parts):
+                out.append((node.lineno, f"from {node.module} import …"))
+            out += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, f"import {a.name}") for a in node.names
+                    if a.name.split(".")[0] in roots and any(_private(p) for p in a.name.split("."))]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in product_privates:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append((node.lineno, f"{ast.unparse(node)}"))
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            if name in ("getattr", "setattr", "hasattr", "delattr"):
+                for arg in node.args[1:2]:
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value in product_privates:
+                        out.append((node.lineno, f"{name}(…, {arg.value!r})"))
+    return sorted(out)
