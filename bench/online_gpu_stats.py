@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 
 WINDOW = (0.10, 0.90)
+#: A job's first samples, whose p99 shows what its start costs (the stall the window leaves out).
+FIRST = 32
 _KV_RE = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")
 
 
@@ -38,6 +40,28 @@ def pct(xs: list[float], q: float) -> float | None:
         return None
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def latency(recs: list[dict], first: int = FIRST) -> dict:
+    """Notice -> sample on the GPU (ms) of one job's records, three ways, each named: ``p50`` /
+    ``p99`` / ``max`` over the steady-state window (samples on the GPU between the 10th and 90th
+    percentile of delivery times, as the rates), ``all`` over every delivered sample, ``first_32``
+    over the job's first ``first`` samples by notice time (its start); and ``samples_ms``, every
+    sample's latency in notice order, so any other cut can be taken from the JSON later."""
+    xs = sorted((x for x in recs if x.get("sent") is not None), key=lambda x: x["sent"])
+    lat_all = [1000 * (x["g"] - x["sent"]) for x in xs]
+    gs = sorted(x["g"] for x in recs)
+    lo_t = gs[int(math.floor(WINDOW[0] * (len(gs) - 1)))] if gs else 0.0
+    hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
+    lat = [1000 * (x["g"] - x["sent"]) for x in xs if lo_t <= x["g"] <= hi_t]
+    head = lat_all[:first]
+
+    def three(v: list[float]) -> dict:
+        return {"p50": rounded(pct(v, 0.5)), "p99": rounded(pct(v, 0.99)), "max": rounded(max(v) if v else None),
+                "n": len(v)}  # fmt: skip
+
+    return {**three(lat), "window": list(WINDOW), "all": three(lat_all), f"first_{first}": three(head),
+            "samples_ms": [round(v, 2) for v in lat_all]}
 
 
 def kv_tokens(log_path: Path) -> list[int]:

@@ -347,6 +347,10 @@ class HiddenStateStream:
                 self._receiver = receiver_from_settings(self.transport, self._settings, self.endpoint)
             except TransportError as e:
                 raise StreamError(str(e)) from e
+            if self._receiver.reads_spool and self.device is not None and self.device.type == "cuda":
+                # Slots are copied to the device from the arena's pages: page-locked now, before the
+                # first sample is asked for, not by the check of the first slot (ArenaMaps.prepare).
+                self._arenas.prepare(cuda=True)
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)
