@@ -137,7 +137,8 @@ def summarize(doc: dict) -> None:
 #: connector's (``Notice.timings``), the sidecar's hop, and the trainer's read and checks.
 #: (``connector_checksum`` includes the writer's host encoding when the payload is FP8 encoded
 #: there; ``connector_copy_wait``: the writer waiting for the device-to-host copy's event.)
-STAGES = ("connector_gather", "connector_copy_wait", "connector_checksum", "connector_write",
+STAGES = ("forward_end_to_gpu", "connector_gather", "connector_queue", "connector_copy_wait", "connector_checksum",
+          "connector_write",
           "sidecar", "sidecar_in", "sidecar_queue", "sidecar_to_trainer", "pool_queue", "check", "check_read",
           "check_checksum", "check_finite", "check_to_device", "copy_to_trainer_gpu")
 

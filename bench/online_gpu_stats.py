@@ -108,6 +108,12 @@ def rounded(x: float | None, nd: int = 2) -> float | None:
     return None if x is None else round(x, nd)
 
 
+#: The connector's stages from the engine's step to the notice, in order (``Notice.timings``):
+#: their sum plus notice -> GPU is the sample's time from the end of its forward pass to the
+#: trainer's GPU (``forward_end_to_gpu``; the gather is enqueued by the step right after it).
+FORWARD_END_STAGES = ("gather", "queue", "copy_wait", "checksum", "write")
+
+
 def breakdown(recs: list[dict]) -> dict:
     """Mean, p50 and p99 ms per sample of each stage, from the notices' connector timings and
     the stream's per-sample stamps (``Sample.timings``, one host clock with ``sent_at``):
@@ -121,7 +127,8 @@ def breakdown(recs: list[dict]) -> dict:
       and finiteness on the GPU with ``--finite-on-device``) + small checks;
     * ``in_order``: checked -> handed to the loop (with ``--ordered``, older samples first; always the
       socket thread's own work: a 33.5 MB tmpfs unlink took ~4 ms there until files were deleted aside);
-    * ``copy_to_trainer_gpu``: handed -> on the GPU (a no-op copy with ``--finite-on-device``).
+    * ``copy_to_trainer_gpu``: handed -> on the GPU (a no-op copy with ``--finite-on-device``);
+    * ``forward_end_to_gpu``: the connector's stages (:data:`FORWARD_END_STAGES`) + notice -> GPU.
     """
     stages: dict[str, list[float]] = {}
 
@@ -146,6 +153,8 @@ def breakdown(recs: list[dict]) -> dict:
             add(f"check_{k[:-2]}", t.get(k))
         if x.get("g") is not None:
             add("copy_to_trainer_gpu", x["g"] - x["y"])
+            if x.get("sent") is not None and set(FORWARD_END_STAGES) <= set(conn):
+                add("forward_end_to_gpu", sum(conn[k] for k in FORWARD_END_STAGES) + x["g"] - x["sent"])
     return {k: {"mean_ms": round(statistics.mean(v), 3), "p50_ms": round(statistics.median(v), 3),
                 "p99_ms": round(pct(v, 0.99), 3)} for k, v in stages.items()}  # fmt: skip
 

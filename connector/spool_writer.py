@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +68,9 @@ class WriteJob:
     #: The writer's hold on the slot (taken by the gatherer before it copies into it; released
     #: once the header is written or the write failed).
     lease: A.SlotLease | None = None
+    #: When the engine's step handed the job over (``time.perf_counter``): the notice's ``queue``
+    #: timing is the wait from here to a writer thread, so its stages add up from the step on.
+    created: float = field(default_factory=time.perf_counter)
 
     def host_bytes(self) -> int:
         """Host memory this job holds while it waits (hidden states already in their slot: none
@@ -360,7 +363,8 @@ class SpoolWriter:
             if job.lock is not None:
                 job.lock.release()
             t3 = time.perf_counter()
-            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            timings = {"gather": job.gather_s, "queue": t0 - job.created, "copy_wait": t1 - t0, "checksum": t2 - t1,
+                       "write": t3 - t2}
             notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write failed for %s", job.request_id)
@@ -440,7 +444,8 @@ class SpoolWriter:
             mapped.write_header(slot, header)
             self.count_copied(len(header))
             t3 = time.perf_counter()
-            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            timings = {"gather": job.gather_s, "queue": t0 - job.created, "copy_wait": t1 - t0, "checksum": t2 - t1,
+                       "write": t3 - t2}
             notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write into slot %s+%s failed for %s", slot.offset, slot.length, job.request_id)

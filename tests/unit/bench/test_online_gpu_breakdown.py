@@ -114,3 +114,12 @@ def test_the_summary_names_the_window_and_every_sample_figures(capsys):
     out = capsys.readouterr().out
     assert "arena: notice -> trainer GPU, steady-state window" in out and "arena: notice -> trainer GPU, every sample" in out
     assert "each job's first 32: p99 2010.0 ms" in out
+
+
+def test_forward_end_to_gpu_adds_the_connectors_stages_to_notice_to_gpu():
+    conn = {"gather": 0.001, "queue": 0.002, "copy_wait": 0.003, "checksum": 0.004, "write": 0.005}
+    rec = {"sent": 100.0, "g": 100.010, "y": 100.010, "conn": conn, "stream": {}}
+    b = O.breakdown([rec])
+    assert b["forward_end_to_gpu"]["p50_ms"] == pytest.approx(25.0) and b["connector_queue"]["p50_ms"] == pytest.approx(2.0)
+    old = {**rec, "conn": {k: v for k, v in conn.items() if k != "queue"}}  # a notice from before the queue stamp
+    assert "forward_end_to_gpu" not in O.breakdown([old])
