@@ -160,6 +160,9 @@ def write_env(path: Path, token: str, base_image: str, port: int, vllm_port: int
         "HSSTREAM_API_TOKEN": token, "BASE_IMAGE": base_image, "SPOOL_SIZE": "1g",
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(256 << 20), "HSSTREAM_PORT": str(port), "VLLM_PORT": str(vllm_port),
         "MODEL_DIR": str(DEPLOY),  # unused by the cpu services (the model is in the image); must be a path
+        # vllm-cpu's grace before its healthcheck counts: on a 2-core host shared with other work
+        # the tiny model took 10.5 min to load once, and `up` then failed on "unhealthy".
+        "VLLM_START_PERIOD": "1800s",
         "CHECKPOINT_DIR": str(checkpoints), "CONFIG_DIR": str(config), "TRAIN_CONFIG": train_config,
         "TRAIN_ARGS": train_args,
     }  # fmt: skip
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
         step = "up"
         t = time.monotonic()
-        sh([*compose, "up", "-d", "sidecar-cpu"], step, timeout=900, env=cenv)  # waits for vllm-cpu healthy
+        sh([*compose, "up", "-d", "sidecar-cpu"], step, timeout=2400, env=cenv)  # waits for vllm-cpu healthy
         api = f"http://127.0.0.1:{port}"
         rest = SidecarClient(api, token=token)
         deadline = time.monotonic() + 180
