@@ -53,7 +53,7 @@ def test_a_good_run_passes_and_its_figures_are_recorded(tmp_path):
     ({}, {"steps": ()}, SUMMARY, 2, "no step"),
     ({}, {}, SUMMARY, 1, "ran 2 rank(s), 1 asked for"),
     ({}, {}, "no summary printed\n", 2, "ran None rank(s)"),
-])  # fmt: skip
+], ids=["not-done", "short", "no-checkpoints", "no-final", "no-steps", "ranks", "no-summary"])  # fmt: skip
 def test_each_failure_is_named(tmp_path, kw, dir_kw, summary, nproc, why):
     _, bad = CS.train_verdict(status(**kw), 32, run_dir(tmp_path, **dir_kw), CS.last_json(summary), nproc=nproc)
     assert len(bad) == 1 and why in bad[0], bad
