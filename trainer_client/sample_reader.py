@@ -83,10 +83,10 @@ class ArenaMaps:
         """Map the spool's arena now, if it has one, and with ``cuda`` page-lock it for CUDA
         (:meth:`register_cuda`): the work the first slot would otherwise do on a check worker.
         ``HiddenStateStream`` calls it before it asks for samples, because there it stalled a job's
-        start: page-locking a whole arena takes about a second for 8 GiB, with the GIL held (torch's
-        binding keeps it), so every worker and the socket's thread stopped while the sidecar held the
-        next deliveries for credit. None, nothing done, when the spool has no arena (yet): the first
-        slot does it then."""
+        start: page-locking a whole arena is slow and holds the GIL (torch's binding keeps it), so
+        every worker and the socket's thread stopped while the sidecar held the next deliveries for
+        credit (docs/benchmarks.md, the arena's start-up stall). None, nothing done, when the spool
+        has no arena (yet): the first slot does it then."""
         with self._lock:
             if self._arena is None:
                 try:
