@@ -265,8 +265,7 @@ def consume_deliver(spec: dict) -> dict:
                 break
     res["samples"] = n
     res["stream_stats"] = dict(stream.stats)
-    res["stream_pool"] = {"workers": stream.workers, "max_held": stream._pool.max_held,
-                          "max_running": stream._pool.max_running, "finite_on_device": bool(on_dev),
+    res["stream_pool"] = {"workers": stream.workers, **stream.pool_stats, "finite_on_device": bool(on_dev),
                           "host_buffers": dict(stream.host_buffers.stats)}  # fmt: skip
     return res
 

@@ -214,13 +214,13 @@ class _SampleChecks:
         algo = self.n.checksum_algo
         taken = on_host and self.n.finite is not None and not (self.n.finite and self.rescan_finite)
         scan_here = on_host and not taken
-        pooled = scan_here and _CPUS > 1 and hs.numel() >= _BESIDE_MIN and scannable(hs)
+        pooled = scan_here and CPUS > 1 and hs.numel() >= _BESIDE_MIN and scannable(hs)
         scan = scan_of(hs) if pooled else None
         helpers = None
         found: bool | None = None  # the one-pass verdict (None: not taken in the checksum's pass)
         try:
             if pooled:
-                helpers = beside(scan, "scan", min(_CPUS, 8) - 1)  # type: ignore[arg-type]
+                helpers = beside(scan, "scan", min(CPUS, 8) - 1)  # type: ignore[arg-type]
             if not self.trusted:  # trusted: its writer's bytes (the slot's lease); a due scan runs below
                 t0 = time.perf_counter()
                 if scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
@@ -260,7 +260,9 @@ class _SampleChecks:
         return hs, ids, scales
 
 
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+#: Cores this process may run on: a large sample's finiteness scan is shared among up to 8 of them
+#: (1: scanned in the checksum's pass on one core). Module-level so a benchmark can compare the two.
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _BESIDE_MIN = 1 << 20  # values: below, a thread hand-off costs more than the scan
 
 

@@ -79,6 +79,25 @@ class ArenaMaps:
                 a.prefault_ahead(slot)  # in the background: the next slots' first reads pay no faults
             return a
 
+    def prepare(self, cuda: bool = False) -> A.Arena | None:
+        """Map the spool's arena now, if it has one, and with ``cuda`` page-lock it for CUDA
+        (:meth:`register_cuda`): the work the first slot would otherwise do on a check worker.
+        ``HiddenStateStream`` calls it before it asks for samples, because there it stalled a job's
+        start: page-locking a whole arena is slow and holds the GIL (torch's binding keeps it), so
+        every worker and the socket's thread stopped while the sidecar held the next deliveries for
+        credit (docs/benchmarks.md, the arena's start-up stall). None, nothing done, when the spool
+        has no arena (yet): the first slot does it then."""
+        with self._lock:
+            if self._arena is None:
+                try:
+                    self._arena = A.Arena.open(self.spool)
+                except A.ArenaError:
+                    return None
+            a = self._arena
+        if cuda:
+            self.register_cuda(a)
+        return a
+
     def register_cuda(self, arena: A.Arena) -> bool:
         """Page-lock ``arena``'s mapping for CUDA once (``cudaHostRegister``), so a slot's copy to
         the trainer's GPU is one non-blocking DMA from the shared pages (views of it then report

@@ -316,6 +316,11 @@ class HiddenStateStream:
         return sum(1 for h in self._slot_holds.values() if h.settled and not h.released)
 
     @property
+    def pool_stats(self) -> dict[str, int]:
+        """The most deliveries the check pool ever held and ever checked at once (``check_pool.py``)."""
+        return {"max_held": self._pool.max_held, "max_running": self._pool.max_running}
+
+    @property
     def waited_s(self) -> float:
         """Seconds the loop has spent in the stream waiting for samples (the wait under way too)."""
         now = time.monotonic()
@@ -349,6 +354,10 @@ class HiddenStateStream:
                 self._receiver = receiver_from_settings(self.transport, self._settings, self.endpoint)
             except TransportError as e:
                 raise StreamError(str(e)) from e
+            if self._receiver.reads_spool and self.device is not None and self.device.type == "cuda":
+                # Slots are copied to the device from the arena's pages: page-locked now, before the
+                # first sample is asked for, not by the check of the first slot (ArenaMaps.prepare).
+                self._arenas.prepare(cuda=True)
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 2000)

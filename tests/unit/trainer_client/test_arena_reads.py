@@ -350,3 +350,36 @@ def _slot_to_device(tmp_path, spool):
             _until(lambda: ("Received", x.key) in _said(sc), iter(s))
     finally:
         sc.stop()
+
+
+def test_a_cuda_stream_page_locks_the_arena_before_it_asks_for_samples(tmp_path, spool, monkeypatch):
+    """With ``device="cuda"`` the arena is registered for CUDA when the stream connects, before
+    its HELLO and credit reach the sidecar, not by the first slot's check: there it stalled a
+    job's start (an 8 GiB arena takes about a second, the GIL held: docs/benchmarks.md); and once
+    per arena. A spool without an arena yet: nothing then, the first slot does it."""
+    arena = SFX.make_arena(spool)
+    calls: list = []
+
+    class Cudart:  # torch.cuda.cudart() on a CUDA build: only the call the stream makes
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802, ANN001, ANN201
+            calls.append((size, [type(m).__name__ for m in list(sc.got)]))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    sc = FakeSidecar(tmp_path, [], end=False)
+    try:
+        with _stream(sc, spool, device="cuda") as s:
+            s._connect()  # noqa: SLF001 - what the first iteration does
+            t0 = time.monotonic()
+            while not any(isinstance(m, P.Hello) for m in list(sc.got)) and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            assert calls == [(arena.size, [])], calls  # before the sidecar heard a word
+            s._arenas.register_cuda(s._arenas.get(SFX.slot_for(arena, A.PAGE, A.PAGE, 1)))  # noqa: SLF001
+            assert len(calls) == 1  # the first slot finds it done
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        with _stream(sc, empty, device="cuda") as s:
+            s._connect()  # noqa: SLF001
+        assert len(calls) == 1
+    finally:
+        sc.stop()
