@@ -53,13 +53,13 @@ def test_a_slot_reads_back_in_place_identical_to_the_file_layout(spool, dtype):
     as_file = SFX.write_sample(spool, "hs-f.safetensors", key=P.SampleKey(job="j", index=0), seed=0, tokens=T,
                                layer_ids=LAYERS, hidden=HID, dtype=dtype)  # fmt: skip
     tm: dict = {}
-    kept = []
+    released = []
     maps = ArenaMaps(spool)
-    s = load_and_check(spool, sf.deliver, arenas=maps, keep=kept.append, timings=tm)
+    s = load_and_check(spool, sf.deliver, arenas=maps, on_release=lambda: released.append(1), timings=tm)
     arena = maps._arena  # the reader's own mapping
     assert torch.equal(s.hidden_states.view(torch.uint8), as_file.hidden_states.view(torch.uint8))  # the same bytes
     assert torch.equal(s.token_ids, as_file.token_ids)
-    assert _in_arena(s.hidden_states, arena) and len(kept) == 1  # zero-copy: a view of the slot
+    assert _in_arena(s.hidden_states, arena) and not released  # zero-copy: a view of the slot, held
     assert tm["bytes_copied"] == 0
     if dtype == "float8_e4m3fn":
         assert s.scales is not None and _in_arena(s.scales, arena)
@@ -142,7 +142,7 @@ def test_pinned_reads_copy_the_slot_out_and_release_it_at_once(spool):
     maps = ArenaMaps(spool)
     s = load_and_check(spool, sf.deliver, arenas=maps, pin_memory=True,
                        alloc=lambda n: torch.empty(n, dtype=torch.uint8),
-                       keep=lambda arr: weakref.finalize(arr, released.append, "gone"), timings=tm)  # fmt: skip
+                       on_release=lambda: released.append("gone"), timings=tm)  # fmt: skip
     assert not _in_arena(s.hidden_states, maps._arena)
     assert tm["bytes_copied"] == A.written_size(arena.map[A.PAGE : 2 * A.PAGE], sf.notice.slot.length)
     assert released == ["gone"]  # while the sample lives: nothing of it is in the slot
