@@ -173,8 +173,10 @@ class StreamOptions:
 
     ``verify_slots`` (off): take the checksum of a slot read in place, too (the arena layout).
     Off, a slot's bytes are trusted without one: no writer but the slot's own ever writes it
-    (the claim and the lease, ``connector/contract/arena.py``), and a checksum of shared memory
-    could not catch a later write anyway. On, it costs a pass over every sample's bytes.
+    (the claim and the lease), no one writes it again while this trainer holds it, and the
+    trainer's own in-place ops stay in its copy-on-write pages (``connector/contract/arena.py``).
+    On, it costs a pass over every sample's bytes; it checks them when read, not after (another
+    process of this user writing the arena file itself).
     """
 
     jobs: list[str] | None = None
