@@ -125,10 +125,12 @@ online-vs-offline: $(STAMP)
 # real sidecar and a HiddenStateStream, then the tiny verifier through real vLLM (~5 min on 2 cores).
 # Writes bench/results/arena_cpu.json. ARENA_BENCH_ARGS=--quick: a smoke run (1 round, no tiny).
 # First (10 s) what a process's first touch of a slot costs with and without the arena's prefault:
-# bench/results/arena_pages_cpu.json.
+# bench/results/arena_pages_cpu.json; then (10 s) what a trainer's hold on a slot costs per sample
+# (arena format 3): bench/results/arena_holds_cpu.json.
 ARENA_BENCH_ARGS ?=
 arena-bench: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena_pages.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/arena_holds.py
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena.py $(ARENA_BENCH_ARGS)
 
 # The images' base from Debian packages, for hosts that reach no image registry (needs root,

@@ -76,7 +76,7 @@ def main() -> int:
     times: dict[str, dict[str, list[float]]] = {a: {"files": [], "arena": []} for a in arms}
     cpu: dict[str, dict[str, float]] = {a: {"files": 0.0, "arena": 0.0} for a in arms}
     writer = {"checksum": [], "checksum_and_finite": []}
-    hs = C.load_and_check(spool, d_slot, arenas=maps, keep=lambda _arr: None, verify_slots=True).hidden_states.clone()
+    hs = C.load_and_check(spool, d_slot, arenas=maps, verify_slots=True).hidden_states.clone()
     wt = {SF.HIDDEN_STATES_KEY: hs, SF.TOKEN_IDS_KEY: torch.zeros(T, dtype=torch.int64)}
     real = C.CPUS
     try:
@@ -86,7 +86,7 @@ def main() -> int:
                 C.CPUS, rescan = arms[arm]
                 for lay, d in (("files", d_file), ("arena", d_slot)):
                     c0, t0 = time.process_time(), time.perf_counter()
-                    s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, rescan_finite=rescan,
+                    s = C.load_and_check(spool, d, arenas=maps, rescan_finite=rescan,
                                           verify_slots=True)
                     dt = time.perf_counter() - t0
                     del s

@@ -41,7 +41,7 @@ def _write(spool, *, where: int | None, value: float = float("nan"), slot: bool 
 def _check(spool, d, **kw):
     maps = ArenaMaps(spool)
     try:
-        got = C.load_and_check(spool, d, arenas=maps, keep=lambda _a: None, **kw)
+        got = C.load_and_check(spool, d, arenas=maps, **kw)
         del got
     finally:
         maps.close()

@@ -222,3 +222,41 @@ def test_resuming_a_run_with_another_draft_is_refused(tiny_model, samples, tmp_p
     OnlineTrainer(cfg(tiny_model, out, draft="dflash", max_steps=2), counts_of(samples)).train(ListStream(samples[:2]))
     with pytest.raises(ValueError, match="holds a dflash run, not peagle"):
         OnlineTrainer(cfg(tiny_model, out, draft="peagle"), {}).prepare()
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash", "dspark", "peagle"])
+def test_every_draft_trains_unchanged_on_samples_read_in_place_from_arena_slots(tiny_model, samples, tmp_path, draft):
+    """Issue 40: the stream yields an arena slot's tensors as views of the trainer's copy-on-write
+    mapping. Each draft (with the data path's prefetch: the device copy's path) trains on them
+    exactly as on private copies of the same samples, and leaves the shared slots as written."""
+    import dataclasses
+
+    from connector.contract import arena as A
+    from connector.contract import sample_file as SF
+    from tests.support import sample_files as SFX
+    from trainer_client.sample_checks import load_and_check
+    from trainer_client.sample_reader import ArenaMaps
+
+    picks = samples[:2]
+    longest = max(s.token_ids.numel() for s in picks)
+    length = SFX.slot_bytes(longest, len(LAYERS), picks[0].hidden_states.shape[-1])
+    with SFX.shm_spool() as spool:
+        arena = SFX.make_arena(spool, A.PAGE + len(picks) * length)
+        maps, written, views = ArenaMaps(spool), [], []
+        for i, s in enumerate(picks):
+            slot = SFX.slot_for(arena, A.PAGE + i * length, length, generation=i + 1)
+            written.append(SFX.write_sample(spool, key=s.key, slot=slot, hidden_states=s.hidden_states,
+                                            token_ids=s.token_ids, layer_ids=LAYERS, num_hidden_layers=12))  # fmt: skip
+            views.append(load_and_check(spool, written[-1].deliver, arenas=maps))
+        copies = [dataclasses.replace(x, hidden_states=x.hidden_states.clone(), token_ids=x.token_ids.clone())
+                  for x in views]  # fmt: skip
+        runs = []
+        for name, got in (("views", views), ("copies", copies)):
+            torch.manual_seed(0)  # P-EAGLE draws its anchors from the global generator
+            res = OnlineTrainer(cfg(tiny_model, tmp_path / name, draft=draft, prefetch=1, checkpoint_every=100),
+                                counts_of(got)).train(ListStream(got))  # fmt: skip
+            runs.append([(h["loss"], h["grad_norm"]) for h in res.history])
+        assert runs[0] == runs[1] and len(runs[0]) == len(picks)
+        for w in written:
+            assert torch.equal(SFX.read_slot_tensors(spool, w.notice.slot)[SF.HIDDEN_STATES_KEY], w.hidden_states)
+        del views, copies
