@@ -5,8 +5,8 @@ waits (on the device, not the host) for the work queued before this step's forwa
 recorded when the step's metadata is bound, :meth:`HiddenStateGatherer.step_starts`), copied
 into pinned host memory without blocking, and a writer thread waits for the copy's event.
 The saves of a step are known only after its forward has been launched; waiting for the
-whole stream then would hold every copy back by one more forward (~50 ms with 2k-token
-batches on an H200, docs/benchmarks.md). When the payload codec encodes on the device
+whole stream then would hold every copy back by one more forward (tens of milliseconds with
+2k-token batches on an H200: docs/benchmarks.md). When the payload codec encodes on the device
 (``PayloadCodec.encode_on_device``: FP8), each chunk is encoded on that side stream before its
 copy, so the copy moves the encoded bytes (FP8: half of bf16's) and the writer does not encode.
 On the CPU backend the gather is a plain copy (the forward has already finished when the

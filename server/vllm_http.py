@@ -3,9 +3,8 @@
 Why aiohttp, not httpx (which the rest of the project uses for its few calls): the submitter
 makes one request per sample, 16 at a time, and the client's CPU is the sidecar's largest cost
 per sample. httpcore 1.0's pool walks every pooled connection, with a readability syscall per
-idle one, whenever a request starts or ends: 0.6 ms of CPU per request even with the pool split
-in shards of 4 connections, against ~0.1 ms for aiohttp's (bench/sidecar_throughput.py,
-docs/benchmarks.md).
+idle one, whenever a request starts or ends, even with the pool split in shards: several times
+aiohttp's CPU per request (measured in docs/benchmarks.md, "Sidecar throughput on 2 CPU cores").
 
 The submitter sees only :class:`Reply` and the :class:`HttpError` family, so its unit tests
 fake this seam (``get``/``post_json``/``aclose``) and this module's mapping of aiohttp's errors
