@@ -29,30 +29,42 @@ def serve(
     from connector.contract.settings import Settings
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
+    from connector.contract.api_token import TokenFileError
     from server.app import create_app
     from server.connections import connection_limit, protocol_class
+    from server.instance_lock import AlreadyRunning, bind_rest
 
     s = Settings()
+    if insecure_no_token:
+        s = s.model_copy(update={"allow_open": True})
     bind = host or s.host
     try:
-        warning = check_api_exposure(bind, s.api_token, s.allow_open or insecure_no_token)
+        warning = check_api_exposure(bind, s.api_token, s.allow_open)
     except OpenBindRefused as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     if warning:
         typer.echo(warning, err=True)
+    if s.allow_open and not s.api_token:
+        typer.echo("WARNING: the REST API is served without a token (HSSTREAM_ALLOW_OPEN / --insecure-no-token): "
+                   "every local user can read and submit jobs", err=True)  # fmt: skip
     # uvicorn stops gracefully on SIGTERM, then re-raises it to the handler it found, to die by
     # it (exit 143) although the stop was clean: this handler makes that exit status 0.
     launch.exit_0_on_stop()
+    the_port = port or s.port
     try:
-        app_ = create_app(s)
-    except (P.SpoolNotOurs, InsecureKeyFile, ArenaError) as e:  # ArenaError: a tmpfs too small for it
+        # The port first, then the locks (in create_app), then the ledger, arena and sockets: a
+        # second sidecar stops before it touches anything of the first one's (server/instance_lock.py).
+        sock = bind_rest(bind, the_port, s)
+        app_ = create_app(s, rest=f"http://{bind}:{sock.getsockname()[1]}")
+    except (P.SpoolNotOurs, InsecureKeyFile, ArenaError, AlreadyRunning, TokenFileError) as e:  # ArenaError: a tmpfs too small for it
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     # Slow, idle and surplus connections are closed (server/connections.py).
     http = protocol_class(s.http_header_timeout_s, connection_limit(s))
-    uvicorn.run(app_, host=bind, port=port or s.port, log_level="warning", http=http,
-                timeout_keep_alive=s.http_idle_timeout_s)  # fmt: skip
+    config = uvicorn.Config(app_, host=bind, port=the_port, log_level="warning", http=http,
+                            timeout_keep_alive=s.http_idle_timeout_s)  # fmt: skip
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 @app.command()
