@@ -24,12 +24,12 @@ def serve(
     import uvicorn
 
     from connector import protocol as P
+    from connector.contract.api_token import TokenFileError
     from connector.contract.arena import ArenaError
     from connector.contract.curve_keys import InsecureKeyFile
     from connector.contract.settings import Settings
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
-    from connector.contract.api_token import TokenFileError
     from server.app import create_app
     from server.connections import connection_limit, protocol_class
     from server.instance_lock import AlreadyRunning, bind_rest
@@ -83,8 +83,8 @@ def vllm(
     """Run vLLM with the extraction method and our connector.
 
     It execs `vllm serve` with the command line compose runs too."""
-    from connector.layers import LayerIdError
     from connector.contract.settings import Settings
+    from connector.layers import LayerIdError
     from hsstream import launch
 
     s = Settings()
@@ -165,6 +165,28 @@ def status(
     from hsstream.rest_client import status as _status
 
     raise typer.Exit(_status(job, url))
+
+
+@app.command()
+def token() -> None:
+    """Print the sidecar's REST token, as the hsstream commands send it.
+
+    HSSTREAM_API_TOKEN, else the one the sidecar made in its run dir (HSSTREAM_RUN_DIR), e.g.
+    for curl: -H "authorization: Bearer $(hsstream token)"."""
+    from connector.contract.api_token import TokenFileError, client_token, token_path
+    from connector.contract.settings import Settings
+
+    s = Settings()
+    try:
+        tok = client_token(s.api_token, s.run_dir)
+    except TokenFileError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if not tok:
+        typer.echo(f"no token: HSSTREAM_API_TOKEN is unset and {token_path(s.run_dir)} does not exist (is the "
+                   "sidecar running with this HSSTREAM_RUN_DIR?)", err=True)  # fmt: skip
+        raise typer.Exit(1)
+    typer.echo(tok)
 
 
 @app.command()
@@ -440,10 +462,11 @@ def eval_(
     try:
         E.check_draft_dir(draft)
         if job:
+            from connector.contract.api_token import client_token
             from connector.contract.rest_client import SidecarClient, SidecarError
 
             try:
-                with SidecarClient(api or f"http://{s.host}:{s.port}", token=s.api_token) as client:
+                with SidecarClient(api or f"http://{s.host}:{s.port}", token=client_token(s.api_token, s.run_dir)) as client:
                     plist, split = E.job_prompts(client, job, eval_fraction, eval_seed, limit=max_prompts,
                                                  max_prompt_tokens=max(1, max_model_len - max_tokens))  # fmt: skip
             except SidecarError as e:

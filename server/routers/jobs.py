@@ -155,10 +155,17 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
         raise HTTPException(422, {"message": "bad options", "errors": errors}) from e
     await file.seek(0)
     await svc.submitter.probe_engine()
-    records = JsonlRecords(file, svc.settings, opt.epochs)
+    records = JsonlRecords(file, svc.settings, opt.epochs, max_line_chars=line_chars(svc.tokenizer.row_chars(opt)))
     created = await svc.admitter.run(admit, svc, records, opt, records.check)
     svc.submitter.wake()
     return created
+
+
+def line_chars(row_chars: int) -> int:
+    """The longest JSONL line an upload may hold: a row's text bound (``Tokenizer.row_chars``) as
+    JSON may spell it (``\\uXXXX`` is six characters for one, token ids up to eleven per token),
+    and room for its keys. A longer line is a bad line, read no further than the bound."""
+    return 8 * row_chars + (64 << 10)
 
 
 class JsonlRecords:
@@ -169,15 +176,33 @@ class JsonlRecords:
     is refused anyway, by :meth:`check`. utf-8-sig: a leading BOM, as some editors write, is not
     part of the first line."""
 
-    def __init__(self, file: UploadFile, s: Settings, epochs: int) -> None:
+    def __init__(self, file: UploadFile, s: Settings, epochs: int, *, max_line_chars: int = 1 << 30) -> None:
         self.file, self.s, self.epochs = file, s, epochs
+        self.max_line_chars = max_line_chars
         self.count = 0
         self.bad: list[dict] = []
 
+    def _lines(self) -> Iterator[tuple[int, str | None]]:
+        """(line number, line), a line over ``max_line_chars`` as None: read up to the bound,
+        the rest of it skipped a chunk at a time, never held whole."""
+        lines = io.TextIOWrapper(self.file.file, encoding="utf-8-sig", errors="replace", newline=None)
+        ln = 0
+        while line := lines.readline(self.max_line_chars + 1):
+            ln += 1
+            if len(line) > self.max_line_chars and not line.endswith("\n"):
+                while (rest := lines.readline(1 << 20)) and not rest.endswith("\n"):
+                    pass
+                yield ln, None
+                continue
+            yield ln, line
+
     def __iter__(self) -> Iterator[SampleIn]:
         s = self.s
-        lines = io.TextIOWrapper(self.file.file, encoding="utf-8-sig", errors="replace", newline=None)
-        for ln, line in enumerate(lines, 1):
+        for ln, line in self._lines():
+            if line is None:
+                self.bad.append({"line": ln, "reason": f"longer than {self.max_line_chars:,} characters: more text than "
+                                                       "a sample's token limit can hold (read no further)"})  # fmt: skip
+                continue
             if not line.strip():
                 continue
             if self.count + len(self.bad) >= s.max_job_samples:

@@ -13,8 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from connector.contract.api_token import read_token
-from connector.contract.rest_client import auth_headers
-from connector.contract.rest_client import SidecarClient, multipart_jsonl
+from connector.contract.rest_client import SidecarClient, auth_headers, multipart_jsonl
 from connector.contract.settings import Settings
 from trainer_client import data_sources as DS
 from hsstream import rest_client as RC
