@@ -48,7 +48,7 @@ POLL_MS = 20
 STALLED_S = 0.5
 #: Keys of ACK / RECEIVED / FAIL messages settled in one ledger group: the lock is held from
 #: the group's first message to its commit, so this bounds how long any other thread waits.
-GROUP_KEYS = 4096
+GROUP_KEYS = 2048
 #: Seconds between two tries to write the rows a full volume left waiting (``Ledger.flush``).
 FLUSH_EVERY_S = 0.5
 
@@ -193,6 +193,7 @@ class DeliveryService(SocketThread):
         self.max_hello_jobs = max_hello_jobs
         self.max_settle_keys = max_settle_keys
         self.budget_bytes = budget_bytes
+        self.sample_bytes = 0  # the largest sample delivered yet (the room _share keeps for a newcomer)
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         # delivered_remote: the bytes left through us (zmq or mooncake), also counted per transport.
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
@@ -547,13 +548,20 @@ class DeliveryService(SocketThread):
             peer.last_sent = time.monotonic()
 
     def _share(self) -> int | None:
-        """Each trainer's share of the spool budget: an equal part for each trainer being served
-        (greeted, not ended, not refused: every DDP rank is a stream of its own and counts as
-        one), the whole budget for a trainer alone. None without a budget (no share rule)."""
+        """Each trainer's share of the spool budget (None without a budget: no share rule):
+
+        - with N trainers being served (greeted, not ended, not refused; every DDP rank is a
+          stream of its own and counts as one), the budget / N;
+        - a trainer alone, the whole budget but the room of one sample (the largest delivered
+          yet): a trainer that never lets go cannot take it all before another one comes, or
+          the newcomer would wait for samples no budget is left to produce.
+        """
         if self.budget_bytes is None:
             return None
         n = sum(1 for p in self.peers.values() if p.greeted and not p.ended and not p.refused)
-        return self.budget_bytes // max(1, n)
+        if n <= 1:
+            return max(self.budget_bytes - self.sample_bytes, self.sample_bytes)
+        return self.budget_bytes // n
 
     def _prune(self, owner: bytes, peer: Peer) -> None:
         """Keys it will never confirm (a lease that lapsed and went elsewhere, a copy it dropped)
@@ -572,6 +580,8 @@ class DeliveryService(SocketThread):
         n = min(peer.credit, self.max_credit - len(peer.holding))
         if share is None or n <= 0:
             return n, None
+        if not self.sample_bytes:  # the first delivery tells the sample size (the room a share keeps)
+            n = 1
         if peer.holding and peer.held_bytes >= share:
             self.stats["share_limited"] += 1
             return 0, 0
@@ -636,6 +646,9 @@ class DeliveryService(SocketThread):
                 log.warning("trainer %s unreachable (%s): returning its leases", owner.hex(), e)
                 self._release_owner(owner)
                 del self.peers[owner]
+        if share is not None:  # what no waiting frees: the budget's watermark leaves it out
+            self.ledger.pinned_bytes = sum(p.held_bytes for p in self.peers.values()
+                                           if p.holding and p.held_bytes >= share)  # fmt: skip
 
     def _deliver(self, owner: bytes, peer: Peer, share: int | None = None) -> None:
         """Lease what it has room for, in one commit before any DELIVER leaves, and send them;
@@ -679,6 +692,7 @@ class DeliveryService(SocketThread):
                 self.stats["delivered_remote"] += 1
                 self.stats[f"delivered_{sender.name}"] += 1
             peer.hold(s.key, s.on_disk_bytes)
+            self.sample_bytes = max(self.sample_bytes, s.on_disk_bytes)
             peer.credit -= 1
             peer.delivered += 1
             self.stats["delivered"] += 1

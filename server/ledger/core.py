@@ -52,6 +52,9 @@ class LedgerCore:
         self._n_ready = 0
         self._qlo = self._qhi = 0  # queue positions: appendleft below qlo, append above qhi
         self._spool = SpoolBudget()
+        #: Spool bytes trainers hold at or over their share of the budget (set by the delivery
+        #: thread each pass): the budget's watermark leaves them out (``SpoolBudget.closed``).
+        self.pinned_bytes = 0
         self._store = Store(path)
         self.path = self._store.path
         #: Told every move as it is written (``Listener``): observers such as the metrics and

@@ -98,15 +98,16 @@ class Leases(LedgerCore):
         with self._lock:
             out: list[bool | None] = []
             ask: list[P.SampleKey] = []
+            consumed, live, jobs = self._consumed_slots, self._live, self.jobs
             for key, token in pairs:
                 if not token:
                     out.append(False)
-                elif (held := self._consumed_slots.get(key)) is not None:
+                elif consumed and (held := consumed.get(key)) is not None:
                     out.append(hmac.compare_digest(held[2], token))
-                elif (s := self._live.get(key)) is not None:
-                    out.append(bool(s.lease_token) and hmac.compare_digest(s.lease_token, token))  # type: ignore[arg-type]
-                elif key.job not in self.jobs:
+                elif key.job not in jobs:
                     out.append(False)
+                elif (s := live.get(key)) is not None:
+                    out.append(bool(s.lease_token) and hmac.compare_digest(s.lease_token, token))  # type: ignore[arg-type]
                 else:
                     out.append(None)
                     ask.append(key)
@@ -114,7 +115,7 @@ class Leases(LedgerCore):
                 found = self._store.lease_tokens(ask)
                 for i, (key, token) in enumerate(pairs):
                     if out[i] is None:
-                        have = found.get(key)
+                        have = found.get((key.job, key.epoch, key.index))
                         out[i] = bool(have) and hmac.compare_digest(have, token)  # type: ignore[arg-type]
             return out  # type: ignore[return-value]
 

@@ -414,38 +414,29 @@ class Store:
 
     def load_many(self, keys: list[P.SampleKey]) -> dict[P.SampleKey, SampleRow]:
         """The rows of ``keys`` that exist, in one query."""
+        cols = ", ".join(f"s.{c.strip()}" for c in COLS.split(","))
         out: dict[P.SampleKey, SampleRow] = {}
-        for part in _chunks(keys):
-            for row in self.db.execute(f"SELECT {COLS} FROM samples WHERE (job_id, epoch, idx) IN ({_values(part)})",
-                                       [x for k in part for x in (k.job, k.epoch, k.index)]):  # fmt: skip
-                s = row_to_sample(row)
-                out[s.key] = s
+        for row in self.db.execute(f"SELECT {cols} {_JOIN_KEYS}", (_keys_json(keys),)):
+            s = row_to_sample(row)
+            out[s.key] = s
         return out
 
-    def lease_tokens(self, keys: list[P.SampleKey]) -> dict[P.SampleKey, str | None]:
-        """Each existing key's latest lease token, in one query (no token ids read)."""
-        out: dict[P.SampleKey, str | None] = {}
-        for part in _chunks(keys):
-            for jid, ep, idx, token in self.db.execute(
-                f"SELECT job_id, epoch, idx, lease_token FROM samples WHERE (job_id, epoch, idx) IN ({_values(part)})",
-                [x for k in part for x in (k.job, k.epoch, k.index)],
-            ):
-                out[P.SampleKey(job=jid, epoch=ep, index=idx)] = token
-        return out
+    def lease_tokens(self, keys: list[P.SampleKey]) -> dict[tuple[str, int, int], str | None]:
+        """Each existing key's latest lease token, by (job, epoch, index), in one query (no token
+        ids read)."""
+        return {(jid, ep, idx): token for jid, ep, idx, token in
+                self.db.execute(f"SELECT s.job_id, s.epoch, s.idx, s.lease_token {_JOIN_KEYS}", (_keys_json(keys),))}  # fmt: skip
 
     def save_job(self, j: Job) -> None:
         self._write(("job", j.job_id), "UPDATE jobs SET finished=?, tokens_consumed=?, bytes_consumed=? WHERE job_id=?",
                     (j.finished, j.tokens_consumed, j.bytes_consumed, j.job_id))  # fmt: skip
 
 
-#: Keys per query of :meth:`Store.load_many` / :meth:`Store.lease_tokens` (3 parameters each,
-#: within SQLite's 32,766).
-_IN_KEYS = 4096
+#: Rows of the keys a JSON array of [job, epoch, index] names, each found by the primary key
+#: (a row-value ``IN`` list would scan the table).
+_JOIN_KEYS = ("FROM json_each(?) AS k JOIN samples AS s ON s.job_id = json_extract(k.value, '$[0]') "
+              "AND s.epoch = json_extract(k.value, '$[1]') AND s.idx = json_extract(k.value, '$[2]')")
 
 
-def _chunks(keys: list[P.SampleKey]) -> list[list[P.SampleKey]]:
-    return [keys[i : i + _IN_KEYS] for i in range(0, len(keys), _IN_KEYS)]
-
-
-def _values(part: list[P.SampleKey]) -> str:
-    return "VALUES " + ",".join(["(?,?,?)"] * len(part))
+def _keys_json(keys: list[P.SampleKey]) -> str:
+    return json.dumps([[k.job, k.epoch, k.index] for k in keys], separators=(",", ":"))
