@@ -197,3 +197,26 @@ def test_no_route_waits_for_the_ledger_lock_on_the_event_loop(served):
         c.join(60)
     assert spy.loop_waits == 0
     assert answers == {**{p: 200 for p in paths}, "/readyz": 503}, answers  # 503: its loops are not running
+
+
+def test_a_large_json_body_is_parsed_off_the_event_loop(served, monkeypatch):
+    """Parsing a JSON job holds the interpreter in proportion to its size (up to
+    HSSTREAM_MAX_JSON_BYTES, most of a second here): above PARSE_INLINE_BYTES it runs on a worker
+    thread, so the loop serves the probes and other requests meanwhile (FastAPI parsed every body
+    on the loop)."""
+    import json
+
+    url, _svc, spy = served
+    where: list[tuple[int, int]] = []
+    real = json.loads
+
+    def loads(s, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        where.append((threading.get_ident(), len(s)))
+        return real(s, *a, **kw)
+
+    monkeypatch.setattr(json, "loads", loads)
+    body = {"samples": [{"token_ids": list(range(i, i + 200))} for i in range(2000)]}  # ~3 MB
+    r = httpx.post(f"{url}/v1/jobs", json=body, headers={"authorization": "Bearer t"}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    big = [t for t, n in where if n > 1 << 20]
+    assert big and spy.loop_thread not in big, (big, spy.loop_thread)
