@@ -168,8 +168,9 @@ def used(up: Up, job: str) -> list[str]:
 
 
 def spool_files(up: Up) -> list[str]:
-    """Everything in the spool but the ownership marker."""
-    return sorted(n for n in os.listdir(up.spool) if n != P.SPOOL_MARKER) if up.spool.exists() else []
+    """Everything in the spool but the ownership marker and the running sidecar's lock."""
+    keep = (P.SPOOL_MARKER, P.SIDECAR_LOCK)
+    return sorted(n for n in os.listdir(up.spool) if n not in keep) if up.spool.exists() else []
 
 
 @pytest.fixture(scope="module")
