@@ -69,6 +69,13 @@ def no_trained_token(ids: list[int], mask: list[int], cut_to: int | None = None)
                         "learn nothing from it (a loss of 0); skipped", reason="no trained token")  # fmt: skip
 
 
+#: Text up to this many characters is tokenised whatever the token limit: it costs little, and
+#: the limit in tokens then decides (truncated or refused as the job says).
+TEXT_FLOOR_CHARS = 64 << 10
+#: A conversation to truncate may hold this many times a row's bound (as an upload line may).
+CONVERSATION_ROOM = 8
+
+
 class Tokenizer:
     #: A job's own chat template renders each sample in a worker thread, for at most this long.
     render_timeout_s = 10.0
@@ -112,15 +119,20 @@ class Tokenizer:
     def row_chars(self, opt: JobOptions) -> int:
         """The most characters of text a row may hold before it is tokenised: its token limit
         times the longest token's characters, so a row over it is over its token limit too,
-        whatever the text (``text_chars``). Tokenising costs memory in proportion to the text
-        (a 20 MiB prompt once took the sidecar's RSS up by 3.9 GB), so this comes first."""
-        return self.limit_tokens(opt)[0] * self.token_chars
+        whatever the text (``text_chars``), and never less than :data:`TEXT_FLOOR_CHARS` (text
+        that short costs little to tokenise, and the token limit decides). Tokenising costs
+        memory in proportion to the text (a 20 MiB prompt once took the sidecar's RSS up by
+        3.9 GB), so this comes first."""
+        return max(self.limit_tokens(opt)[0] * self.token_chars, TEXT_FLOOR_CHARS)
 
     def _bound_text(self, s: SampleIn, opt: JobOptions) -> SampleIn:
-        """Refuse a row whose text is over :meth:`row_chars` before any of it is tokenised; with
+        """Refuse a row whose text is over :meth:`row_chars` before any of it is tokenised. With
         ``overlong="truncate"`` a ``prompt`` is cut to the bound instead (what is left is still
-        over the token limit, and truncated there as before). A conversation is never cut: its
-        turns would change."""
+        over the token limit, and truncated there as before), and a conversation (``messages``,
+        ``conversations``) may hold :data:`CONVERSATION_ROOM` times the bound, as an upload's
+        line may: it is tokenised whole and truncated in tokens, since cutting its text would
+        change its turns (a reply cut off is a skip for "no trained token", a turn dropped is
+        another shape of conversation). Over that it is refused too."""
         if s.token_ids is not None or self._tok is None:  # token ids: bounded by their count; no tokenizer: refused
             return s
         bound = self.row_chars(opt)
@@ -128,9 +140,13 @@ class Tokenizer:
         if n <= bound:
             return s
         limit, source = self.limit_tokens(opt)
-        if opt.overlong == "truncate" and s.messages is None and s.conversations is None and s.prompt is not None:
+        truncate = opt.overlong == "truncate"
+        if truncate and s.messages is None and s.conversations is None and s.prompt is not None:
             return s.model_copy(update={"prompt": s.prompt[: bound]})
-        raise SampleRefused(f"sample has {n:,} characters of text, more than {bound:,} can fit in {limit:,} tokens "
+        if truncate and n <= CONVERSATION_ROOM * bound:
+            return s
+        over = f"{CONVERSATION_ROOM * bound:,} (a conversation to truncate)" if truncate else f"{bound:,}"
+        raise SampleRefused(f"sample has {n:,} characters of text, more than {over} can fit in {limit:,} tokens "
                             f"({source}; a token here stands for at most {self.token_chars} characters): "
                             "refused before tokenising")  # fmt: skip
 
