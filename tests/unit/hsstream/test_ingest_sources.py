@@ -353,6 +353,8 @@ def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, mo
     from hsstream.cli import submit_source
 
     monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
+    # the token the sidecar made in its run dir (the fixture's client carries it), as train finds it
+    monkeypatch.setenv("HSSTREAM_API_TOKEN", client.headers["authorization"].removeprefix("Bearer "))
     import pyarrow.parquet as pq
 
     p = tmp_path / "u.parquet"
@@ -381,6 +383,8 @@ def test_train_submit_records_the_source_and_counts_locally_from_a_second_read(t
     from trainer_client.train.config import TrainConfig
 
     monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
+    # the token the sidecar made in its run dir (the fixture's client carries it), as train finds it
+    monkeypatch.setenv("HSSTREAM_API_TOKEN", client.headers["authorization"].removeprefix("Bearer "))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: None)  # counted here instead
     p = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(5)])
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "run"), device="cpu")
