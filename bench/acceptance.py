@@ -82,10 +82,8 @@ def verdict(checks: dict[str, bool]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def submit(api: str, samples: list[dict], options: dict) -> str:
-    from connector.contract.rest_client import SidecarClient
-
-    with SidecarClient(api, timeout=120) as c:
+def submit(stack, samples: list[dict], options: dict) -> str:  # noqa: ANN001 - a devstack Stack
+    with stack.client(timeout=120) as c:
         return c.create_job(samples, options).job_id
 
 
@@ -198,21 +196,19 @@ def main(argv: list[str] | None = None) -> int:
                 opts = {"mode": "regenerate", "loss_mask": "all",
                         "sampling": {"max_tokens": a.max_tokens, "temperature": temp, "seed": 7}}  # fmt: skip
                 job_specs.append({"samples": len(part), "options": opts})
-                jobs.append(submit(stack.api, [{"prompt": p} for p in part], opts))
+                jobs.append(submit(stack, [{"prompt": p} for p in part], opts))
         else:
             docs = PV.corpus_documents(a.train_samples, PV.SEED_DRAFT_TRAIN)
             opts = {"loss_mask": "all"}
             job_specs.append({"samples": len(docs), "options": opts})
-            jobs.append(submit(stack.api, [{"prompt": d} for d in docs], opts))
+            jobs.append(submit(stack, [{"prompt": d} for d in docs], opts))
         cmd, p, t_train = train_draft(verifier, stack, jobs, wd, draft_vocab_size=a.draft_vocab_size, steps=a.steps,
                                       lr=a.lr, seed=a.seed)  # fmt: skip
         if p.returncode != 0:
             log(f"training failed ({p.returncode}):\n" + "\n".join(p.stderr.splitlines()[-30:]))
             return 1
         train = json.loads(p.stdout[p.stdout.index("{") :])
-        from connector.contract.rest_client import SidecarClient
-
-        with SidecarClient(stack.api, timeout=30) as c:
+        with stack.client(timeout=30) as c:
             consumed = [c.job(j) for j in jobs]
         payload = {"payload_dtype": a.payload_dtype, "tokens_consumed": sum(c.tokens_consumed for c in consumed),
                    "bytes_consumed": sum(c.bytes_consumed for c in consumed)}  # fmt: skip
@@ -317,7 +313,7 @@ def stream_and_train(a, verifier: str, wd: Path, extra: list[str]) -> tuple:  # 
         log(f"stack up in {t_stack:.0f} s (vLLM CPU build + sidecar), spool {stack.spool}")
         docs = PV.corpus_documents(a.train_samples, PV.SEED_DRAFT_TRAIN)
         opts = {"loss_mask": "all"}
-        jobs = [submit(stack.api, [{"prompt": d} for d in docs], opts)]
+        jobs = [submit(stack, [{"prompt": d} for d in docs], opts)]
         cmd, p, t_train = train_draft(verifier, stack, jobs, wd, draft_vocab_size=a.draft_vocab_size, steps=a.steps,
                                       lr=a.lr, seed=a.seed, extra=extra)  # fmt: skip
         if p.returncode != 0:

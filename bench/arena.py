@@ -54,6 +54,7 @@ import json
 import math
 import os
 import platform
+import secrets
 import shutil
 import signal
 import statistics
@@ -192,8 +193,8 @@ def compare(files: dict, arena: dict, max_p50_ratio: float = 0.6) -> tuple[dict,
 
 # ---------------------------------------------------------------------------------- helpers
 def sample_file_bytes(tokens: int = TOKENS) -> int:
-    from connector.contract import arena as A
     from connector import protocol as P
+    from connector.contract import arena as A
 
     return A.round_up(P.expected_file_bytes(tokens, len(LAYER_IDS), QWEN3_8B["hidden_size"], 2))
 
@@ -413,7 +414,8 @@ class Arm:
                     "HSSTREAM_MODEL": str(model_dir), "HSSTREAM_LAYER_IDS": ",".join(map(str, LAYER_IDS)),
                     "HSSTREAM_MAX_CONCURRENCY": str(a.concurrency), "HSSTREAM_LOG_LEVEL": "warning",
                     "HSSTREAM_SPOOL_BUDGET_BYTES": str(a.budget_samples * sample_file_bytes()),
-                    "HSSTREAM_SPOOL_LAYOUT": layout}  # fmt: skip
+                    "HSSTREAM_SPOOL_LAYOUT": layout,
+                    "HSSTREAM_API_TOKEN": secrets.token_hex(16)}  # fmt: skip
         self.procs: list[subprocess.Popen] = []
         self.a = a
         self.rest = None
@@ -431,7 +433,7 @@ class Arm:
         self.sidecar = subprocess.Popen([sys.executable, "-m", "hsstream", "serve"], env=self.env, stdout=log,
                                         stderr=log, cwd=ROOT, start_new_session=True)  # fmt: skip
         self.procs.append(self.sidecar)
-        self.rest = SidecarClient(f"http://127.0.0.1:{self.aport}", timeout=120)
+        self.rest = SidecarClient(f"http://127.0.0.1:{self.aport}", token=self.env["HSSTREAM_API_TOKEN"], timeout=120)
         for _ in range(600):
             try:
                 self.rest.healthz()
@@ -597,7 +599,6 @@ def tiny_section(a: argparse.Namespace) -> dict:
     """The two layouts through real vLLM (CPU) on the tiny verifier, interleaved rounds."""
     import random
 
-    from connector.contract.rest_client import SidecarClient
     from hsstream.devstack import Stack
     from hsstream.tiny_model import build_tiny_verifier
     from trainer_client import HiddenStateStream
@@ -624,7 +625,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         got: list[tuple[float, float, float]] = []  # (notice sent_at, yielded s after submission, ms)
         hop: dict[str, list[float]] = {}
         t_last, slots = t0, 0
-        with SidecarClient(st.api) as api:
+        with st.client() as api:
             jid = api.create_job(ps).job_id
             with HiddenStateStream(st.delivery_endpoint, jobs=[jid], spool_dir=st.spool, credit=a.credit,
                                    pin_memory=False, timeout_s=300) as s:  # fmt: skip

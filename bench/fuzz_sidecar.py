@@ -15,6 +15,11 @@ here is of the REST surface, which needs no engine. Against it:
   job and one past the row limit, bodies over the limits (declared, sent, chunked), bad content
   types, bad tokens and authorization headers, unknown and malformed job ids, and status /
   cancel / delete races on real jobs from several threads;
+* **token-less and slow bodies**: strangers' bodies (JSON of 14 MB sent whole, uploads announcing
+  64 MiB, heads with no body at all), each to be answered 401 from its head with the rest
+  drained (the sidecar's RSS must not grow with them); bodies with the token that stall
+  mid-way, each to get a 408 after ``HSSTREAM_HTTP_BODY_TIMEOUT_S``, and one more body than
+  ``HSSTREAM_MAX_UPLOADS_PER_CLIENT`` from this one address, to get a 429;
 * **connections** that hold the server: slow heads (slowloris), connections that send nothing,
   connections idle after an answer; each must be closed by the sidecar.
 
@@ -436,6 +441,69 @@ def hostile(url: str, port: int, tally: Tally, jobs: list[str], prober: Prober, 
     return out
 
 
+def _raw_head(port: int, path: str, headers: dict[str, str], length: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    lines = [f"POST {path} HTTP/1.1", "Host: x", f"Content-Length: {length}", *(f"{k}: {v}" for k, v in headers.items())]
+    s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return s
+
+
+def tokenless_and_slow(url: str, port: int, tally: Tally, rss: RssSampler, n_tokenless: int, n_slow: int,
+                       body_timeout_s: float) -> dict:
+    """Strangers' bodies (no token) and bodies that stall; returns what each kind measured."""
+    out: dict = {}
+    # JSON bodies of 14 MB sent whole, without the token: answered from the head, drained, never parsed
+    rss_before = rss.rss()
+    body = b'{"samples": [{"token_ids": [' + b"1," * (7 * 10**6 - 1) + b'1]}]}'
+    sess = requests.Session()
+    t0 = time.monotonic()
+    for _ in range(n_tokenless):
+        send(sess, tally, "token-less JSON body of 14 MB (sent whole)", "POST", f"{url}/v1/jobs", data=body,
+             headers={"content-type": "application/json"})  # fmt: skip
+    out["tokenless_json_14mb"] = {"sent": n_tokenless, "seconds": round(time.monotonic() - t0, 1),
+                                  "rss_growth_mib": round((rss.rss() - rss_before) / 2**20, 1)}  # fmt: skip
+
+    # uploads announcing 64 MiB, 64 KiB of it sent: the 401 must come before the rest
+    waits = []
+    for _ in range(16):
+        s = _raw_head(port, "/v1/jobs/upload", {"Content-Type": "multipart/form-data; boundary=b"}, 64 << 20)
+        t0 = time.monotonic()
+        s.sendall(b"--b\r\n" + b"x" * (64 << 10))
+        s.settimeout(10)
+        status = tally.raw("token-less upload announcing 64 MiB (64 KiB sent)", read_reply(s))
+        waits.append((status, time.monotonic() - t0))
+    # heads alone, the body never sent: answered at once, not held for the body timeout
+    for _ in range(16):
+        s = _raw_head(port, "/v1/jobs/upload", {"Content-Type": "multipart/form-data; boundary=b"}, 1 << 20)
+        t0 = time.monotonic()
+        s.settimeout(10)
+        status = tally.raw("token-less head, no body ever", read_reply(s))
+        waits.append((status, time.monotonic() - t0))
+    out["tokenless_uploads"] = {"answers": dict(collections.Counter(str(w[0]) for w in waits)),
+                                "seconds_to_answer_max": round(max(w[1] for w in waits), 2)}  # fmt: skip
+
+    # bodies with the token that stall mid-way, as many as one client may have, and one more
+    stalled = []
+    for _ in range(n_slow):
+        s = _raw_head(port, "/v1/jobs/upload", {**AUTH, "Content-Type": "multipart/form-data; boundary=b"}, 1 << 20)
+        s.sendall(b"--b\r\n")
+        stalled.append((s, time.monotonic()))
+    time.sleep(0.5)
+    extra = _raw_head(port, "/v1/jobs/upload", {**AUTH, "Content-Type": "multipart/form-data; boundary=b"}, 1 << 20)
+    extra.settimeout(10)
+    over_cap = tally.raw("one body over the per-client limit", read_reply(extra))
+    results = []
+    for s, t0 in stalled:
+        s.settimeout(body_timeout_s + 30)
+        status = tally.raw("body stalled mid-way (token)", read_reply(s))
+        results.append((status, time.monotonic() - t0))
+    out["stalled_bodies"] = {"opened": n_slow, "answers": dict(collections.Counter(str(r[0]) for r in results)),
+                             "seconds_to_answer_min": round(min(r[1] for r in results), 1) if results else None,
+                             "seconds_to_answer_max": round(max(r[1] for r in results), 1) if results else None,
+                             "over_the_per_client_limit": over_cap}  # fmt: skip
+    return out
+
+
 def held_connections(port: int, tally: Tally, n_slow: int, n_idle: int, n_after: int) -> dict:
     """Connections that hold the server: a head one byte a second (slowloris), nothing at all,
     and idle after an answer. Each is given 30 s to be closed by the sidecar."""
@@ -534,6 +602,9 @@ def main() -> int:
                     help="connections that send nothing, and as many idle after an answer")  # fmt: skip
     ap.add_argument("--big-epochs", type=int, default=1000, help="epochs of the 2,000-sample job")
     ap.add_argument("--race-s", type=float, default=20.0, help="seconds of status/cancel races")
+    ap.add_argument("--tokenless", type=int, default=81, help="token-less 14 MB JSON bodies sent whole")
+    ap.add_argument("--stalled-bodies", type=int, default=4,
+                    help="bodies with the token that stall mid-way (the per-client limit's worth)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/fuzz_sidecar.json")
     args = ap.parse_args()
 
@@ -564,7 +635,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     t_start = time.monotonic()
     try:
-        launch.wait_http(f"{url}/healthz", child, 60)
+        launch.wait_http(f"{url}/healthz", child, 180)
         proc = psutil.Process(child.proc.pid)
         tally = Tally()
         prober, rss = Prober(url), RssSampler(proc)
@@ -581,6 +652,12 @@ def main() -> int:
         t0 = time.monotonic()
         hos = hostile(url, port, tally, jobs, prober, rss, args.big_epochs, args.race_s)
         hos["seconds"] = round(time.monotonic() - t0, 1)
+        print("token-less and slow bodies", flush=True)
+        prober.phase = rss.phase = "token-less and slow bodies"
+        t0 = time.monotonic()
+        slow_bodies = tokenless_and_slow(url, port, tally, rss, args.tokenless, args.stalled_bodies,
+                                         float(env.get("HSSTREAM_HTTP_BODY_TIMEOUT_S", "60")))  # fmt: skip
+        slow_bodies["seconds"] = round(time.monotonic() - t0, 1)
         print("held connections", flush=True)
         prober.phase = rss.phase = "held connections"
         conns = held_connections(port, tally, args.slow, args.idle, args.idle)
@@ -619,6 +696,7 @@ def main() -> int:
         "bad_examples": tally.bad[:20],
         "generated": gen,
         "hostile": hos,
+        "tokenless_and_slow_bodies": slow_bodies,
         "held_connections": conns,
         "connections_left_open": connections_left_open,
         "healthz": prober.summary(),
@@ -633,8 +711,13 @@ def main() -> int:
         "tracebacks_in_log": text.count("Traceback"),
         "wall_s": round(time.monotonic() - t_start, 1),
     }
+    sb = slow_bodies
+    slow_ok = (set(sb["tokenless_uploads"]["answers"]) == {"401"} and set(sb["stalled_bodies"]["answers"]) <= {"408"}
+               and sb["stalled_bodies"]["over_the_per_client_limit"] == 429
+               and tally.status_by_kind["token-less JSON body of 14 MB (sent whole)"].keys() <= {"401"})  # fmt: skip
     ok = (doc["answers_500_or_more"] == 0 and doc["unanswered"] == 0 and connections_left_open == 0 and alive
-          and doc["tracebacks_in_log"] == 0 and doc["hostile"]["non_finite_echoed"] == 0)  # fmt: skip
+          and doc["tracebacks_in_log"] == 0 and doc["hostile"]["non_finite_echoed"] == 0 and slow_ok)  # fmt: skip
+    doc["tokenless_and_slow_as_expected"] = slow_ok
     doc["verdict"] = "pass" if ok else "fail"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
@@ -652,6 +735,7 @@ def main() -> int:
     print(f"/healthz: {h['probes']:,} probes, longest {h['longest_ms']} ms, p99 {h['p99_ms']} ms, failures "
           f"{h['failures']}; by phase {h['longest_ms_by_phase']}")
     print(f"big job: {doc['hostile']['big_job']}")
+    print(f"token-less and slow bodies: {slow_bodies}")
     print(f"RSS: baseline {r['baseline_mib']} MiB, peak +{r['peak_growth_mib']} MiB "
           f"(outside the big job +{r['peak_growth_outside_big_job_mib']}), end {r['end_growth_mib']:+} MiB")
     print(f"{doc['verdict']} in {doc['wall_s']} s -> {args.out}")

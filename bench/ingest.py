@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import secrets
 import socket
 import subprocess
 import sys
@@ -132,8 +133,8 @@ def main() -> int:
            "HSSTREAM_MODEL": str(build_tiny_verifier()), "HSSTREAM_MAX_CONCURRENCY": "2",
            "HSSTREAM_LOG_LEVEL": "warning", "HSSTREAM_MAX_JOB_SAMPLES": str(max(a.rows, 1000)),
            "HSSTREAM_MAX_JOB_ROWS": str(max(a.rows, 1000))}  # fmt: skip
-    env.pop("HSSTREAM_API_TOKEN", None)
-    rest = SidecarClient(api, token="")  # the sidecar runs without a token
+    env["HSSTREAM_API_TOKEN"] = token = secrets.token_hex(16)
+    rest = SidecarClient(api, token=token)
     procs = []
     log = open(work / "sidecar.log", "w")  # noqa: SIM115
     try:
@@ -166,7 +167,7 @@ def main() -> int:
         hwm, after = proc_kib(sidecar.pid, "VmHWM"), proc_kib(sidecar.pid, "VmRSS")
         st = rest.job(res["job_id"]) if res["rc"] == 0 else None
         if res["rc"] == 0:
-            SidecarClient(api, token="", timeout=600).cancel(res["job_id"])
+            SidecarClient(api, token=token, timeout=600).cancel(res["job_id"])
         client_small = run_submit(small, api, env)
         if client_small["rc"] == 0:
             rest.cancel(client_small["job_id"])

@@ -180,19 +180,19 @@ class Orchestrator:
             self.stack_fp8_device = False
 
     def submit(self, ps: list[list[int]]) -> str:
-        from connector.contract.rest_client import SidecarClient, SidecarError
+        from connector.contract.rest_client import SidecarError
 
         try:
-            with SidecarClient(self.stack.api, timeout=120) as c:
+            with self.stack.client(timeout=120) as c:
                 return c.create_job([{"token_ids": p} for p in ps]).job_id
         except SidecarError as e:
             raise ConfigFailed(f"the sidecar refused the job: {str(e)[:300]}") from e
 
     def cancel(self, job: str) -> None:
-        from connector.contract.rest_client import SidecarClient, SidecarError
+        from connector.contract.rest_client import SidecarError
 
         try:
-            with SidecarClient(self.stack.api, timeout=30) as c:
+            with self.stack.client(timeout=30) as c:
                 c.cancel(job)
         except SidecarError:
             pass

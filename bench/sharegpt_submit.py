@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.ingest import free_port, proc_kib  # noqa: E402
+from connector.contract.api_token import read_token  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
 
 MIB = 2**20
@@ -178,7 +179,7 @@ def main() -> int:
            "HSSTREAM_MAX_JOB_SAMPLES": "100000", "HSSTREAM_MAX_JOB_ROWS": "100000"}  # fmt: skip
     env.pop("HSSTREAM_API_TOKEN", None)
     flags = {"max_tokens_per_sample": a.max_tokens_per_sample, "overlong": "truncate"}
-    rest = SidecarClient(api, token="")
+    rest = SidecarClient(api, token="")  # /healthz needs none; the token is the sidecar's, made once it is up
     procs = []
     log = open(work / "sidecar.log", "w")  # noqa: SIM115
     try:
@@ -195,6 +196,8 @@ def main() -> int:
                 if sidecar.poll() is not None or time.monotonic() - t_up > 900:
                     raise SystemExit(f"the sidecar did not come up: {(work / 'sidecar.log').read_text()[-2000:]}") from None
                 time.sleep(0.5)
+        # the token the sidecar made in its run dir, as hsstream submit (the client below) reads it
+        rest = SidecarClient(api, token=read_token(work / "run") or "")
         before = proc_kib(sidecar.pid, "VmRSS")
         Path(f"/proc/{sidecar.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
         res_path = work / "client.json"
@@ -207,7 +210,7 @@ def main() -> int:
             return 1
         st = rest.job(res["job"]["job_id"]) if res["rc"] == 0 else None
         if st is not None:
-            SidecarClient(api, token="", timeout=600).cancel(st.job_id)
+            SidecarClient(api, token=read_token(work / "run") or "", timeout=600).cancel(st.job_id)
     finally:
         for q in procs:
             q.terminate()

@@ -41,7 +41,6 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from connector.contract.rest_client import SidecarClient  # noqa: E402
 from connector.protocol import lock_path_for  # noqa: E402
 
 
@@ -122,7 +121,7 @@ def via_sidecar(stack, ps: list[list[int]]) -> float:
     from trainer_client import HiddenStateStream
 
     t0 = time.perf_counter()
-    with SidecarClient(stack.api) as api:
+    with stack.client() as api:
         job = api.create_job([{"token_ids": p} for p in ps]).job_id
     with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool,
                            credit=32, timeout_s=300) as s:  # fmt: skip

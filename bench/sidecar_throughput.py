@@ -34,6 +34,7 @@ import collections
 import itertools
 import json
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -187,10 +188,11 @@ def run_once(a: argparse.Namespace) -> dict:
     token_ids = list(range(1, TOKENS + 1))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HSSTREAM_SPOOL_DIR": str(spool), "HSSTREAM_RUN_DIR": str(run),
            "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{vport}", "HSSTREAM_PORT": str(aport),
-           "HSSTREAM_MAX_CONCURRENCY": str(a.concurrency), "HSSTREAM_LOG_LEVEL": "warning"}  # fmt: skip
+           "HSSTREAM_MAX_CONCURRENCY": str(a.concurrency), "HSSTREAM_LOG_LEVEL": "warning",
+           "HSSTREAM_API_TOKEN": secrets.token_hex(16)}  # fmt: skip
     procs: list[subprocess.Popen] = []
     log = open(run / "sidecar.log", "w")  # noqa: SIM115
-    rest = SidecarClient(f"http://127.0.0.1:{aport}", timeout=120)
+    rest = SidecarClient(f"http://127.0.0.1:{aport}", token=env["HSSTREAM_API_TOKEN"], timeout=120)
     try:
         sidecar = subprocess.Popen([sys.executable, "-m", "hsstream", "serve"], env=env, stdout=log, stderr=log,
                                    cwd=ROOT, start_new_session=True)  # fmt: skip

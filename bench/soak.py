@@ -94,7 +94,7 @@ def main() -> int:
     if args.trainer:
         return trainer(*args.trainer)
 
-    from connector.contract.rest_client import SidecarClient, SidecarError
+    from connector.contract.rest_client import SidecarError
     from hsstream import launch
     from hsstream.devstack import Stack
     from hsstream.tiny_model import build_tiny_verifier
@@ -103,7 +103,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hsstream-soak-"))
     ledger = work / "ledger.sqlite"
     stack = Stack(model, [2, 6, 9, 12], work)
-    api = SidecarClient(stack.api, timeout=120)
+    api = stack.client(timeout=120)
     stack.env.update({"HSSTREAM_LEDGER_PATH": str(ledger), "HSSTREAM_SPOOL_BUDGET_BYTES": str(args.budget_bytes),
                       "HSSTREAM_TRAINER_TIMEOUT_S": "10"})  # fmt: skip
     rng = random.Random(0)

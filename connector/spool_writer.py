@@ -23,6 +23,7 @@ tensors' memory; or every tensor and the header copied into a slot).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -133,6 +134,20 @@ class MappedArena:
             raise A.ArenaError(f"slot header of {len(header)} bytes, a slot's is {A.SLOT_HEADER}")
         self.arena.map[slot.offset + 8 : slot.offset + A.SLOT_HEADER] = header[8:]
         self.arena.map[slot.offset : slot.offset + 8] = header[:8]
+
+
+def _spool_full(e: BaseException) -> bool:
+    """A write the spool's filesystem refused for room (``ENOSPC``, a quota), anywhere in the chain
+    (safetensors raises its own error around the OS's)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "os error 28" in str(e):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
 
 
 class SlotTooSmall(A.ArenaError):
@@ -367,12 +382,24 @@ class SpoolWriter:
                        "write": t3 - t2}
             notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
-            log.exception("hidden-state write failed for %s", job.request_id)
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
-            notice = self._notice(job.request_id, job.tag, status=M.NoticeStatus.error, reason=f"write failed: {e!r}")
+            if _spool_full(e):
+                # The spool's filesystem is full (other files, pages still mapped by a trainer): not
+                # the sample's fault, so "busy", as for a full write queue: produced again with no
+                # attempt spent (the sidecar submits nothing more while the filesystem is short).
+                with self._lock:
+                    self.stats["busy"] += 1
+                    self.stats["spool_full"] = self.stats.get("spool_full", 0) + 1
+                log.warning("spool full writing %s (%s): refused as busy", job.request_id, e)
+                notice = self._notice(job.request_id, job.tag, status=M.NoticeStatus.busy,
+                                      reason=f"spool full: {e}")  # fmt: skip
+            else:
+                log.exception("hidden-state write failed for %s", job.request_id)
+                notice = self._notice(job.request_id, job.tag, status=M.NoticeStatus.error,
+                                      reason=f"write failed: {e!r}")  # fmt: skip
         finally:
             job.hidden_states = job.encoded = None  # release pinned memory now
             if job.lock is not None:

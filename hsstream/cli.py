@@ -28,7 +28,9 @@ def serve(
 
         from server.app import create_app
         from server.connections import connection_limit, protocol_class
+        from server.instance_lock import AlreadyRunning, bind_rest
     from connector import protocol as P
+    from connector.contract.api_token import TokenFileError
     from connector.contract.arena import ArenaError
     from connector.contract.curve_keys import InsecureKeyFile
     from connector.contract.settings import Settings
@@ -36,26 +38,36 @@ def serve(
     from hsstream.exposure import OpenBindRefused, check_api_exposure
 
     s = Settings()
+    if insecure_no_token:
+        s = s.model_copy(update={"allow_open": True})
     bind = host or s.host
     try:
-        warning = check_api_exposure(bind, s.api_token, s.allow_open or insecure_no_token)
+        warning = check_api_exposure(bind, s.api_token, s.allow_open)
     except OpenBindRefused as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     if warning:
         typer.echo(warning, err=True)
+    if s.allow_open and not s.api_token:
+        typer.echo("WARNING: the REST API is served without a token (HSSTREAM_ALLOW_OPEN / --insecure-no-token): "
+                   "every local user can read and submit jobs", err=True)  # fmt: skip
     # uvicorn stops gracefully on SIGTERM, then re-raises it to the handler it found, to die by
     # it (exit 143) although the stop was clean: this handler makes that exit status 0.
     launch.exit_0_on_stop()
+    the_port = port or s.port
     try:
-        app_ = create_app(s)
-    except (P.SpoolNotOurs, InsecureKeyFile, ArenaError) as e:  # ArenaError: a tmpfs too small for it
+        # The port first, then the locks (in create_app), then the ledger, arena and sockets: a
+        # second sidecar stops before it touches anything of the first one's (server/instance_lock.py).
+        sock = bind_rest(bind, the_port, s)
+        app_ = create_app(s, rest=f"http://{bind}:{sock.getsockname()[1]}")
+    except (P.SpoolNotOurs, InsecureKeyFile, ArenaError, AlreadyRunning, TokenFileError) as e:  # ArenaError: a tmpfs too small for it
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     # Slow, idle and surplus connections are closed (server/connections.py).
     http = protocol_class(s.http_header_timeout_s, connection_limit(s))
-    uvicorn.run(app_, host=bind, port=port or s.port, log_level="warning", http=http,
-                timeout_keep_alive=s.http_idle_timeout_s)  # fmt: skip
+    config = uvicorn.Config(app_, host=bind, port=the_port, log_level="warning", http=http,
+                            timeout_keep_alive=s.http_idle_timeout_s)  # fmt: skip
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 @app.command()
@@ -74,8 +86,8 @@ def vllm(
     """Run vLLM with the extraction method and our connector.
 
     It execs `vllm serve` with the command line compose runs too."""
-    from connector.layers import LayerIdError
     from connector.contract.settings import Settings
+    from connector.layers import LayerIdError
     from hsstream import launch
 
     s = Settings()
@@ -181,6 +193,28 @@ def status(
     from hsstream.rest_client import status as _status
 
     raise typer.Exit(_status(job, url))
+
+
+@app.command()
+def token() -> None:
+    """Print the sidecar's REST token, as the hsstream commands send it.
+
+    HSSTREAM_API_TOKEN, else the one the sidecar made in its run dir (HSSTREAM_RUN_DIR), e.g.
+    for curl: -H "authorization: Bearer $(hsstream token)"."""
+    from connector.contract.api_token import TokenFileError, client_token, token_path
+    from connector.contract.settings import Settings
+
+    s = Settings()
+    try:
+        tok = client_token(s.api_token, s.run_dir)
+    except TokenFileError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    if not tok:
+        typer.echo(f"no token: HSSTREAM_API_TOKEN is unset and {token_path(s.run_dir)} does not exist (is the "
+                   "sidecar running with this HSSTREAM_RUN_DIR?)", err=True)  # fmt: skip
+        raise typer.Exit(1)
+    typer.echo(tok)
 
 
 @app.command()
@@ -553,10 +587,11 @@ def eval_(
     try:
         E.check_draft_dir(draft)
         if job:
+            from connector.contract.api_token import client_token
             from connector.contract.rest_client import SidecarClient, SidecarError
 
             try:
-                with SidecarClient(api or f"http://{s.host}:{s.port}", token=s.api_token) as client:
+                with SidecarClient(api or f"http://{s.host}:{s.port}", token=client_token(s.api_token, s.run_dir)) as client:
                     plist, split = E.job_prompts(client, job, eval_fraction, eval_seed, limit=max_prompts,
                                                  max_prompt_tokens=max(1, max_model_len - max_tokens))  # fmt: skip
             except SidecarError as e:

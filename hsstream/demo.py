@@ -14,7 +14,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from connector.contract.rest_client import SidecarClient
 from hsstream import launch
 from hsstream.devstack import Stack
 
@@ -59,7 +58,7 @@ def run_demo(num_prompts: int = 32, workdir: str | None = None) -> int:
         with console.status("starting vLLM + sidecar") as st:
             stack.start(on_tick=lambda s: st.update(f"starting vLLM (CPU build, threads bound {bind}): {s:.0f} s"))
         console.print(f"stack ready after {time.perf_counter() - t_all:.0f} s")
-        with SidecarClient(stack.api) as api:
+        with stack.client() as api:
             job = api.create_job(demo_prompts(num_prompts)).job_id
         t0 = time.perf_counter()
         tokens = nbytes = samples = 0
@@ -74,7 +73,7 @@ def run_demo(num_prompts: int = 32, workdir: str | None = None) -> int:
                     highlight=False,
                 )
         dt = time.perf_counter() - t0
-        with SidecarClient(stack.api, timeout=10) as api:
+        with stack.client(timeout=10) as api:
             status = api.job(job)
         time.sleep(0.2)
         left = stack.spool_files()

@@ -89,6 +89,27 @@ class Stack:
         return f"http://127.0.0.1:{self.api_port}"
 
     @property
+    def token(self) -> str:
+        """The REST API's bearer token: ``HSSTREAM_API_TOKEN`` of the stack's environment, else the
+        one its sidecar made in the stack's run dir (``connector/contract/api_token.py``)."""
+        from connector.contract.api_token import client_token
+
+        return client_token(self.env.get("HSSTREAM_API_TOKEN"), self.run_dir)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header for a plain HTTP call to :attr:`api`."""
+        from connector.contract.rest_client import auth_headers
+
+        return auth_headers(self.token)
+
+    def client(self, **kw):  # noqa: ANN003, ANN201 - a SidecarClient (imported here: httpx)
+        """The typed REST client of this stack's sidecar, with its token."""
+        from connector.contract.rest_client import SidecarClient
+
+        return SidecarClient(self.api, token=self.token, **kw)
+
+    @property
     def delivery_endpoint(self) -> str:
         return f"ipc://{self.run_dir}/delivery.sock"
 
@@ -117,12 +138,12 @@ class Stack:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def spool_files(self) -> list[str]:
-        """Everything in the spool but the sidecar's ownership marker and the arena file (whose
-        slots :meth:`held_slots` counts)."""
+        """Everything in the spool but the sidecar's ownership marker, its lock and the arena file
+        (whose slots :meth:`held_slots` counts)."""
         from connector.contract.arena import ARENA_NAME
-        from connector.protocol import SPOOL_MARKER
+        from connector.protocol import SIDECAR_LOCK, SPOOL_MARKER
 
-        keep = (SPOOL_MARKER, ARENA_NAME)
+        keep = (SPOOL_MARKER, ARENA_NAME, SIDECAR_LOCK)
         return sorted(n for n in os.listdir(self.spool) if n not in keep) if self.spool.exists() else []
 
     def held_slots(self) -> int:
@@ -130,7 +151,7 @@ class Stack:
         from connector.contract.rest_client import SidecarClient, SidecarError
 
         try:
-            with SidecarClient(self.api, token=self.env.get("HSSTREAM_API_TOKEN", ""), timeout=10) as c:
+            with SidecarClient(self.api, token=self.token, timeout=10) as c:
                 a = c.stats().arena
         except SidecarError:
             return 0

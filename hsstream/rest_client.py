@@ -23,11 +23,12 @@ console = Console(stderr=True)
 
 def _client(url: str | None) -> SidecarClient:
     """The typed client at ``url``, or at ``http://HSSTREAM_HOST:HSSTREAM_PORT``, with the
-    settings' token."""
+    settings' token, else the one the sidecar made in the run dir."""
+    from connector.contract.api_token import client_token
     from connector.contract.settings import Settings
 
     s = Settings()
-    return SidecarClient(url or f"http://{s.host}:{s.port}", token=s.api_token or "")
+    return SidecarClient(url or f"http://{s.host}:{s.port}", token=client_token(s.api_token, s.run_dir))
 
 
 class _Refused(Exception):

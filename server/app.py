@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from connector import protocol as P
 from connector.contract import arena as A
+from connector.contract.api_token import ensure_token
+from connector.contract.rest import JobIn
 from connector.contract.settings import Settings, lower_switch_interval
 from connector.transport import senders_from_settings
 from server import errors
@@ -25,10 +28,12 @@ from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
 from server.doorbell import Doorbell
+from server.instance_lock import acquire
 from server.ledger import Ledger
 from server.metrics import SidecarMetrics
 from server.model_shape import SampleSizer
 from server.notices import NoticeReceiver
+from server.request_gate import RequestGate
 from server.routers import docs, health, jobs, observability
 from server.spool import SpoolKeeper
 from server.submitter import Submitter
@@ -73,12 +78,30 @@ async def compact_finished_jobs(ledger: Ledger, retention_s: float) -> None:
             log.exception("job compaction failed")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, rest: str | None = None) -> FastAPI:
+    """``rest``: the address the REST API is served at (for the lock files: the next sidecar's
+    error names it), else ``HSSTREAM_HOST``:``HSSTREAM_PORT``."""
     s = settings or Settings()
     spool = s.spool_dir
     if P.claim_spool(spool):  # refuses a directory that is not ours (e.g. a model folder), before anything
         log.info("spool %s created/marked as ours", spool)
     s.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Before the ledger is opened (and migrated), the arena adopted, the spool swept or a socket
+    # bound: another live sidecar on any of them stops this one here (server/instance_lock.py).
+    instance = acquire(s, rest=rest or f"http://{s.host}:{s.port}")
+    try:
+        return _create_app(s, instance)
+    except BaseException:
+        instance.release()
+        raise
+
+
+def _create_app(s: Settings, instance) -> FastAPI:  # noqa: ANN001
+    spool = s.spool_dir
+    if not s.api_token and not s.allow_open:
+        # A token on loopback too (connector/contract/api_token.py): ours, in the run dir, 0600.
+        s = s.model_copy(update={"api_token": ensure_token(s.run_dir)})
+        log.info("REST API token: the one in %s (HSSTREAM_API_TOKEN unset)", s.run_dir / "api-token")
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
     arena = None
     if s.spool_layout == "arena":
@@ -111,7 +134,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_message_bytes=s.max_peer_message_bytes, max_hello_jobs=s.max_hello_jobs,
             doorbell=delivery_bell,
             on_unheld=metrics.count_unheld,  # settlements without their lease token
-            arena=arena,
+            arena=arena, max_settle_keys=s.max_settle_keys,
+            budget_bytes=s.spool_budget_bytes,  # shared by the trainers: none pins what the others need
         ),
         submitter=Submitter(
             ledger, s.vllm_url, budget_bytes=s.spool_budget_bytes, max_ready=s.max_ready_samples,
@@ -146,6 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc.notices.stop()
         svc.admitter.close()
         ledger.close()
+        instance.release()
 
     app = FastAPI(title="hsstream sidecar", version=str(P.PROTOCOL_VERSION), lifespan=lifespan,
                   openapi_url=None, docs_url=None, redoc_url=None,  # served by routers/docs.py, behind the token
@@ -153,10 +178,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.state.services = svc
 
-    app.add_middleware(BodyLimit, json_bytes=s.max_json_bytes, upload_bytes=s.max_body_bytes)
+    # Outermost last: the gate (the token, one client's bodies) answers from the request's head,
+    # before the body limits count a byte and before FastAPI reads or parses any.
+    app.add_middleware(BodyLimit, json_bytes=s.max_json_bytes, upload_bytes=s.max_body_bytes,
+                       body_timeout_s=s.http_body_timeout_s, stats=svc.http_stats)  # fmt: skip
+    app.add_middleware(RequestGate, token=s.api_token or None, uploads_per_client=s.max_uploads_per_client,
+                       stats=svc.http_stats)  # fmt: skip
+    weakref.finalize(app, instance.release)  # an app never started (a test's) lets its locks go with it
 
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(observability.router)
     app.include_router(docs.router)
+    docs.add_request_bodies(app, JobIn)  # POST /v1/jobs reads its body itself (off the event loop)
     return app

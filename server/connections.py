@@ -10,8 +10,16 @@ layer rather than a proxy in front: a timer from a connection's start, and from 
 each later request, to the end of that request's head (a client that takes longer gets 408 and
 the connection closed); and a connection past the limit gets a 503 and is closed at once. The
 guard sits on the parser uvicorn would pick (httptools, else h11), hooking only where a head
-begins and ends. A slow *body* is not cut off: an upload of hundreds of MiB over a slow link is
-legitimate, and the body limits bound its size (``server/body_limit.py``).
+begins and ends. A slow *body* is not cut off as long as it keeps coming: an upload of hundreds
+of MiB over a slow link is legitimate; the body limits bound its size and the wait for each of
+its pieces (``server/body_limit.py``).
+
+A request refused before its body was read (a 401 from ``server/request_gate.py``, a 413, a 408)
+is answered with ``connection: close``. Closing a socket with unread data in it sends a reset,
+and the client, still sending its body, then loses the answer too (a 17 MiB JSON body saw a
+reset, not its 413). So such a connection *lingers* instead: its write side is shut after the
+answer (FIN), and what still arrives is read and dropped, unparsed, until the client closes, no
+byte came for :data:`LINGER_IDLE_S` or :data:`LINGER_MAX_S` passed; then it is closed.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ log = logging.getLogger("hsstream.sidecar")
 #: tokenizer's files, logs.
 FD_RESERVE = 256
 
+#: A lingering connection (module docstring) is closed once the client has sent nothing for this
+#: long, or after :data:`LINGER_MAX_S` whatever it sends.
+LINGER_IDLE_S = 5.0
+LINGER_MAX_S = 30.0
+
 _HEAD = b"content-type: text/plain\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
 _408 = b"HTTP/1.1 408 Request Timeout\r\n" + _HEAD
 _503 = b"HTTP/1.1 503 Service Unavailable\r\n" + _HEAD
@@ -39,6 +52,29 @@ def _response(template: bytes, text: str) -> bytes:
     return template % (len(body), body)
 
 
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: ``close()`` lingers (module docstring)
+    when an answer went out before the request's body was read whole; all else is the transport's."""
+
+    def __init__(self, real: asyncio.Transport, guard: _Guard) -> None:
+        self._real = real
+        self._guard = guard
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._real, name)
+
+    def close(self) -> None:
+        if self._guard._lingering:
+            return  # the linger ends it
+        if self._guard._body_unread():
+            self._guard._linger()
+            return
+        self._real.close()
+
+    def is_closing(self) -> bool:
+        return self._guard._lingering or self._real.is_closing()
+
+
 class _Guard:
     """The guard, mixed in before a uvicorn HTTP protocol class (see :func:`protocol_class`)."""
 
@@ -46,6 +82,10 @@ class _Guard:
     max_connections: int = 512
     _header_timer: asyncio.TimerHandle | None = None
     _refused = False
+    _lingering = False
+    _linger_timer: asyncio.TimerHandle | None = None
+    _linger_until = 0.0
+    _real_transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:  # type: ignore[attr-defined]
@@ -55,11 +95,15 @@ class _Guard:
                                              "(HSSTREAM_HTTP_MAX_CONNECTIONS): try again later\n"))  # fmt: skip
             transport.close()
             return
-        super().connection_made(transport)  # type: ignore[misc]
+        self._real_transport = transport
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[misc]
         self._head_begins()  # the first request's head is due from now: a silent connection ends too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_done()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         if self._refused:
             return  # never set up
         super().connection_lost(exc)  # type: ignore[misc]
@@ -67,7 +111,39 @@ class _Guard:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._lingering:  # the rest of a refused body: dropped unparsed
+            self._linger_arm()
+            return
         super().data_received(data)  # type: ignore[misc]
+
+    def _body_unread(self) -> bool:
+        """An answer is complete while the request's body is still coming."""
+        cycle = getattr(self, "cycle", None)
+        return cycle is not None and cycle.response_complete and cycle.more_body and not self._real_transport.is_closing()
+
+    def _linger(self) -> None:
+        """Shut the write side once the answer is out, read and drop what still comes (module docstring)."""
+        real = self._real_transport
+        self._lingering = True
+        self._head_done()
+        try:
+            if not real.can_write_eof():
+                real.close()
+                return
+            real.write_eof()
+            real.resume_reading()  # uvicorn may have paused it (a body it had not read yet)
+        except (OSError, RuntimeError):
+            real.close()
+            return
+        self._linger_until = self.loop.time() + LINGER_MAX_S  # type: ignore[attr-defined]
+        self._linger_arm()
+
+    def _linger_arm(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        loop = self.loop  # type: ignore[attr-defined]
+        at = min(loop.time() + LINGER_IDLE_S, self._linger_until)
+        self._linger_timer = loop.call_at(at, self._real_transport.close)
 
     def _head_begins(self) -> None:
         if self._header_timer is None:

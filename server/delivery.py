@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+from pydantic import BaseModel
 
 from connector import protocol as P
 from connector.contract import arena as A
@@ -30,7 +31,8 @@ from connector.contract.sample_file import InvalidSample
 from connector.contract.rest import TrainerInfo, TrainFigures
 from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
-from server.ledger import GROUP_MAX, Ledger, SampleRow, State
+from server.ledger import GROUP_MAX, Ledger, SampleRow
+from server.ledger.store import LedgerUnsaved
 from server.notices import prepare_ipc
 from server.socket_thread import SocketThread
 
@@ -44,6 +46,11 @@ POLL_MS = 20
 #: Seconds a trainer whose queue was full gets nothing new (unless it shows progress first):
 #: without a pause every pass would lease, be refused and hand back the same samples.
 STALLED_S = 0.5
+#: Keys of ACK / RECEIVED / FAIL messages settled in one ledger group: the lock is held from
+#: the group's first message to its commit, so this bounds how long any other thread waits.
+GROUP_KEYS = 2048
+#: Seconds between two tries to write the rows a full volume left waiting (``Ledger.flush``).
+FLUSH_EVERY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,16 @@ class Peer:
     greeted: bool = False
     delivered: int = 0
     acked: int = 0
-    #: Keys delivered to it and not yet RECEIVED, ACKed, FAILed or handed back: what it holds.
-    #: Its credit is only a claim; this is what the server counts against ``max_credit``.
-    holding: set[P.SampleKey] = field(default_factory=set)
+    #: Keys delivered to it and not yet RECEIVED, FAILed or handed back (nor ACKed, unless the
+    #: ACK left the sample's slot with it for its views), with their spool bytes: what it holds.
+    #: Its credit is only a claim; this is what the server counts against ``max_credit`` and
+    #: against its share of the spool budget.
+    holding: dict[P.SampleKey, int] = field(default_factory=dict)
+    held_bytes: int = 0
+    #: Its share of the spool budget at the last delivery pass (None: no share rule).
+    share_bytes: int | None = None
+    #: It sent an ACK or RECEIVED over the limit of keys: said once in the log, then only counted.
+    warned_oversized: bool = False
     #: A DELIVER to it was refused (its queue full, it does not read): no new leases until then.
     stalled_until: float = 0.0
     #: Refused (another protocol version, a HELLO over the limits): told once, served nothing.
@@ -83,6 +97,18 @@ class Peer:
     #: Its loop's latest training report (from its heartbeats; None until it gives one). Held
     #: only while it is a peer: it goes with the peer when the trainer is presumed dead.
     train: P.TrainReport | None = None
+
+    def hold(self, key: P.SampleKey, nbytes: int) -> None:
+        self.held_bytes += nbytes - self.holding.get(key, 0)
+        self.holding[key] = nbytes
+
+    def let_go(self, keys) -> None:  # noqa: ANN001 - any iterable of keys
+        for k in keys:
+            self.held_bytes -= self.holding.pop(k, 0)
+
+    def let_go_all(self) -> None:
+        self.holding.clear()
+        self.held_bytes = 0
 
     def on_heartbeat(self, alive_s: float, waited_s: float, train: P.TrainReport | None = None) -> None:
         if train is not None:
@@ -106,6 +132,7 @@ class Peer:
             wait_share=None if share is None else round(min(max(share, 0.0), 1.0), 4),
             wait_share_recent=None if recent is None else round(min(max(recent, 0.0), 1.0), 4),
             train=None if self.train is None else TrainFigures(**self.train.model_dump()),
+            holding=len(self.holding), holding_bytes=self.held_bytes, share_bytes=self.share_bytes,
         )  # fmt: skip
 
 
@@ -135,6 +162,8 @@ class DeliveryService(SocketThread):
         doorbell: Doorbell | None = None,
         on_unheld: Callable[[str, int], object] | None = None,
         arena: A.Arena | None = None,
+        max_settle_keys: int = 1024,
+        budget_bytes: int | None = None,
     ) -> None:
         """``max_message_bytes``: the largest message part a trainer may send (ZeroMQ drops the
         connection of one that sends more, before anything is parsed); ``max_hello_jobs``: the
@@ -142,7 +171,10 @@ class DeliveryService(SocketThread):
         ``doorbell``: what other threads ring when they made samples READY (the notices thread,
         the submitter), so a new sample is offered at once rather than at the poll's timeout.
         ``on_unheld``: told (kind, keys) of each message's keys ignored for want of their lease
-        token, e.g. the Prometheus counter."""
+        token, e.g. the Prometheus counter. ``max_settle_keys``: the most keys an ACK or RECEIVED
+        may name (a longer one is refused whole and counted, ``oversized_settlements``).
+        ``budget_bytes``: the spool budget the trainers share (:meth:`_share`; None: no share
+        rule, each trainer is bounded by ``max_credit`` alone)."""
         super().__init__()
         if max_credit < 1 or send_hwm < 1:
             raise ValueError(f"max_credit and send_hwm must be at least 1 (got {max_credit}, {send_hwm})")
@@ -159,6 +191,9 @@ class DeliveryService(SocketThread):
         self.send_hwm = send_hwm
         self.max_message_bytes = max_message_bytes
         self.max_hello_jobs = max_hello_jobs
+        self.max_settle_keys = max_settle_keys
+        self.budget_bytes = budget_bytes
+        self.sample_bytes = 0  # the largest sample delivered yet (the room _share keeps for a newcomer)
         self.peers: dict[bytes, Peer] = {}  # owner id: b"L"/b"R" + socket identity
         # delivered_remote: the bytes left through us (zmq or mooncake), also counted per transport.
         self.stats = {"delivered": 0, "delivered_remote": 0, "delivered_zmq": 0, "delivered_mooncake": 0, "acked": 0,
@@ -168,13 +203,22 @@ class DeliveryService(SocketThread):
                       "bad_messages": 0,
                       # keys of ACK / RECEIVED / FAIL messages ignored: without the token of the
                       # sample's latest lease (never delivered to the sender, or a stale copy's)
-                      "unheld_acks": 0, "unheld_receiveds": 0, "unheld_fails": 0}  # fmt: skip
+                      "unheld_acks": 0, "unheld_receiveds": 0, "unheld_fails": 0,
+                      # ACK / RECEIVED messages naming more than max_settle_keys keys: refused whole
+                      "oversized_settlements": 0,
+                      # passes in which a trainer at or over its share of the budget got nothing
+                      "share_limited": 0,
+                      # message groups whose ledger writes waited for a full volume (Ledger.degraded)
+                      "unsaved_groups": 0}  # fmt: skip
         self.on_unheld = on_unheld
         #: The arena layout's mapping: a remote (zmq) trainer's bytes are read from the slot.
         self.arena = arena
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
+        # ... and those of groups whose writes wait for a full volume: once they are written
+        self._after_flush: list[tuple[Sender, P.SampleKey, str | None]] = []
+        self._flushed_at = 0.0
         # One sender per transport this sidecar offers; Mooncake only when configured.
         self.senders: dict[str, Sender] = {"spool": make_sender("spool"), "zmq": make_sender("zmq")}
         if mooncake is not None:
@@ -262,34 +306,84 @@ class DeliveryService(SocketThread):
         self.doorbell.close()
 
     def _on_messages(self, tag: bytes, batch: list[list[bytes]]) -> None:
-        """The messages that arrived together, in one ledger group (one commit for their acks
-        and receipts); files the sidecar deletes for remote trainers go once it is on disk."""
+        """The messages that arrived together: parsed first (outside the ledger's lock), then
+        applied in ledger groups of at most :data:`GROUP_KEYS` keys (one commit each for their
+        acks and receipts); files the sidecar deletes for remote trainers go once a group is on
+        disk, or, when the volume refused it, once its writes are (``Ledger.flush``)."""
+        group: list[tuple[bytes, BaseModel]] = []
+        weight = 0
+        for frames in batch:
+            owner = tag + frames[0]
+            msg = self._parse(owner, frames[1:])
+            if msg is None:
+                continue
+            w = len(msg.keys) if isinstance(msg, (P.Ack, P.Received)) else 1
+            if group and weight + w > GROUP_KEYS:
+                self._apply(group)
+                group, weight = [], 0
+            group.append((owner, msg))
+            weight += w
+        if group:
+            self._apply(group)
+
+    def _apply(self, group: list[tuple[bytes, BaseModel]]) -> None:
         self._after = []
+        saved = False
         try:
             with self.ledger.group():
-                for frames in batch:
+                for owner, msg in group:
                     try:
-                        self._on_message(tag + frames[0], frames[1:])
+                        self._handle(owner, msg)
                     except Exception:  # noqa: BLE001 - one bad message must not end the thread
                         log.exception("trainer message handling failed")
+            saved = True
+        except LedgerUnsaved as e:  # the volume refused the writes: they wait in memory, and so do the files
+            self.stats["unsaved_groups"] += 1
+            log.warning("%d trainer message(s) not on disk yet (%s): their files and offers are kept until they are",
+                        len(group), e)  # fmt: skip
         except Exception:  # noqa: BLE001 - the commit failed: the trainers' leases lapse or are acked again
-            log.exception("writing %d trainer message(s) to the ledger failed", len(batch))
+            log.exception("writing %d trainer message(s) to the ledger failed", len(group))
         finally:
             after, self._after = self._after or [], None
+        if saved and not self.ledger.degraded:
+            self._run_after(after)
+        else:
+            self._after_flush.extend(after)
+
+    def _run_after(self, after: list[tuple[Sender, P.SampleKey, str | None]]) -> None:
         for sender, key, file in after:
             sender.release(key)
             P.remove_from_spool(self.spool, file)  # a remote trainer cannot delete our file: we do
 
-    def _on_message(self, owner: bytes, frames: list[bytes]) -> None:
+    def _parse(self, owner: bytes, frames: list[bytes]) -> BaseModel | None:
+        """A trainer's message, or None when it is refused here (another version, unparsable, an
+        ACK or RECEIVED over ``max_settle_keys``): counted, and said once per trainer."""
         try:
             msg = P.decode_msg(frames)
         except P.VersionMismatch as e:
             self._refuse(owner, self._peer(owner), f"this sidecar speaks protocol version {P.PROTOCOL_VERSION}: {e}")
-            return
+            return None
         except P.ProtocolError as e:
             self.stats["bad_messages"] += 1
             log.error("bad message from trainer %s: %s", owner.hex(), e)
-            return
+            return None
+        if isinstance(msg, (P.Ack, P.Received)) and len(msg.keys) > self.max_settle_keys:
+            peer = self._peer(owner)  # it is alive all the same
+            self.stats["oversized_settlements"] += 1
+            if not peer.warned_oversized:
+                peer.warned_oversized = True
+                log.warning("trainer %s sent %s naming %d keys, over HSSTREAM_MAX_SETTLE_KEYS (%d): refused whole; "
+                            "later ones are only counted (oversized_settlements)", owner.hex(), type(msg).__name__.upper(),
+                            len(msg.keys), self.max_settle_keys)  # fmt: skip
+            return None
+        return msg
+
+    def _on_message(self, owner: bytes, frames: list[bytes]) -> None:
+        """One message as it came (its frames after the identity), outside any group."""
+        if (msg := self._parse(owner, frames)) is not None:
+            self._handle(owner, msg)
+
+    def _handle(self, owner: bytes, msg: BaseModel) -> None:
         peer = self._peer(owner)
         hello = msg if isinstance(msg, P.Hello) else msg.hello if isinstance(msg, P.Heartbeat) else None
         if hello is not None and hello.jobs is not None and len(hello.jobs) > self.max_hello_jobs:
@@ -313,11 +407,11 @@ class DeliveryService(SocketThread):
             sender = self.senders.get(peer.transport)
             peer.stalled_until = 0.0  # it reads again
             for k, token in self._held(owner, peer, "receiveds", msg.pairs()):
-                peer.holding.discard(k)
-                s = self.ledger.get(k)
-                file = s.notice.file if s and s.notice else None
+                peer.let_go((k,))
                 freed = self.ledger.received(owner, k, token, self._file_exists)
                 if freed and sender is not None and sender.sidecar_deletes:
+                    s = self.ledger.get(k)  # in flight (its bytes were just freed): from memory
+                    file = s.notice.file if s and s.notice else None
                     self._delete_after_commit(sender, k, file)  # a remote trainer cannot delete our file: we do
         elif isinstance(msg, P.Ack):
             orphans: list[tuple[P.SampleKey, str]] = []
@@ -334,7 +428,9 @@ class DeliveryService(SocketThread):
                 return
             self.stats["acked"] += acked
             peer.acked += acked
-            peer.holding.difference_update(keys)
+            # Acked before its RECEIVED, an arena slot stays the trainer's until its views die
+            # (the ledger keeps it): it still counts against the trainer's share.
+            peer.let_go(set(keys) - self.ledger.still_held(owner, keys))
             peer.stalled_until = 0.0
             self.stats["duplicate_acks"] += dup
             # Files of consumed samples no one will read (a copy produced again after a restart,
@@ -347,18 +443,19 @@ class DeliveryService(SocketThread):
             if not self._held(owner, peer, "fails", [(msg.key, msg.token)]):
                 return  # another trainer's offer is not freed either
             self.stats["trainer_failed"] += 1
-            peer.holding.discard(msg.key)
-            if (sender := self.senders.get(peer.transport)) is not None:
-                sender.release(msg.key)
+            peer.let_go((msg.key,))
             gone = self.ledger.trainer_failed(owner, msg.key, msg.token, msg.reason, not_received=msg.not_received)
-            P.remove_from_spool(self.spool, gone)
+            if (sender := self.senders.get(peer.transport)) is not None:
+                self._delete_after_commit(sender, msg.key, gone)
+            else:
+                P.remove_from_spool(self.spool, gone)
 
     def _held(self, owner: bytes, peer: Peer, kind: str, pairs: list[Lease]) -> list[Lease]:
         """The (key, token) pairs of a message that prove a lease (``Ledger.holds``); the rest
         are ignored here, counted (``unheld_<kind>``) and, once per trainer, logged: keys are
         guessable, so a peer may name samples it was never delivered (or a copy's lease that
         another lease replaced since)."""
-        held = [(k, t) for k, t in pairs if self.ledger.holds(k, t)]
+        held = [p for p, ok in zip(pairs, self.ledger.holds_many(pairs), strict=True) if ok]
         if (bad := len(pairs) - len(held)) == 0:
             return held
         self.stats[f"unheld_{kind}"] += bad
@@ -439,7 +536,7 @@ class DeliveryService(SocketThread):
             sender.release_owner(owner)
         self.ledger.release_owner(owner, self._file_exists)
         if (peer := self.peers.get(owner)) is not None:
-            peer.holding.clear()
+            peer.let_go_all()
 
     def _send(self, owner: bytes, frames: list) -> None:
         """Never waits: a trainer whose queue is full (``send_hwm`` messages it has not read)
@@ -450,15 +547,45 @@ class DeliveryService(SocketThread):
         if (peer := self.peers.get(owner)) is not None:
             peer.last_sent = time.monotonic()
 
-    def _room(self, owner: bytes, peer: Peer) -> int:
-        """Samples to lease it now: its credit, within what the server lets one trainer hold
-        (``max_credit``, counting what it was sent and has not yet confirmed)."""
-        if len(peer.holding) >= self.max_credit:
-            # Keys it will never confirm (a lease that lapsed and went elsewhere, a copy it dropped)
-            # must not count for ever: keep only what the ledger still has leased to it, unreceived.
-            peer.holding = {k for k in peer.holding if (s := self.ledger.get(k)) is not None
-                            and s.state == State.leased and s.lease_owner == owner and s.on_disk_bytes}  # fmt: skip
-        return min(peer.credit, self.max_credit - len(peer.holding))
+    def _share(self) -> int | None:
+        """Each trainer's share of the spool budget (None without a budget: no share rule):
+
+        - with N trainers being served (greeted, not ended, not refused; every DDP rank is a
+          stream of its own and counts as one), the budget / N;
+        - a trainer alone, the whole budget but the room of one sample (the largest delivered
+          yet): a trainer that never lets go cannot take it all before another one comes, or
+          the newcomer would wait for samples no budget is left to produce.
+        """
+        if self.budget_bytes is None:
+            return None
+        n = sum(1 for p in self.peers.values() if p.greeted and not p.ended and not p.refused)
+        if n <= 1:
+            return max(self.budget_bytes - self.sample_bytes, self.sample_bytes)
+        return self.budget_bytes // n
+
+    def _prune(self, owner: bytes, peer: Peer) -> None:
+        """Keys it will never confirm (a lease that lapsed and went elsewhere, a copy it dropped)
+        must not count for ever: keep only what the ledger still has with it, unreceived."""
+        peer.let_go(set(peer.holding) - self.ledger.still_held(owner, list(peer.holding)))
+
+    def _room(self, owner: bytes, peer: Peer, share: int | None = None) -> tuple[int, int | None]:
+        """Samples to lease it now, and the bytes they may take: its credit, within what the
+        server lets one trainer hold (``max_credit`` samples and its ``share`` of the budget,
+        counting what it was sent and has not yet RECEIVED). A trainer at or over its share gets
+        nothing new until it lets some go; one that holds nothing may take one sample whatever
+        its size (a sample larger than a share is not stuck)."""
+        over_share = share is not None and peer.holding and peer.held_bytes >= share
+        if len(peer.holding) >= self.max_credit or over_share:
+            self._prune(owner, peer)
+        n = min(peer.credit, self.max_credit - len(peer.holding))
+        if share is None or n <= 0:
+            return n, None
+        if not self.sample_bytes:  # the first delivery tells the sample size (the room a share keeps)
+            n = 1
+        if peer.holding and peer.held_bytes >= share:
+            self.stats["share_limited"] += 1
+            return 0, 0
+        return n, share - peer.held_bytes
 
     def _hand_back(self, owner: bytes, peer: Peer, samples: list[SampleRow]) -> None:
         """Leases whose DELIVER never left (the trainer's queue is full): READY again at once,
@@ -476,6 +603,14 @@ class DeliveryService(SocketThread):
 
     def _dispatch(self) -> None:
         now = time.monotonic()
+        if self.ledger.degraded and now - self._flushed_at > FLUSH_EVERY_S:
+            self._flushed_at = now
+            if self.ledger.flush():
+                log.warning("the ledger's waiting rows are written: back to normal")
+        if self._after_flush and not self.ledger.degraded:
+            after, self._after_flush = self._after_flush, []
+            self._run_after(after)
+        share = self._share()
         for owner, peer in list(self.peers.items()):
             if now - peer.last_seen > self.peer_timeout_s:
                 log.warning("trainer %s silent for %.0f s: returning its leases", owner.hex(), now - peer.last_seen)
@@ -499,7 +634,9 @@ class DeliveryService(SocketThread):
                         pass
                 if peer.stalled_until > now:
                     continue
-                self._deliver(owner, peer)
+                peer.share_bytes = share
+                if not self.ledger.degraded:  # no lease while the ledger cannot write it
+                    self._deliver(owner, peer, share)
                 if not peer.follow and not peer.ended and self.ledger.jobs_done(peer.jobs):
                     self._send(owner, P.encode_msg(P.End(jobs=peer.jobs)))
                     peer.ended = True
@@ -509,11 +646,17 @@ class DeliveryService(SocketThread):
                 log.warning("trainer %s unreachable (%s): returning its leases", owner.hex(), e)
                 self._release_owner(owner)
                 del self.peers[owner]
+        if share is not None:  # what no waiting frees: the budget's watermark leaves it out
+            self.ledger.pinned_bytes = sum(p.held_bytes for p in self.peers.values()
+                                           if p.holding and p.held_bytes >= share)  # fmt: skip
 
-    def _deliver(self, owner: bytes, peer: Peer) -> None:
+    def _deliver(self, owner: bytes, peer: Peer, share: int | None = None) -> None:
         """Lease what it has room for, in one commit before any DELIVER leaves, and send them;
         what its full queue refuses goes back at once."""
-        leased = self.ledger.lease_many(owner, peer.jobs, self._room(owner, peer))
+        n, max_bytes = self._room(owner, peer, share)
+        if n <= 0:
+            return
+        leased = self.ledger.lease_many(owner, peer.jobs, n, max_bytes=max_bytes, at_least_one=not peer.holding)
         sender = self.senders[peer.transport]
         for i, s in enumerate(leased):
             assert s.notice is not None
@@ -548,7 +691,8 @@ class DeliveryService(SocketThread):
             if sender.sidecar_deletes:
                 self.stats["delivered_remote"] += 1
                 self.stats[f"delivered_{sender.name}"] += 1
-            peer.holding.add(s.key)
+            peer.hold(s.key, s.on_disk_bytes)
+            self.sample_bytes = max(self.sample_bytes, s.on_disk_bytes)
             peer.credit -= 1
             peer.delivered += 1
             self.stats["delivered"] += 1

@@ -40,6 +40,9 @@ class Services:
     submitter: Submitter
     sizer: SampleSizer  # bytes a sample takes on the spool (unknown until a config or the first notice)
     admitter: Admitter = field(default_factory=Admitter)  # jobs are tokenised and written off the event loop
+    #: Requests refused before their body was read or while it came (``server/request_gate.py``,
+    #: ``server/body_limit.py``): ``/v1/stats`` ``http``.
+    http_stats: dict[str, int] = field(default_factory=dict)
 
     @property
     def spool(self) -> Path:

@@ -5,12 +5,18 @@ text may carry lone surrogates (``"\\ud800"``) and a path may percent-decode to 
 not UTF-8; FastAPI's responses encode with ``ensure_ascii=False`` and then fail on them, turning
 a client's mistake into a 500. Escaped ASCII JSON encodes everything and parses the same.
 NaN and infinities it cannot encode at all: a 422 leaves out an input that holds one.
+
+The sidecar's own storage failing (a full ledger volume, a full temporary directory for an
+upload) is answered 507 (or 503 while the ledger cannot write), never an unhandled 500.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +24,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.ledger.store import LedgerUnsaved, is_disk_error
+
+log = logging.getLogger("hsstream.sidecar")
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -44,9 +54,43 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> As
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> AsciiJSONResponse:
+    if exc.status_code == 400 and (full := storage_refusal(exc.__cause__)) is not None:
+        # FastAPI calls any failure to read a form "an error parsing the body": an upload
+        # spooled to a full disk is the server's lack of room, not the client's mistake.
+        return AsciiJSONResponse({"detail": full[1]}, status_code=full[0], headers={"connection": "close"})
     return AsciiJSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def storage_refusal(exc: BaseException | None) -> tuple[int, str] | None:
+    """(status, detail) for a failure of the sidecar's own storage, anywhere in ``exc``'s chain:
+    507 when a volume is full (the ledger's, the temporary files' of an upload), 503 while the
+    ledger cannot write (``LedgerUnsaved``); None for anything else."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, LedgerUnsaved):
+            return 503, f"the sidecar cannot write its ledger now (disk full?): try again later ({exc})"
+        if isinstance(exc, sqlite3.Error) and is_disk_error(exc):
+            return 507, f"the sidecar's ledger volume is full or failing ({exc}): nothing was queued; free space and try again"
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" ({exc.filename})" if exc.filename else ""
+            return 507, f"the sidecar ran out of disk space{where}: nothing was queued; free space and try again"
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+async def _storage_error(request: Request, exc: Exception) -> AsciiJSONResponse:
+    """A full disk or a ledger that cannot write is an answer (507 / 503), never an unhandled 500."""
+    refusal = storage_refusal(exc)
+    if refusal is None:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return AsciiJSONResponse({"detail": "internal error (see the sidecar's log)"}, status_code=500)
+    log.warning("%s %s refused: %s", request.method, request.url.path, refusal[1])
+    return AsciiJSONResponse({"detail": refusal[1]}, status_code=refusal[0], headers={"connection": "close"})
 
 
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(sqlite3.Error, _storage_error)  # type: ignore[arg-type]
+    app.add_exception_handler(OSError, _storage_error)  # type: ignore[arg-type]

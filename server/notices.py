@@ -29,7 +29,7 @@ log = logging.getLogger("hsstream.sidecar")
 
 def prepare_ipc(endpoint: str) -> None:
     """Create the directory of an ipc:// endpoint, private to this user (ipc has no auth)."""
-    if endpoint.startswith("ipc://"):
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):  # an abstract socket has no directory
         d = Path(endpoint[len("ipc://") :]).parent
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         st = d.stat()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from connector import protocol as P
 from server.ledger import Ledger, SampleRow, State
+from server.ledger_calls import ledger_call
 from server.model_shape import SampleSizer, over_budget_reason, too_long_reason
 from server.vllm_http import AiohttpClient, Http, HttpError, TimedOut, Unreachable
 
@@ -389,9 +390,13 @@ class Submitter:
         sem = asyncio.Semaphore(self.concurrency)
         last_sweep = time.monotonic()
         while not self._stopping:
-            if time.monotonic() - last_sweep > 1.0:
+            if time.monotonic() - last_sweep > 1.0 and self.ledger.try_lock():  # busy: the next pass sweeps
                 last_sweep = time.monotonic()
-                if reason := self._sweep():
+                try:
+                    reason = self._sweep()
+                finally:
+                    self.ledger.unlock()
+                if reason:
                     await asyncio.to_thread(self.fail_queued, reason)  # O(queue): never on the event loop
             if self.down_since is not None:
                 # Every engine is away: their probes will wake us; burn no requests meanwhile.
@@ -407,7 +412,7 @@ class Submitter:
             sized = self._sized()
             # size unknown: one sample at a time, its notice will tell the size
             ok = self._fs_has_room() and (sized or self.in_flight == 0)
-            s = self.ledger.next_to_submit(self.budget, self.max_ready) if ok else None
+            s = await ledger_call(self.ledger, self.ledger.next_to_submit, self.budget, self.max_ready) if ok else None
             if s is not None and not sized:
                 self.stats["submitted_before_size_known"] += 1
                 self.stats["max_in_flight_before_size_known"] = max(self.stats["max_in_flight_before_size_known"],
@@ -500,9 +505,10 @@ class Submitter:
             r = await self._client.post_json(f"{e.url}/v1/completions", body)
             if r.status_code != 200:
                 self.stats["http_errors"] += 1
-                self.ledger.requeue(s.key, attempt, f"vLLM answered {r.status_code}: {r.text[:300]}")
+                await ledger_call(self.ledger, self.ledger.requeue, s.key, attempt,
+                                  f"vLLM answered {r.status_code}: {r.text[:300]}")  # fmt: skip
                 return
-            self.ledger.responded(s.key, attempt)  # the notice timeout starts now
+            await ledger_call(self.ledger, self.ledger.responded, s.key, attempt)  # the notice timeout starts now
             if s.notice is None:  # its file is still to come from this engine's writer
                 e.answered[s.key] = attempt
             if sampling is not None:
@@ -510,7 +516,8 @@ class Submitter:
                 if not out:
                     self.ledger.requeue(s.key, attempt, "vLLM returned no token ids for the reply")
                     return
-                if self.ledger.set_generated(s.key, attempt, list(out)) and self.wake_delivery is not None:
+                made_ready = await ledger_call(self.ledger, self.ledger.set_generated, s.key, attempt, list(out))
+                if made_ready and self.wake_delivery is not None:
                     self.wake_delivery()  # the delivery thread acts next: it offers the sample
             if self.on_latency:
                 self.on_latency(time.monotonic() - t0)

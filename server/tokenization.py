@@ -13,12 +13,39 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from connector.contract.rest import JobOptions, SampleIn
 from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 from server.model_shape import too_long_reason
 
 __all__ = ["SampleRefused", "Tokenized", "Tokenizer"]
 log = logging.getLogger("hsstream.sidecar")
+
+#: Tokens a row may be bounded by when neither the engine's limit nor the job's is known (no
+#: config, no ``max_tokens_per_sample``): its text is bounded all the same.
+FALLBACK_LIMIT_TOKENS = 1 << 17
+
+
+def longest_token_chars(tok) -> int:  # noqa: ANN001 - a transformers tokenizer
+    """The most characters of text one token of ``tok`` can stand for: its longest vocabulary
+    entry, whose spelling has at least as many characters as the text it decodes to (byte-level
+    BPE spells a byte as one character, SentencePiece a space as one, a byte fallback as six)."""
+    return max((len(t) for t in tok.get_vocab()), default=1) or 1
+
+
+def text_chars(v: object) -> int:
+    """Characters of text in a row's fields (strings at any depth): what the tokenizer would read."""
+    if isinstance(v, str):
+        return len(v)
+    if isinstance(v, dict):
+        return sum(text_chars(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return sum(text_chars(x) for x in v)
+    if isinstance(v, BaseModel):
+        return text_chars(v.__dict__) + text_chars(v.__pydantic_extra__ or {})
+    return 0
+
 
 @dataclass
 class Tokenized:
@@ -42,6 +69,13 @@ def no_trained_token(ids: list[int], mask: list[int], cut_to: int | None = None)
                         "learn nothing from it (a loss of 0); skipped", reason="no trained token")  # fmt: skip
 
 
+#: Text up to this many characters is tokenised whatever the token limit: it costs little, and
+#: the limit in tokens then decides (truncated or refused as the job says).
+TEXT_FLOOR_CHARS = 64 << 10
+#: A conversation to truncate may hold this many times a row's bound (as an upload line may).
+CONVERSATION_ROOM = 8
+
+
 class Tokenizer:
     #: A job's own chat template renders each sample in a worker thread, for at most this long.
     render_timeout_s = 10.0
@@ -57,11 +91,13 @@ class Tokenizer:
         self.max_model_len = max_model_len
         self.limit_source = "the model config's max_position_embeddings"
         self.vocab_size: int | None = None
+        self.token_chars = 1  # the longest token's characters (longest_token_chars), once a tokenizer is loaded
         self._missing = "HSSTREAM_MODEL unset"
         if model_dir:
             try:
                 self._tok = load_tokenizer(model_dir)
                 self.vocab_size = len(self._tok)
+                self.token_chars = longest_token_chars(self._tok)
             except (OSError, ValueError) as e:  # a hub id offline, a folder without tokenizer files
                 self._missing = f"none could be loaded from {model_dir!r}: {str(e).splitlines()[0][:200]}"
                 log.warning("no tokenizer (%s): only token_ids samples can be admitted", self._missing)
@@ -70,7 +106,52 @@ class Tokenizer:
         """vLLM answered: its max_model_len replaces the config's as the length limit."""
         self.max_model_len, self.limit_source = max_model_len, "vLLM's max_model_len"
 
+    def limit_tokens(self, opt: JobOptions) -> tuple[int, str]:
+        """The most tokens a sample of job options ``opt`` may keep, and what sets it."""
+        room = opt.sampling.max_tokens if opt.mode == "regenerate" else 1
+        limits = [(FALLBACK_LIMIT_TOKENS, "no engine or config limit known")]
+        if opt.max_tokens_per_sample:
+            limits.append((opt.max_tokens_per_sample, "the job's max_tokens_per_sample"))
+        if self.max_model_len:
+            limits.append((max(1, self.max_model_len - room), self.limit_source))
+        return min(limits)
+
+    def row_chars(self, opt: JobOptions) -> int:
+        """The most characters of text a row may hold before it is tokenised: its token limit
+        times the longest token's characters, so a row over it is over its token limit too,
+        whatever the text (``text_chars``), and never less than :data:`TEXT_FLOOR_CHARS` (text
+        that short costs little to tokenise, and the token limit decides). Tokenising costs
+        memory in proportion to the text (a 20 MiB prompt once took the sidecar's RSS up by
+        3.9 GB), so this comes first."""
+        return max(self.limit_tokens(opt)[0] * self.token_chars, TEXT_FLOOR_CHARS)
+
+    def _bound_text(self, s: SampleIn, opt: JobOptions) -> SampleIn:
+        """Refuse a row whose text is over :meth:`row_chars` before any of it is tokenised. With
+        ``overlong="truncate"`` a ``prompt`` is cut to the bound instead (what is left is still
+        over the token limit, and truncated there as before), and a conversation (``messages``,
+        ``conversations``) may hold :data:`CONVERSATION_ROOM` times the bound, as an upload's
+        line may: it is tokenised whole and truncated in tokens, since cutting its text would
+        change its turns (a reply cut off is a skip for "no trained token", a turn dropped is
+        another shape of conversation). Over that it is refused too."""
+        if s.token_ids is not None or self._tok is None:  # token ids: bounded by their count; no tokenizer: refused
+            return s
+        bound = self.row_chars(opt)
+        n = text_chars([s.prompt, s.messages, s.conversations, s.tools])
+        if n <= bound:
+            return s
+        limit, source = self.limit_tokens(opt)
+        truncate = opt.overlong == "truncate"
+        if truncate and s.messages is None and s.conversations is None and s.prompt is not None:
+            return s.model_copy(update={"prompt": s.prompt[: bound]})
+        if truncate and n <= CONVERSATION_ROOM * bound:
+            return s
+        over = f"{CONVERSATION_ROOM * bound:,} (a conversation to truncate)" if truncate else f"{bound:,}"
+        raise SampleRefused(f"sample has {n:,} characters of text, more than {over} can fit in {limit:,} tokens "
+                            f"({source}; a token here stands for at most {self.token_chars} characters): "
+                            "refused before tokenising")  # fmt: skip
+
     def __call__(self, s: SampleIn, opt: JobOptions) -> Tokenized:
+        s = self._bound_text(s, opt)
         repairs: list[str] = []
         try:
             ids, mask = self._encode(s, opt, repairs)

@@ -251,11 +251,12 @@ class HiddenStateStream:
         self._waiting_since: float | None = None  # inside __iter__, not yet yielded
         self._report: M.TrainReport | None = None  # the loop's latest figures (report())
         self._outbox: deque[list[bytes]] = deque()
-        self.remote = E.is_network(self.endpoint)
+        self.remote = E.is_network(self.endpoint) and not E.is_abstract(self.endpoint)  # another host's
         if bool(curve_server_key) != bool(curve_client_cert):
             raise ValueError("CURVE needs both curve_server_key and curve_client_cert")
         self._curve = (curve_server_key, curve_client_cert) if curve_server_key else None
-        if self.remote and self._curve is None:  # refused unless HSSTREAM_ALLOW_INSECURE_TCP=1 (then a WARNING)
+        # tcp:// or an abstract ipc://@ without CURVE: refused unless HSSTREAM_ALLOW_INSECURE_TCP=1 (then a WARNING)
+        if E.is_network(self.endpoint) and self._curve is None:
             E.check_plain("HiddenStateStream endpoint", self.endpoint, allow=s.allow_insecure_tcp,
                           exposes=E.DELIVERY_EXPOSES, fix=E.STREAM_FIX)  # fmt: skip
         self.transport = transport or s.transport or ("zmq" if self.remote else "spool")

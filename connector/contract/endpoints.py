@@ -4,7 +4,9 @@ A notice names a file for the sidecar to deliver and later delete, and a deliver
 users' prompts (token ids) and hidden states: whoever can connect to those sockets can inject
 the one or take the other. ``ipc://`` sockets live in a directory only our user can enter
 (``server/notices.py: prepare_ipc``), so they are safe on one host; anything else (``tcp://``,
-loopback included: every local user reaches 127.0.0.1) is refused unless CURVE protects it or a
+loopback included: every local user reaches 127.0.0.1; and ``ipc://@name``, a Linux abstract
+socket, which has no file and so no permissions: every local user reaches it too) is refused
+unless CURVE protects it or a
 person said, in so many words, that it should be open (``HSSTREAM_ALLOW_INSECURE_TCP=1``),
 which is then logged once per process as a WARNING. One rule for the connector (it connects
 the notice socket), the sidecar (it binds both) and the stream (it connects to deliveries).
@@ -29,10 +31,17 @@ class InsecureEndpoint(Exception):  # noqa: N818 - named for what it refuses, li
     validation error."""
 
 
+def is_abstract(endpoint: str) -> bool:
+    """True for ``ipc://@name``: a Linux abstract socket (no file, no permissions)."""
+    scheme, sep, rest = endpoint.partition("://")
+    return bool(sep) and scheme.lower() == "ipc" and rest.startswith("@")
+
+
 def is_network(endpoint: str) -> bool:
-    """True for an endpoint other hosts' or users' processes can reach (``tcp://`` and the like)."""
+    """True for an endpoint other hosts' or users' processes can reach (``tcp://`` and the like,
+    and an abstract ``ipc://@name``, which any local user can connect to)."""
     scheme, sep, _ = endpoint.partition("://")
-    return bool(sep) and scheme.lower() not in LOCAL_SCHEMES
+    return bool(sep) and (scheme.lower() not in LOCAL_SCHEMES or is_abstract(endpoint))
 
 
 def check_plain(setting: str, endpoint: str, *, allow: bool, exposes: str, fix: str) -> None:
@@ -41,16 +50,19 @@ def check_plain(setting: str, endpoint: str, *, allow: bool, exposes: str, fix: 
     what anyone reaching it could do; ``fix``: how to do without it."""
     if not endpoint or not is_network(endpoint):
         return
+    if is_abstract(endpoint):
+        what, who = "a Linux abstract socket: it has no file, so no permissions", "any local user"
+    else:
+        what, who = "plain TCP, neither authenticated nor encrypted", "anyone who can reach that port (any local user, for 127.0.0.1)"
     if not allow:
         raise InsecureEndpoint(
-            f"refusing {setting}={endpoint}: it is plain TCP, neither authenticated nor encrypted, so anyone "
-            f"who can reach that port (any local user, for 127.0.0.1) could {exposes}. {fix}. To run it "
+            f"refusing {setting}={endpoint}: it is {what}, so {who} could {exposes}. {fix}. To run it "
             f"unauthenticated on purpose, on a network you trust, set {ALLOW_SWITCH}=1."
         )
     if endpoint not in _warned:
         _warned.add(endpoint)
-        log.warning("WARNING: %s=%s is plain TCP without authentication and %s=1 was given: anyone who can "
-                    "reach that port can %s.", setting, endpoint, ALLOW_SWITCH, exposes)  # fmt: skip
+        log.warning("WARNING: %s=%s is %s and %s=1 was given: %s can %s.", setting, endpoint, what, ALLOW_SWITCH,
+                    who, exposes)  # fmt: skip
 
 
 #: What a reachable notice / delivery socket gives away, and the way around it.

@@ -272,6 +272,12 @@ class TrainerInfo(BaseModel):
     train: TrainFigures | None = Field(
         default=None, description="its loop's latest training report (step, loss, speed), if it gives one"
     )
+    holding: int = Field(default=0, description="samples delivered to it and not yet RECEIVED (or acked with "
+                                                "their arena slot still viewed)")  # fmt: skip
+    holding_bytes: int = Field(default=0, description="the spool bytes of those samples")
+    share_bytes: int | None = Field(
+        default=None, description="its share of the spool budget: at or over it, it gets nothing new until it lets go"
+    )
 
 
 class Rates(BaseModel):
@@ -397,3 +403,7 @@ class Stats(BaseModel):
     in_flight: int
     spool_layout: str = "files"
     arena: ArenaUsage | None = None
+    trainers: list[TrainerInfo] = Field(default_factory=list, description="the connected trainers and what each holds")
+    http: dict[str, int] = Field(default_factory=dict, description="REST requests refused before or while their body "
+                                                                  "was read (no token, too many at once, too large, stalled)")
+    ledger_unsaved: int = Field(default=0, description="ledger rows a full volume left waiting (0: all on disk)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,14 +28,15 @@ from typing import Any, Protocol
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from connector.contract.api_token import client_token
 from connector.contract.rest import (
     Health,
     JobBrief,
     JobCancelled,
     JobCreated,
+    JobOptions,
     JobSample,
     JobSamples,
-    JobOptions,
     JobStatus,
     Overview,
     Readiness,
@@ -45,8 +45,6 @@ from connector.contract.rest import (
     TokenCounts,
 )
 
-#: Where the bearer token comes from when none is passed (the variable the sidecar checks).
-TOKEN_ENV = "HSSTREAM_API_TOKEN"
 DEFAULT_TIMEOUT_S = 60.0
 #: How long an upload waits for the sidecar's answer once its body is sent: the sidecar answers
 #: when every row is tokenised and queued, which for a big file takes minutes.
@@ -173,7 +171,8 @@ class SidecarClient:
     """The sidecar's REST API as typed calls; a context manager (closes its connections).
 
     ``base_url``: e.g. ``http://127.0.0.1:8100``. ``token``: the bearer token; None reads
-    ``HSSTREAM_API_TOKEN``, ``""`` sends none. ``timeout``: seconds per call (an upload waits
+    ``HSSTREAM_API_TOKEN``, else the token the sidecar of this run dir made
+    (``connector/contract/api_token.py``); ``""`` sends none. ``timeout``: seconds per call (an upload waits
     ``admit_timeout_s`` for its answer). ``http``: a client to send through (an ``httpx.Client``,
     or a FastAPI ``TestClient``, which is an ``httpx2.Client`` on Starlette ≥ 1.10: anything with
     httpx's API, :class:`HttpClient`); it is the caller's to close."""
@@ -188,7 +187,7 @@ class SidecarClient:
         if http is None and not base_url:
             raise ValueError("SidecarClient needs the sidecar's URL (base_url) or an httpx client (http)")
         self.timeout = timeout
-        self._headers = auth_headers(os.environ.get(TOKEN_ENV) if token is None else token)
+        self._headers = auth_headers(client_token() if token is None else token)
         self._owned = http is None
         if http is None:
             http = type(self).http_factory(base_url=str(base_url).rstrip("/"), timeout=timeout)

@@ -81,6 +81,10 @@ class Settings(BaseSettings):
     # (each delivery pass walks them under the ledger's lock): more is refused with a reason.
     max_peer_message_bytes: int = Field(default=1 << 20, ge=64 << 10, le=1 << 30)
     max_hello_jobs: int = Field(default=1024, ge=1, le=100_000)
+    # Keys one ACK or RECEIVED may name (the stream sends at most 1,024): a longer list is
+    # refused whole and counted (server/delivery.py), since each key is checked under the
+    # ledger's lock.
+    max_settle_keys: int = Field(default=1024, ge=1, le=65536)
     max_body_bytes: int = 256 * 2**20  # uploads (multipart, spooled to disk as they arrive)
     max_json_bytes: int = 16 * 2**20  # JSON bodies (parsed in memory): larger jobs go to /v1/jobs/upload
     # One job's size: its samples, and its rows in the ledger (samples x epochs), each written and
@@ -94,6 +98,14 @@ class Settings(BaseSettings):
     http_header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
     http_idle_timeout_s: float = Field(default=5.0, gt=0, le=3600)
     http_max_connections: int = Field(default=512, ge=1, le=65536)
+    # A request body must keep coming (server/body_limit.py): a wait longer than this for its
+    # next piece gets 408 and the connection closed. Not a bound on the whole upload, which may
+    # be long over a slow link, but on a body that stalls (held open to pin a connection).
+    http_body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # Requests with a body (job submissions, uploads) one client address may have in progress at
+    # once, from the first byte to the answer (server/request_gate.py): more get 429. Each holds
+    # up to its body limit in memory or on disk and a place in the admission queue.
+    max_uploads_per_client: int = Field(default=4, ge=1, le=4096)
     job_retention_s: float = 24 * 3600.0  # finished jobs keep their samples' rows this long, then a summary
     # Python's thread switch interval in the sidecar, in vLLM's worker where the connector writes
     # (rank 0), and in a trainer whose HiddenStateStream has check workers (0: leave Python's

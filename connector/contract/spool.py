@@ -41,6 +41,8 @@ FILE_PREFIX = "hs-"
 #: Created by the sidecar in an empty or new spool directory: proof that the spool is ours.
 #: Blind clean-ups (the reaper, ``hsstream up``'s stop) only ever run in a marked spool.
 SPOOL_MARKER = ".hsstream-spool"
+#: The running sidecar's lock in its spool (``server/instance_lock.py``): one sidecar per spool.
+SIDECAR_LOCK = ".hsstream-sidecar.lock"
 SPOOL_MODE = 0o700  # token ids are the users' prompts: only our user reads the spool
 FILE_MODE = 0o600
 #: A file's companion lock, ``<path>.lock`` (vLLM's Example-connector contract,
@@ -223,13 +225,15 @@ def is_marked_spool(spool: str | os.PathLike[str]) -> bool:
 
 def own_spool_entries(spool: str | os.PathLike[str]) -> list[str]:
     """Names in ``spool`` that are ours to delete: the connector's files and temporary files,
-    the sidecar's arena (``arena.ARENA_NAME``, and one it was making), and only in a marked
+    the sidecar's arena (``arena.ARENA_NAME``, and one it was making) and its lock
+    (:data:`SIDECAR_LOCK`, once the sidecar is gone), and only in a marked
     spool (an unmarked directory may be anything, e.g. a model folder)."""
     if not is_marked_spool(spool):
         return []
 
     def ours(name: str) -> bool:
-        return is_own_name(name) or name == ARENA_NAME or (name.startswith(ARENA_NAME + ".") and name.endswith(".new"))
+        return (is_own_name(name) or name in (ARENA_NAME, SIDECAR_LOCK)
+                or (name.startswith(ARENA_NAME + ".") and name.endswith(".new")))
 
     return [e.name for e in os.scandir(spool) if ours(e.name) and e.is_file(follow_symlinks=False)]
 

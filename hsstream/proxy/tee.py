@@ -20,6 +20,7 @@ consumed and compacted by the sidecar like any other, and the proxy's store list
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import threading
@@ -96,6 +97,15 @@ class Tee:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _forget_client_on_401(self, e: Exception) -> None:
+        """A 401: the client's token is not (or no longer) the sidecar's — one started after the
+        proxy makes its token then, or a restart with a new one — so the next flush makes a new
+        client, which looks the token up again, instead of being refused for good."""
+        if getattr(e, "status", None) == 401 and self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()  # type: ignore[attr-defined]
+            self._client = None
 
     def _sidecar_client(self) -> object:
         from connector.contract.rest_client import SidecarClient
@@ -188,6 +198,7 @@ class Tee:
         except SidecarError as e:
             log.warning("tee: the sidecar did not answer (%s): %d teed samples dropped", e,
                         sum(map(len, batch.values())))  # fmt: skip
+            self._forget_client_on_401(e)
             for smps in batch.values():
                 self._drop(smps, "sidecar_down" if e.unreachable else "refused")
             return
@@ -200,6 +211,7 @@ class Tee:
             except SidecarError as e:
                 log.warning("tee: the sidecar %s a traffic job of %d samples: %s",
                             "did not take" if e.unreachable else "refused", len(smps), str(e)[:300])  # fmt: skip
+                self._forget_client_on_401(e)
                 self._drop(smps, "sidecar_down" if e.unreachable else "refused")
                 continue
             self.store.add_job(created.job_id, created.num_samples, key)

@@ -224,7 +224,8 @@ class Supervisor:
         if c.trainer_cmd:
             self._spawn("trainer", list(c.trainer_cmd), c.trainer_gpus)
         self.say(
-            f"stack ready after {time.monotonic() - t0:.0f} s: jobs to {c.api_url}/v1/jobs, "
+            f"stack ready after {time.monotonic() - t0:.0f} s: jobs to {c.api_url}/v1/jobs (bearer token: "
+            f"`hsstream token`), "
             f"trainers connect to {c.env.get('HSSTREAM_DELIVERY_ENDPOINT') or f'ipc://{c.run_dir}/delivery.sock'}, "
             f"spool {c.spool_dir}"
         )

@@ -17,11 +17,15 @@ class SpoolBudget:
         self.reserved = 0  # bytes, see the module's docstring
         self.throttled = False  # a limit was hit: wait for the low watermark
 
-    def closed(self, n_ready: int, budget: int, max_ready: int | None, low_water: float) -> bool:
+    def closed(self, n_ready: int, budget: int, max_ready: int | None, low_water: float, pinned: int = 0) -> bool:
         """Whether submission waits, before any sample is looked at: throttled and still above
-        a low watermark, or ``max_ready`` reached (which throttles)."""
+        a low watermark, or ``max_ready`` reached (which throttles). ``pinned``: bytes trainers
+        hold at or over their share of the budget (``server/delivery.py``): no amount of waiting
+        frees them, so the watermark is of the rest (else a trainer pinning more than the low
+        watermark would stop production for everyone)."""
         if self.throttled:
-            if self.reserved > low_water * budget or (max_ready is not None and n_ready > low_water * max_ready):
+            rest, room = self.reserved - pinned, budget - pinned
+            if rest > low_water * room or (max_ready is not None and n_ready > low_water * max_ready):
                 return True
             self.throttled = False
         if max_ready is not None and n_ready >= max_ready:

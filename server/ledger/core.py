@@ -52,6 +52,9 @@ class LedgerCore:
         self._n_ready = 0
         self._qlo = self._qhi = 0  # queue positions: appendleft below qlo, append above qhi
         self._spool = SpoolBudget()
+        #: Spool bytes trainers hold at or over their share of the budget (set by the delivery
+        #: thread each pass): the budget's watermark leaves them out (``SpoolBudget.closed``).
+        self.pinned_bytes = 0
         self._store = Store(path)
         self.path = self._store.path
         #: Told every move as it is written (``Listener``): observers such as the metrics and
@@ -71,6 +74,12 @@ class LedgerCore:
         #: sample still names it, no one else holds it); a failed group commit after that is
         #: reconciled by :meth:`recover` at the next start, as after a crash.
         self._pending_frees: list[tuple[Slot, bool]] | None = None
+        #: Slots given back inside a transaction, or while rows wait for the volume (the store is
+        #: degraded): freed once what gave them back is on disk (``Store.on_saved``). A slot
+        #: freed earlier could be assigned again while the rows on disk still give it to the
+        #: sample that had it, which a restart would then deliver with another sample's bytes.
+        self._frees_when_saved: list[tuple[Slot, bool]] = []
+        self._store.on_saved = self._free_held_back
 
     # The connection, for the parts' own queries (tests swap it for a wrapper that fails writes).
     @property
@@ -91,7 +100,44 @@ class LedgerCore:
         self._spool.reserved = n
 
     def is_open(self) -> bool:
-        return self._store.is_open()
+        with self._lock:
+            return self._store.is_open()
+
+    def try_lock(self) -> bool:
+        """Take the ledger's lock if no other thread holds it (``server/ledger_calls.py``)."""
+        return self._lock.acquire(blocking=False)
+
+    def unlock(self) -> None:
+        self._lock.release()
+
+    @property
+    def degraded(self) -> bool:
+        """The volume refused writes that memory has made: they wait (``Store.unsaved``), nothing
+        new is submitted or leased, and no file or slot they would free is freed, until
+        :meth:`flush` writes them."""
+        return self._store.degraded
+
+    def unsaved(self) -> tuple[int, float | None, str | None]:
+        """Rows waiting for the volume, since when (``time.time()``), and the volume's last error."""
+        st = self._store
+        return len(st.unsaved), st.unsaved_since, st.last_error
+
+    def flush(self) -> bool:
+        """Try to write the rows that wait (the delivery thread calls it while degraded); True
+        when none waits. Never waits for the lock: False when another thread holds it."""
+        if not self._store.degraded:
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._store.flush()
+        finally:
+            self._lock.release()
+
+    def _free_held_back(self) -> None:
+        frees, self._frees_when_saved = self._frees_when_saved, []
+        for slot, quarantine in frees:
+            self._free_slot(slot, quarantine=quarantine)
 
     def close(self) -> None:
         with self._lock:
@@ -117,13 +163,22 @@ class LedgerCore:
             return None
         return self._live.get(key) or self._store.load(key)
 
+    def _get_many(self, keys: list[P.SampleKey]) -> dict[P.SampleKey, SampleRow]:
+        """:meth:`get` for several keys: those in flight from memory, the rest in one query."""
+        out = {k: s for k in keys if (s := self._live.get(k)) is not None}
+        ask = [k for k in keys if k not in out and k.job in self.jobs]
+        if ask:
+            out.update(self._store.load_many(ask))
+        return out
+
     def _save(self, s: SampleRow) -> None:
         """Write a sample through, move it between RAM and SQLite-only, and keep the counts."""
         old = s.saved
         check_transition(old, s.state)
-        if s.slot is not None:
-            self._give_back_slot(s, old)
+        given_back = self._give_back_slot(s, old) if s.slot is not None else None
         self._store.save_sample(s)
+        if given_back is not None:  # after the write that says so (held back while it is not on disk)
+            self._free_slot(given_back[0], quarantine=given_back[1])
         if s.state in IN_FLIGHT:
             self._live[s.key] = s
         else:
@@ -142,28 +197,32 @@ class LedgerCore:
             return
         self._tell(s.state, old, 1, len(s.token_ids))
 
-    def _give_back_slot(self, s: SampleRow, old: State | None) -> None:
+    def _give_back_slot(self, s: SampleRow, old: State | None) -> tuple[Slot, bool] | None:
         """Where a sample's slot is given back as its state moves: when it leaves flight (QUEUED
         again or finished), or its bytes were freed while in flight (the trainer's RECEIVED, a
         lost copy). Given back from SUBMITTED (a writer may still write) or LEASED (a trainer may
         still read) without the trainer's RECEIVED, it goes into quarantine. The notice, FAIL and
         lapsed-ACK paths give theirs back before the move, always quarantined; every free goes
-        through :meth:`_free_slot`."""
+        through :meth:`_free_slot`. Returns (slot, quarantine) for the caller to free once the
+        row is written (None: kept)."""
         if s.state == State.consumed and s.key in self._consumed_slots:
-            return  # its trainer may still read it: given back on its RECEIVED (``Leases.received``)
+            return None  # its trainer may still read it: given back on its RECEIVED (``Leases.received``)
         leaving = s.state not in IN_FLIGHT
         freed = s.state in (State.ready, State.leased) and s.on_disk_bytes == 0
         if not (leaving or freed):
-            return
-        self._free_slot(s.slot, quarantine=leaving and old in (State.submitted, State.leased))  # type: ignore[arg-type]
-        s.slot = None
+            return None
+        slot, s.slot = s.slot, None
+        return slot, leaving and old in (State.submitted, State.leased)  # type: ignore[return-value]
 
     def _free_slot(self, slot: Slot, *, quarantine: bool) -> None:
-        """Into the allocator now, or when the transaction of :meth:`ack_many` commits."""
+        """Into the allocator now; when the transaction of :meth:`ack_many` commits; or, inside
+        any other transaction or while rows wait for the volume, once they are on disk."""
         if self._slots is None:
             return
         if self._pending_frees is not None:
             self._pending_frees.append((slot, quarantine))
+        elif self._store.in_tx or self._store.degraded or self._store._levels:  # noqa: SLF001
+            self._frees_when_saved.append((slot, quarantine))
         else:
             self._slots.free(slot, quarantine=quarantine)
 
@@ -185,9 +244,8 @@ class LedgerCore:
     def _drop_consumed_slot(self, key: P.SampleKey, *, quarantine: bool) -> int:
         """Give back a consumed sample's slot kept for its trainer; returns its bytes."""
         slot, _, _ = self._consumed_slots.pop(key)
+        self._store.clear_slot(key)
         self._free_slot(slot, quarantine=quarantine)
-        self._db.execute("UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?",
-                         (key.job, key.epoch, key.index))  # fmt: skip
         return slot.length
 
     def attach_slots(self, slots: SlotAllocator) -> None:

@@ -38,30 +38,42 @@ class Leases(LedgerCore):
                 self._ready.pop(job, None)
             return None
 
-    def lease_many(self, owner: bytes, jobs: list[str] | None, n: int) -> list[SampleRow]:
+    def lease_many(self, owner: bytes, jobs: list[str] | None, n: int, *, max_bytes: int | None = None,
+                   at_least_one: bool = True) -> list[SampleRow]:  # fmt: skip
         """Up to ``n`` samples as :meth:`lease_next` gives them, in one transaction: the caller
         sends them once this returns, so every lease a trainer hears of is on disk. If the write
-        fails, none is leased: they are READY again, at the front, and the error propagates."""
+        fails, none is leased: they are READY again, at the front, and the error propagates.
+        ``max_bytes``: their spool bytes together stay within it (the trainer's share of the
+        budget, ``server/delivery.py``), but the first one is leased whatever its size when
+        ``at_least_one`` (a trainer that holds nothing)."""
         out: list[SampleRow] = []
         tokens: list[str | None] = []  # each one's previous token, put back if the leases are undone
-        if n <= 0:
+        if n <= 0 or (max_bytes is not None and max_bytes <= 0 and not at_least_one):
             return out
+        used = 0
         with self._lock:
             self._deferred = []
             try:
                 with self._tx():
+                    full = False
                     for job in list(self._ready) if jobs is None else jobs:
                         dq = self._ready.get(job)
                         while dq and len(out) < n:
                             s = dq.popleft()
                             if s.state != State.ready:
                                 continue
+                            if max_bytes is not None and used + s.on_disk_bytes > max_bytes \
+                                    and (out or not at_least_one):
+                                dq.appendleft(s)  # beyond its share: READY for others, in its place
+                                full = True
+                                break
                             out.append(s)
                             tokens.append(s.lease_token)
+                            used += s.on_disk_bytes
                             self._lease(s, owner)
                         if not dq:
                             self._ready.pop(job, None)
-                        if len(out) >= n:
+                        if len(out) >= n or full:
                             break
             except BaseException:
                 for s, token in zip(reversed(out), reversed(tokens), strict=True):
@@ -78,6 +90,54 @@ class Leases(LedgerCore):
                 raise
             self._tell_deferred()
             return out
+
+    def holds_many(self, pairs: list[tuple[P.SampleKey, str]]) -> list[bool]:
+        """:meth:`holds` for each (key, token) of one message, with at most one query: the keys
+        not in memory are looked up together, reading only their lease tokens. One message
+        costs the lock one indexed read, not a row load per key."""
+        with self._lock:
+            out: list[bool | None] = []
+            ask: list[P.SampleKey] = []
+            consumed, live, jobs = self._consumed_slots, self._live, self.jobs
+            for key, token in pairs:
+                if not token:
+                    out.append(False)
+                elif consumed and (held := consumed.get(key)) is not None:
+                    out.append(hmac.compare_digest(held[2], token))
+                elif key.job not in jobs:
+                    out.append(False)
+                elif (s := live.get(key)) is not None:
+                    out.append(bool(s.lease_token) and hmac.compare_digest(s.lease_token, token))  # type: ignore[arg-type]
+                else:
+                    out.append(None)
+                    ask.append(key)
+            if ask:
+                found = self._store.lease_tokens(ask)
+                for i, (key, token) in enumerate(pairs):
+                    if out[i] is None:
+                        have = found.get((key.job, key.epoch, key.index))
+                        out[i] = bool(have) and hmac.compare_digest(have, token)  # type: ignore[arg-type]
+            return out  # type: ignore[return-value]
+
+    def still_held(self, owner: bytes, keys: list[P.SampleKey]) -> set[P.SampleKey]:
+        """Those of ``keys`` the ledger still has with ``owner`` unreceived: leased to it with
+        their bytes in the spool, or acked by it with the slot kept for its views. From memory."""
+        with self._lock:
+            out = set()
+            for k in keys:
+                if (held := self._consumed_slots.get(k)) is not None:
+                    if held[1] == owner:
+                        out.add(k)
+                elif (s := self._live.get(k)) is not None and s.state == State.leased and s.lease_owner == owner \
+                        and s.on_disk_bytes:
+                    out.add(k)
+            return out
+
+    def _token_of(self, key: P.SampleKey, s: SampleRow, token: str | None) -> bool:
+        """:meth:`holds` for a row already in hand (no second load)."""
+        if (held := self._consumed_slots.get(key)) is not None:
+            return bool(token) and hmac.compare_digest(held[2], token)  # type: ignore[arg-type]
+        return bool(s.lease_token and token and hmac.compare_digest(s.lease_token, token))
 
     def holds(self, key: P.SampleKey, token: str | None) -> bool:
         """Whether ``token`` is the secret of ``key``'s latest lease: the proof that whoever
@@ -123,7 +183,7 @@ class Leases(LedgerCore):
             return freed
 
     def ack(self, owner: bytes, key: P.SampleKey, token: str | None,
-            orphans: list[tuple[P.SampleKey, str]] | None = None) -> bool:  # fmt: skip
+            orphans: list[tuple[P.SampleKey, str]] | None = None, *, row: SampleRow | None = None) -> bool:  # fmt: skip
         """First ack wins; a repeated ack, one for a sample another trainer holds, or one
         without the token of the sample's latest lease (:meth:`holds`) changes nothing. An ack
         for a sample no one holds now, with that token (the trainer used it before its lease
@@ -134,8 +194,8 @@ class Leases(LedgerCore):
         reader any more: it goes into ``orphans`` (key, file) for the caller to delete once
         the ack is on disk. Kept, it would outlive its sample until the reaper's grace."""
         with self._lock:
-            s = self.get(key)
-            if s is None or s.state in TERMINAL or not self.holds(key, token):
+            s = row if row is not None else self.get(key)
+            if s is None or s.state in TERMINAL or not self._token_of(key, s, token):
                 return False
             if s.lease_owner is not None and s.lease_owner != owner:
                 return False
@@ -170,7 +230,8 @@ class Leases(LedgerCore):
         Returns (acked, ignored as repeats or not this trainer's); the files the acks left
         without a reader are added to ``orphans`` (see :meth:`ack`), only if it applied."""
         with self._lock:
-            samples = [s for k in keys if (s := self.get(k)) is not None]
+            rows = self._get_many(keys)
+            samples = list(rows.values())
             jobs = {s.key.job: self.jobs[s.key.job] for s in samples}
             saved = ([(s, s.state, s.saved, s.on_disk_bytes, s.lease_owner, s.slot) for s in samples],
                      [(j, j.tokens_consumed, j.bytes_consumed, Counter(j.state_counts), j.finished)
@@ -180,7 +241,7 @@ class Leases(LedgerCore):
             try:
                 left: list[tuple[P.SampleKey, str]] = []
                 with self._tx():
-                    acked = sum(self.ack(owner, k, t, left) for k, t in zip(keys, tokens, strict=True))
+                    acked = sum(self.ack(owner, k, t, left, row=rows.get(k)) for k, t in zip(keys, tokens, strict=True))
             except BaseException:
                 self._pending_frees = None  # rolled back: the slots stay their samples'
                 for smp, state, was_saved, on_disk, lease, slot in saved[0]:

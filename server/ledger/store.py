@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -110,9 +112,47 @@ def row_to_sample(row: tuple) -> SampleRow:
     return s
 
 
+def is_disk_error(e: BaseException) -> bool:
+    """A write the volume refused (full, or an I/O error): not the write's fault, worth retrying."""
+    if not isinstance(e, sqlite3.OperationalError):
+        return False
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+    text = str(e)
+    return "disk is full" in text or "disk I/O error" in text
+
+
+class LedgerUnsaved(sqlite3.OperationalError):
+    """The volume refused the ledger's writes: they wait in memory (``Store.unsaved``) and the
+    sidecar is degraded until they are written (``/readyz`` says so)."""
+
+
+#: A write's journal entry: (what it writes, e.g. ("sample", job, epoch, idx); SQL; parameters).
+Write = tuple[tuple, str, tuple]
+
+
 class Store:
     """The connection and its transactions. Not thread-safe by itself: the ledger's lock is held
-    around every use."""
+    around every use.
+
+    **When the volume cannot write** (full, I/O errors) the ledger's state in memory goes on (the
+    threads have told their peers, or will), and the rows it could not write wait in
+    :attr:`unsaved`, the latest write of each row in the order written; the ledger is *degraded*
+    until :meth:`flush` has written them all in one transaction. Only writes that say a row's
+    whole state (:meth:`save_sample`, :meth:`save_tokens`, :meth:`save_job`, :meth:`clear_slot`)
+    wait there, so writing them late, in order, gives the state memory has:
+
+    - a :meth:`group` whose writes fail, or whose commit fails, is rolled back and its writes
+      wait (the callers keep what the group would have made irreversible: files, offers, slots);
+    - a :meth:`tx` is all or nothing: its failure raises and its caller undoes its moves in
+      memory (a lease is sent only once on disk); a tx begun while degraded first flushes, and
+      fails if that does;
+    - a write outside a transaction waits while degraded (so an older unsaved write of its row
+      cannot land after it), or when it fails.
+
+    ``on_saved``: called after each commit that left nothing unsaved (the ledger frees the slots
+    it held back meanwhile)."""
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = str(path) if path else ":memory:"
@@ -126,8 +166,21 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.in_tx = False  # a transaction is open (under the lock): tx() nests as a savepoint
+        self._levels: list[list[Write]] = []  # the open transaction's writes, per savepoint
+        self._strict = 0  # inside tx(): a failed write raises
+        self._journal_only = False  # a group whose writes failed: the rest of it waits too
+        #: Rows a failed write or commit left unwritten: their latest write, in the order written.
+        self.unsaved: OrderedDict[tuple, tuple[str, tuple]] = OrderedDict()
+        self.unsaved_since: float | None = None  # time.time() of the first failure not yet flushed
+        self.last_error: str | None = None
+        self.on_saved: Callable[[], None] | None = None
         self._migrate()
         self.db.executescript(_INDEXES)
+
+    @property
+    def degraded(self) -> bool:
+        """Rows wait for the volume (:attr:`unsaved`): memory is ahead of the database."""
+        return bool(self.unsaved)
 
     def _migrate(self) -> None:
         """A new file gets today's schema; an older one is brought to it a step at a time
@@ -163,44 +216,103 @@ class Store:
     @contextmanager
     def tx(self):  # noqa: ANN201
         """One transaction; rolled back on error so the connection never stays inside one.
-        Inside an open one (a :meth:`group`) it is a savepoint: rolled back alone, committed
-        with the group."""
-        if self.in_tx:
-            self.db.execute("SAVEPOINT tx")
-            try:
-                yield
-            except BaseException:
-                self.db.execute("ROLLBACK TO tx")
-                self.db.execute("RELEASE tx")
-                raise
-            self.db.execute("RELEASE tx")
+        Inside a :meth:`group` it is a savepoint: rolled back alone, committed with the group.
+        All or nothing: a failed write or commit raises (see the class)."""
+        if self.in_tx or self._levels:
+            yield from self._nested()
             return
+        if self.unsaved and not self.flush():
+            raise LedgerUnsaved(f"the ledger cannot write ({self.last_error}): nothing new is written until the "
+                                f"{len(self.unsaved)} row(s) waiting are")  # fmt: skip
         self.db.execute("BEGIN")
         self.in_tx = True
+        self._levels.append([])
+        self._strict += 1
         try:
             yield
         except BaseException:
-            self.in_tx = False
-            self.db.execute("ROLLBACK")
+            self._end_tx()
+            self._rollback()
             raise
-        self.in_tx = False
+        self._end_tx()
         self.commit()
+        self._saved()
+
+    def _nested(self):  # noqa: ANN202
+        """A tx inside a group: a savepoint while the group writes, else a level of its writes
+        only (the group's writes wait: they are the tx's to drop if it fails)."""
+        sp = self.in_tx and not self._journal_only
+        if sp:
+            self.db.execute("SAVEPOINT tx")
+        self._levels.append([])
+        self._strict += 1
+        try:
+            yield
+        except BaseException as e:
+            self._strict -= 1
+            self._levels.pop()
+            if sp:
+                try:
+                    self.db.execute("ROLLBACK TO tx")
+                    self.db.execute("RELEASE tx")
+                except sqlite3.Error:
+                    self._journal_only = True  # SQLite rolled the whole group back: its writes wait
+            if isinstance(e, sqlite3.Error) and is_disk_error(e):
+                self._journal_only = True
+                self.last_error = str(e)
+            raise
+        self._strict -= 1
+        if sp:
+            self.db.execute("RELEASE tx")
+        done = self._levels.pop()
+        self._levels[-1].extend(done)
+
+    def _end_tx(self) -> list[Write]:
+        self.in_tx = False
+        self._strict -= 1
+        return self._levels.pop()
+
+    def _rollback(self) -> None:
+        try:
+            self.db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass  # SQLite rolled back itself (a full disk, an I/O error), or no transaction was open
 
     @contextmanager
     def group(self):  # noqa: ANN201
         """One transaction that keeps what was applied when an error comes part-way: it is
         committed (as if each write had committed alone) and the error propagates. Joins an
-        open transaction."""
-        if self.in_tx:
+        open transaction. When the volume refuses its writes or its commit (or was refusing
+        already), they wait (:attr:`unsaved`, see the class) and :class:`LedgerUnsaved` is raised
+        once the group is done, so the caller keeps what the group would make irreversible."""
+        if self.in_tx or self._levels:
             yield
             return
-        self.db.execute("BEGIN")
-        self.in_tx = True
+        degraded = bool(self.unsaved) and not self.flush()
+        if not degraded:
+            self.db.execute("BEGIN")
+            self.in_tx = True
+        self._journal_only = degraded
+        self._levels.append([])
         try:
             yield
         finally:
             self.in_tx = False
-            self.commit()
+            writes = self._levels.pop()
+            waits, self._journal_only = self._journal_only, False
+            if waits:
+                if not degraded:
+                    self._rollback()  # none of it half-committed: it all waits, in order
+                self._wait(writes, self.last_error)
+            else:
+                try:
+                    self.commit()
+                except sqlite3.Error as e:
+                    self._wait(writes, str(e))  # memory has these moves: written once the volume takes them
+                    raise LedgerUnsaved(f"the ledger's commit failed ({e}): {len(self.unsaved)} row(s) wait") from e
+                self._saved()
+        if waits:
+            raise LedgerUnsaved(f"the ledger cannot write ({self.last_error}): {len(self.unsaved)} row(s) wait")
 
     def commit(self) -> None:
         """COMMIT; if it fails, the connection is left outside any transaction (SQLite rolls
@@ -208,15 +320,74 @@ class Store:
         try:
             self.db.execute("COMMIT")
         except BaseException:
-            try:
-                self.db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass  # already rolled back by SQLite
+            self._rollback()
             raise
+
+    def flush(self) -> bool:
+        """Write what waits (:attr:`unsaved`) in one transaction; True when nothing waits now."""
+        if not self.unsaved:
+            return True
+        if self.in_tx or self._levels:
+            return False
+        try:
+            self.db.execute("BEGIN")
+            try:
+                for sql, params in self.unsaved.values():
+                    self.db.execute(sql, params)
+            except BaseException:
+                self._rollback()
+                raise
+            self.commit()
+        except sqlite3.Error as e:
+            if not is_disk_error(e):
+                raise
+            self.last_error = str(e)
+            return False
+        self.unsaved.clear()
+        self.unsaved_since = None
+        self._saved()
+        return True
+
+    def _saved(self) -> None:
+        if not self.unsaved and self.on_saved is not None:
+            self.on_saved()
+
+    def _wait(self, writes: list[Write], error: str | None) -> None:
+        for key, sql, params in writes:
+            self.unsaved[key] = (sql, params)
+            self.unsaved.move_to_end(key)
+        if self.unsaved and self.unsaved_since is None:
+            self.unsaved_since = time.time()
+        self.last_error = error or self.last_error
+
+    def _write(self, key: tuple, sql: str, params: tuple) -> None:
+        """One row's whole state written (see the class for when it waits instead)."""
+        w = (key, sql, params)
+        if self._journal_only and self._levels:  # a group that waits: its writes wait with it, in order
+            self._levels[-1].append(w)
+            return
+        if not self._levels and self.unsaved:  # outside a transaction while others wait: after them
+            self._wait([w], self.last_error)
+            return
+        try:
+            self.db.execute(sql, params)
+        except sqlite3.Error as e:
+            if self._strict or not is_disk_error(e):
+                raise
+            self.last_error = str(e)
+            if self._levels:  # the rest of the group waits with it (SQLite may have rolled it back)
+                self._journal_only = True
+                self._levels[-1].append(w)
+            else:
+                self._wait([w], str(e))
+            return
+        if self._levels:
+            self._levels[-1].append(w)
 
     # ------------------------------------------------------------------ rows
     def save_sample(self, s: SampleRow) -> None:
-        self.db.execute(
+        self._write(
+            ("sample", s.key.job, s.key.epoch, s.key.index),
             "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=?, lease_token=?, slot=? "
             "WHERE job_id=? AND epoch=? AND idx=?",
             (s.state.value, s.attempt, s.notice_json(), s.on_disk_bytes,
@@ -226,16 +397,46 @@ class Store:
 
     def save_tokens(self, s: SampleRow) -> None:
         """A sample's token ids and loss mask (regenerate mode changes them)."""
-        self.db.execute("UPDATE samples SET token_ids=?, loss_mask=? WHERE job_id=? AND epoch=? AND idx=?",
-                        (pack(s.token_ids), pack(s.loss_mask), s.key.job, s.key.epoch, s.key.index))  # fmt: skip
+        self._write(("tokens", s.key.job, s.key.epoch, s.key.index),
+                    "UPDATE samples SET token_ids=?, loss_mask=? WHERE job_id=? AND epoch=? AND idx=?",
+                    (pack(s.token_ids), pack(s.loss_mask), s.key.job, s.key.epoch, s.key.index))  # fmt: skip
+
+    def clear_slot(self, key: P.SampleKey) -> None:
+        """A finished sample's slot is given back: its row no longer names it."""
+        self._write(("slot", key.job, key.epoch, key.index),
+                    "UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?",
+                    (key.job, key.epoch, key.index))  # fmt: skip
 
     def load(self, key: P.SampleKey) -> SampleRow | None:
         row = self.db.execute(f"SELECT {COLS} FROM samples WHERE job_id=? AND epoch=? AND idx=?",
                               (key.job, key.epoch, key.index)).fetchone()  # fmt: skip
         return None if row is None else row_to_sample(row)
 
+    def load_many(self, keys: list[P.SampleKey]) -> dict[P.SampleKey, SampleRow]:
+        """The rows of ``keys`` that exist, in one query."""
+        cols = ", ".join(f"s.{c.strip()}" for c in COLS.split(","))
+        out: dict[P.SampleKey, SampleRow] = {}
+        for row in self.db.execute(f"SELECT {cols} {_JOIN_KEYS}", (_keys_json(keys),)):
+            s = row_to_sample(row)
+            out[s.key] = s
+        return out
+
+    def lease_tokens(self, keys: list[P.SampleKey]) -> dict[tuple[str, int, int], str | None]:
+        """Each existing key's latest lease token, by (job, epoch, index), in one query (no token
+        ids read)."""
+        return {(jid, ep, idx): token for jid, ep, idx, token in
+                self.db.execute(f"SELECT s.job_id, s.epoch, s.idx, s.lease_token {_JOIN_KEYS}", (_keys_json(keys),))}  # fmt: skip
+
     def save_job(self, j: Job) -> None:
-        self.db.execute(
-            "UPDATE jobs SET finished=?, tokens_consumed=?, bytes_consumed=? WHERE job_id=?",
-            (j.finished, j.tokens_consumed, j.bytes_consumed, j.job_id),
-        )
+        self._write(("job", j.job_id), "UPDATE jobs SET finished=?, tokens_consumed=?, bytes_consumed=? WHERE job_id=?",
+                    (j.finished, j.tokens_consumed, j.bytes_consumed, j.job_id))  # fmt: skip
+
+
+#: Rows of the keys a JSON array of [job, epoch, index] names, each found by the primary key
+#: (a row-value ``IN`` list would scan the table).
+_JOIN_KEYS = ("FROM json_each(?) AS k JOIN samples AS s ON s.job_id = json_extract(k.value, '$[0]') "
+              "AND s.epoch = json_extract(k.value, '$[1]') AND s.idx = json_extract(k.value, '$[2]')")
+
+
+def _keys_json(keys: list[P.SampleKey]) -> str:
+    return json.dumps([[k.job, k.epoch, k.index] for k in keys], separators=(",", ":"))

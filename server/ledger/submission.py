@@ -22,7 +22,9 @@ class Submission(LedgerCore):
         ready-but-unconsumed count is under its limit), with the watermarks of
         :class:`~server.ledger.budget.SpoolBudget`."""
         with self._lock:
-            if self._spool.closed(self._n_ready, budget, max_ready, low_water):
+            if self._store.degraded:  # rows wait for the volume: no new work until they are written
+                return None
+            if self._spool.closed(self._n_ready, budget, max_ready, low_water, self.pinned_bytes):
                 return None
             head = f"SELECT {COLS} FROM samples WHERE state = 'queued' ORDER BY qpos LIMIT 1"  # the queue index
             while True:

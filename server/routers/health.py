@@ -7,11 +7,13 @@ unauthenticated peer needs to know about the host."""
 from __future__ import annotations
 
 import os
+import time
 
 from fastapi import APIRouter, Request, Response
 
 from connector.contract.rest import Health, Readiness
 from server.dependencies import ServicesDep, has_token
+from server.ledger_calls import ledger_call
 from server.submitter import VllmUnavailable
 
 router = APIRouter(tags=["health"])
@@ -32,8 +34,13 @@ async def readyz(request: Request, response: Response, svc: ServicesDep) -> Read
         problems.append(str(e))
     if not os.access(svc.spool, os.W_OK):
         problems.append(f"spool {svc.spool} not writable")
-    if not svc.ledger.is_open():
+    if not await ledger_call(svc.ledger, svc.ledger.is_open):
         problems.append(f"ledger {svc.settings.ledger_file()} not open")
+    n, since, error = svc.ledger.unsaved()
+    if n:
+        problems.append(f"ledger {svc.settings.ledger_file()} cannot write ({error}): {n} row(s) wait since "
+                        f"{time.strftime('%H:%M:%S', time.localtime(since or time.time()))}; nothing new is submitted "
+                        "or delivered until the volume takes them")  # fmt: skip
     if problem := notices_stopped(svc):
         problems.append(problem)
     loops = (("notice", svc.notices.alive), ("delivery", svc.delivery.alive), ("submitter", svc.submitter.alive))

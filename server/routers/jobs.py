@@ -10,7 +10,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, UploadFile
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Query, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from connector.contract.holdout import held_out, sample_identity
@@ -33,6 +34,7 @@ from server.admission import check_job_size, too_many_samples
 from server.content_type import expects
 from server.dependencies import Services, ServicesDep, job_or_404, require_token
 from server.ledger import ADD_BATCH, Job, NewSample
+from server.ledger_calls import ledger_call
 from server.model_shape import over_budget_reason
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
@@ -134,8 +136,45 @@ def ignored_keys_warnings(seen: Counter[str]) -> list[str]:
     return out
 
 
-@router.post("", response_model=JobCreated, dependencies=[Depends(expects("application/json"))])
-async def create_job(job: JobIn, svc: ServicesDep) -> JobCreated:
+#: A JSON body up to this size is parsed and validated on the event loop (a few ms at most); a
+#: larger one in a worker thread, so the probes and other requests are served meanwhile.
+PARSE_INLINE_BYTES = 256 << 10
+#: The request body of ``POST /v1/jobs``, for the OpenAPI schema: the route reads the body itself
+#: (:func:`parse_job`), so FastAPI does not see a body parameter (``server/routers/docs.py``).
+JOB_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/JobIn"}}}}}  # fmt: skip
+
+
+def _validate_job(body: bytes) -> JobIn:
+    """As FastAPI does it (``json.loads``, then the model), so its 422s are the same: e.g. a lone
+    surrogate, which JSON carries and UTF-8 cannot, is refused by the field that holds it."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": e.msg}}]) from None  # fmt: skip
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": type(e).__name__}}]) from None  # fmt: skip
+    try:
+        return JobIn.model_validate(obj)
+    except ValidationError as e:  # FastAPI's own 422, located in the body
+        raise RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors(include_url=False)]) from None
+
+
+async def parse_job(body: bytes) -> JobIn:
+    """The body as a :class:`JobIn`: FastAPI would parse and validate it on the event loop,
+    whatever its size (up to ``HSSTREAM_MAX_JSON_BYTES``, most of a second), so the route reads
+    the bytes and this does it, in a thread above :data:`PARSE_INLINE_BYTES`."""
+    if len(body) <= PARSE_INLINE_BYTES:
+        return _validate_job(body)
+    return await asyncio.to_thread(_validate_job, body)
+
+
+@router.post("", response_model=JobCreated, dependencies=[Depends(expects("application/json"))],
+             openapi_extra=JOB_BODY)  # fmt: skip
+async def create_job(request: Request, svc: ServicesDep) -> JobCreated:
+    job = await parse_job(await request.body())  # the body's size is bounded (server/body_limit.py)
     check_job_size(len(job.samples), job.options.epochs, svc.settings)
     await svc.submitter.probe_engine()  # the engine's length limit, if vLLM has answered by now
     created = await svc.admitter.run(admit, svc, job.samples, job.options)
@@ -154,10 +193,18 @@ async def upload_job(svc: ServicesDep, file: UploadFile = File(...), options: st
         raise HTTPException(422, {"message": "bad options", "errors": errors}) from e
     await file.seek(0)
     await svc.submitter.probe_engine()
-    records = JsonlRecords(file, svc.settings, opt.epochs, skip_bad=opt.on_invalid == "skip")
+    records = JsonlRecords(file, svc.settings, opt.epochs, skip_bad=opt.on_invalid == "skip",
+                           max_line_chars=line_chars(svc.tokenizer.row_chars(opt)))  # fmt: skip
     created = await svc.admitter.run(admit, svc, records, opt, records.check, records)
     svc.submitter.wake()
     return created
+
+
+def line_chars(row_chars: int) -> int:
+    """The longest JSONL line an upload may hold: a row's text bound (``Tokenizer.row_chars``) as
+    JSON may spell it (``\\uXXXX`` is six characters for one, token ids up to eleven per token),
+    and room for its keys. A longer line is a bad line, read no further than the bound."""
+    return 8 * row_chars + (64 << 10)
 
 
 class JsonlRecords:
@@ -170,20 +217,41 @@ class JsonlRecords:
     (``n_bad``, the first ones named in ``bad``) and the others go on. utf-8-sig: a leading BOM,
     as some editors write, is not part of the first line."""
 
-    def __init__(self, file: UploadFile, s: Settings, epochs: int, *, skip_bad: bool = False) -> None:
+    def __init__(self, file: UploadFile, s: Settings, epochs: int, *, skip_bad: bool = False,
+                 max_line_chars: int = 1 << 30) -> None:  # fmt: skip
         self.file, self.s, self.epochs, self.skip_bad = file, s, epochs, skip_bad
+        self.max_line_chars = max_line_chars
         self.count = 0
         self.n_bad = 0
         self.bad: list[dict] = []  # the first KEEP_REFUSED
 
+    def _lines(self) -> Iterator[tuple[int, str | None]]:
+        """(line number, line), a line over ``max_line_chars`` as None: read up to the bound,
+        the rest of it skipped a chunk at a time, never held whole."""
+        lines = io.TextIOWrapper(self.file.file, encoding="utf-8-sig", errors="replace", newline=None)
+        ln = 0
+        while line := lines.readline(self.max_line_chars + 1):
+            ln += 1
+            if len(line) > self.max_line_chars and not line.endswith("\n"):
+                while (rest := lines.readline(1 << 20)) and not rest.endswith("\n"):
+                    pass
+                yield ln, None
+                continue
+            yield ln, line
+
     def __iter__(self) -> Iterator[SampleIn]:
         s = self.s
-        lines = io.TextIOWrapper(self.file.file, encoding="utf-8-sig", errors="replace", newline=None)
-        for ln, line in enumerate(lines, 1):
-            if not line.strip():
+        for ln, line in self._lines():
+            if line is not None and not line.strip():
                 continue
             if self.count + self.n_bad >= s.max_job_samples:
                 raise too_many_samples(None, s)
+            if line is None:
+                self.n_bad += 1
+                if len(self.bad) < KEEP_REFUSED:
+                    self.bad.append({"line": ln, "reason": f"longer than {self.max_line_chars:,} characters: more text "
+                                                           "than a sample's token limit can hold (read no further)"})  # fmt: skip
+                continue
             try:
                 smp = SampleIn.model_validate_json(line)
             except ValidationError as e:
@@ -210,6 +278,10 @@ class JsonlRecords:
 
 @router.get("", response_model=list[JobBrief])
 async def list_jobs(svc: ServicesDep) -> list[JobBrief]:
+    return await ledger_call(svc.ledger, _list_jobs, svc)
+
+
+def _list_jobs(svc: Services) -> list[JobBrief]:
     led = svc.ledger
     return [JobBrief(job_id=j.job_id, done=j.done, counts=j.counts(), compacted=j.compacted)
             for j in map(led.job_view, led.job_ids()) if j is not None]  # fmt: skip
@@ -221,8 +293,8 @@ async def job_status(
     errors_offset: int = Query(0, ge=0, lt=2**31), errors_limit: int = Query(100, ge=1, le=1000),
 ) -> JobStatus:  # fmt: skip
     elapsed = (j.finished or time.time()) - j.created
-    page = svc.ledger.errors_page(j.job_id, errors_offset, errors_limit)  # an indexed read, not a scan
-    meta = svc.ledger.job_meta(j.job_id)  # one row by its key
+    page = await ledger_call(svc.ledger, svc.ledger.errors_page, j.job_id, errors_offset, errors_limit)  # indexed
+    meta = await ledger_call(svc.ledger, svc.ledger.job_meta, j.job_id)  # one row by its key
     return JobStatus(
         job_id=j.job_id, done=j.done, counts=j.counts(), num_samples=j.num_samples, compacted=j.compacted,
         tokens_consumed=j.tokens_consumed, bytes_consumed=j.bytes_consumed, elapsed_s=round(elapsed, 3),

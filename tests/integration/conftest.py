@@ -56,7 +56,8 @@ def stack_factory(tiny_model) -> Iterator:
 
 
 def submit(stack: Stack, samples: list[dict], **options) -> str:
-    r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples, "options": options}, timeout=60)
+    r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples, "options": options}, timeout=60,
+                   headers=stack.headers)
     assert r.status_code == 200, r.text
     return r.json()["job_id"]
 

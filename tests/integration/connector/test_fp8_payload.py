@@ -29,7 +29,7 @@ def samples(seed, lengths):
 
 
 def test_fp8_files_are_priced_checked_and_dequantised_close_to_hf(stack, tiny_model):
-    size = httpx.get(f"{stack.api}/v1/stats", timeout=10).json()["sample_size"]
+    size = httpx.get(f"{stack.api}/v1/stats", timeout=10, headers=stack.headers).json()["sample_size"]
     assert size["source"] == "config" and size["bytes_per_position"] == K * H + 4  # priced by the setting
     data = samples(1, (1, 16, 63, 200))
     job = submit(stack, data)
@@ -49,7 +49,7 @@ def test_fp8_files_are_priced_checked_and_dequantised_close_to_hf(stack, tiny_mo
         # vLLM's bf16 vs HF's fp32 (5 % of a layer's max, as the bf16 test) + e4m3's rounding (2^-4 of the token's max)
         assert bool((err <= 0.05 * layer_amax + 0.0625 * token_amax).all()), float((err - 0.05 * layer_amax).max())
     assert stack.spool_files() == []
-    by_bytes = httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+    by_bytes = httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10, headers=stack.headers).json()
     assert by_bytes["bytes_consumed"] == by_bytes["tokens_consumed"] * (K * H + 4)
 
 

@@ -129,7 +129,7 @@ def test_every_sample_once_over_the_link(two_hosts, transport):
     st = two_hosts
     samples = token_samples(N, 24, seed={"mooncake": 11, "zmq": 12}[transport])
     job = submit(st, samples)
-    before = httpx.get(f"{st.api}/v1/stats", timeout=10).json()["delivery"]
+    before = httpx.get(f"{st.api}/v1/stats", timeout=10, headers=st.headers).json()["delivery"]
     log = st.state / f"trainer-{transport}.jsonl"
     p = st.link.run_in_b(
         [sys.executable, str(HERE.parent / "trainer_client" / "trainer_proc.py"), "--endpoint", st.remote, "--spool", str(st.spool),
@@ -151,7 +151,7 @@ def test_every_sample_once_over_the_link(two_hosts, transport):
     assert end["end"] == N and end["stats"]["invalid"] == 0 and end["stats"]["duplicates"] == 0
     c = wait_done(st, job)["counts"]
     assert c["consumed"] == N and c["failed"] == 0, c
-    after = httpx.get(f"{st.api}/v1/stats", timeout=10).json()["delivery"]
+    after = httpx.get(f"{st.api}/v1/stats", timeout=10, headers=st.headers).json()["delivery"]
     assert after[f"delivered_{transport}"] - before[f"delivered_{transport}"] == N
     other = {"mooncake": "zmq", "zmq": "mooncake"}[transport]
     assert after[f"delivered_{other}"] == before[f"delivered_{other}"]

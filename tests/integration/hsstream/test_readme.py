@@ -155,7 +155,7 @@ def test_every_readme_command_runs_against_the_stack(stack):
                 k: v for k, v in want.items() if "id" not in k
             }, f"{cmd}\nREADME shows {want}, got {got}"
     # what the commands did: both jobs submitted, then consumed whole by loop.py
-    jobs = httpx.get(f"{up.api}/v1/jobs", timeout=30).json()
+    jobs = httpx.get(f"{up.api}/v1/jobs", timeout=30, headers=up.headers).json()
     assert len(jobs) == 2 and all(j["done"] and j["counts"]["failed"] == 0 for j in jobs), jobs
     loop_out = next(outputs[i] for i, (c, _) in enumerate(run) if "loop.py" in c)
     assert len([ln for ln in loop_out.splitlines() if ln.strip()]) == sum(j["counts"]["consumed"] for j in jobs)
@@ -164,7 +164,7 @@ def test_every_readme_command_runs_against_the_stack(stack):
     links = set(re.findall(rf"<http://{DEFAULT_API}(/[^>]*)>", README.read_text()))
     assert "/docs" in links
     for path in links:
-        assert httpx.get(f"{up.api}{path}", timeout=30).status_code == 200, path
+        assert httpx.get(f"{up.api}{path}", timeout=30, headers=up.headers).status_code == 200, path
     # README's Ctrl-C note: the stack stops cleanly (SIGTERM here; test_up sends SIGINT)
     mark = len(up.output().splitlines())
     up.proc.send_signal(signal.SIGTERM)

@@ -32,9 +32,10 @@ NUM = r"([\d,.]+)"
 class Terminal:
     """A command in a pseudo-terminal of COLS x ROWS, and the screen it has drawn so far."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-        env.update({"PYTHONPATH": str(ROOT), "TERM": "xterm-256color"})
+        env.update({"PYTHONPATH": str(ROOT), "TERM": "xterm-256color", **extra})
         self.screen = pyte.Screen(COLS, ROWS)
         self.stream = pyte.ByteStream(self.screen)
         self.child = pexpect.spawn(sys.executable, ["-m", "hsstream", *args], env=env, cwd=str(ROOT),
@@ -60,8 +61,8 @@ class Terminal:
         self.child.close()
 
 
-def overview(api: str) -> dict:
-    r = httpx.get(f"{api}/v1/overview", timeout=30)
+def overview(stack) -> dict:  # noqa: ANN001 - a devstack Stack
+    r = httpx.get(f"{stack.api}/v1/overview", timeout=30, headers=stack.headers)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -163,14 +164,14 @@ def pump_until(term: Terminal, done, at_least: float, at_most: float = 20.0) -> 
     return screen
 
 
-def read_checked(term: Terminal, api: str, settled: bool) -> tuple[str, dict]:
-    before = overview(api)
+def read_checked(term: Terminal, stack, settled: bool) -> tuple[str, dict]:  # noqa: ANN001
+    before = overview(stack)
     lt = time.localtime()
     since = lt.tm_hour * 3600 + lt.tm_min * 60 + lt.tm_sec
     # A frame drawn 2 clock seconds after `before` was read fetched after it (unless its fetch
     # took over a second); at least two refreshes' time in any case.
     screen = pump_until(term, lambda sc: (c := clock_s(sc)) is not None and 2 <= (c - since) % 86400 < 3600, 2.5)
-    after = overview(api)
+    after = overview(stack)
     return screen, check_frame(screen, before, after, settled)
 
 
@@ -186,7 +187,7 @@ def samples(n: int, seed: int) -> list[dict]:
 
 
 def test_top_shows_what_the_api_says_while_a_trainer_streams(stack):
-    term = Terminal("top", "--url", stack.api)
+    term = Terminal("top", "--url", stack.api, env={"HSSTREAM_RUN_DIR": str(stack.run_dir)})  # its token, found there
     job = stream = it = None
     try:
         first = pump_until(term, lambda sc: "no jobs yet" in sc and "no trainer connected" in sc, 1)
@@ -206,21 +207,21 @@ def test_top_shows_what_the_api_says_while_a_trainer_streams(stack):
         # consumption just stopped: rates are not zero yet and only decay (from the next whole
         # second on: the current one is not counted yet); they must match the API
         time.sleep(1.1)
-        live, got = read_checked(term, stack.api, settled=False)
+        live, got = read_checked(term, stack, settled=False)
         assert got["rate"][0] > 0 and got["rate"][1] > 0, live
         assert f"{job} running" in " ".join(live.split()), live
         # production stops at the ready limit or at the end of the job: then nothing moves
         t0, last = time.monotonic(), None
         while True:
-            ov = overview(stack.api)
+            ov = overview(stack)
             now = (ov["samples"], ov["spool"], ov["ready"])
             if now == last and ov["samples"]["submitted"] == 0:
                 break
             assert time.monotonic() - t0 < 300, f"production does not settle: {ov}"
             last = now
             time.sleep(2)
-        stable, got = read_checked(term, stack.api, settled=True)
-        ov = overview(stack.api)
+        stable, got = read_checked(term, stack, settled=True)
+        ov = overview(stack)
         assert got["files"] > 0 and ov["ready"] > 0, stable  # figures worth checking, not zeros
         assert ov["samples"]["consumed"] >= 6 + 13 and ov["jobs_done"] == 1, ov
         (trainer,) = [t for t in ov["trainers"] if t["jobs"] == [job]]
@@ -247,7 +248,7 @@ def test_top_shows_what_the_api_says_while_a_trainer_streams(stack):
         if stream is not None:
             stream.close()
         if job is not None:  # the trainer left with leases: cancelling the job frees the spool
-            httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30)
+            httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30, headers=stack.headers)
         t0 = time.monotonic()
         while stack.spool_files() and time.monotonic() - t0 < 30:
             time.sleep(0.2)

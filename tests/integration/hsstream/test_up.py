@@ -65,6 +65,14 @@ class Up:
     def api(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The bearer header with the token the stack's sidecar made in its run dir."""
+        from connector.contract.api_token import read_token
+        from connector.contract.rest_client import auth_headers
+
+        return auth_headers(read_token(self.run_dir))
+
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
 
@@ -131,13 +139,13 @@ def submit(up: Up, n: int, seed: int, length: tuple[int, int] = (16, 120)) -> tu
     samples = [
         {"token_ids": [rng.randrange(0, 509) for _ in range(rng.randint(*length))], "id": f"s{i}"} for i in range(n)
     ]
-    r = httpx.post(f"{up.api}/v1/jobs", json={"samples": samples}, timeout=60)
+    r = httpx.post(f"{up.api}/v1/jobs", json={"samples": samples}, timeout=60, headers=up.headers)
     assert r.status_code == 200, r.text
     return r.json()["job_id"], n
 
 
 def counts(up: Up, job: str) -> dict:
-    return httpx.get(f"{up.api}/v1/jobs/{job}", timeout=10).json()["counts"]
+    return httpx.get(f"{up.api}/v1/jobs/{job}", timeout=10, headers=up.headers).json()["counts"]
 
 
 def wait_done(up: Up, job: str, timeout: float) -> dict:
@@ -160,8 +168,9 @@ def used(up: Up, job: str) -> list[str]:
 
 
 def spool_files(up: Up) -> list[str]:
-    """Everything in the spool but the ownership marker."""
-    return sorted(n for n in os.listdir(up.spool) if n != P.SPOOL_MARKER) if up.spool.exists() else []
+    """Everything in the spool but the ownership marker and the running sidecar's lock."""
+    keep = (P.SPOOL_MARKER, P.SIDECAR_LOCK)
+    return sorted(n for n in os.listdir(up.spool) if n not in keep) if up.spool.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +271,7 @@ def test_ctrl_c_stops_every_process_cleanly_and_empties_the_spool(stack):
     every child exits 0, the supervisor says "stopped cleanly", and nothing it prints from the
     signal on is a warning (vLLM's "leaked shared_memory" ones were, before the ordered stop)."""
     t0 = time.monotonic()  # the trainer is up and streaming (run alone, this test comes right after start)
-    while not httpx.get(f"{stack.api}/v1/overview", timeout=10).json()["trainers"]:
+    while not httpx.get(f"{stack.api}/v1/overview", timeout=10, headers=stack.headers).json()["trainers"]:
         assert time.monotonic() - t0 < 120, f"the trainer never connected:\n{stack.tail()}"
         time.sleep(0.5)
     stack.note_processes()

@@ -106,20 +106,20 @@ def test_first_request_of_one_token_is_answered_and_each_vllm_process_reported_a
 
 
 def test_sample_longer_than_the_engine_limit_is_422_naming_it(stack):
-    stats = httpx.get(f"{stack.api}/v1/stats", timeout=10).json()
+    stats = httpx.get(f"{stack.api}/v1/stats", timeout=10, headers=stack.headers).json()
     assert stats["engine_max_model_len"] == 512
-    r = httpx.post(f"{stack.api}/v1/jobs", timeout=60, json={"samples": [{"token_ids": [5] * 1890, "id": "long"}]})
+    r = httpx.post(f"{stack.api}/v1/jobs", timeout=60, headers=stack.headers, json={"samples": [{"token_ids": [5] * 1890, "id": "long"}]})
     assert r.status_code == 422, r.text
     reason = r.json()["detail"]["samples"][0]["reason"]
     assert reason == "sample has 1890 tokens, more than vLLM's max_model_len of 512 allows (511 prompt tokens + 1 generated)"
 
 
 def test_unknown_sample_size_one_in_flight_until_the_first_notice_then_by_the_learned_size(stack):
-    st = lambda: httpx.get(f"{stack.api}/v1/stats", timeout=10).json()  # noqa: E731
+    st = lambda: httpx.get(f"{stack.api}/v1/stats", timeout=10, headers=stack.headers).json()  # noqa: E731
     assert st()["sample_size"] == {"known": False, "source": None}  # no config, and no notice of ours yet
     n = 10
     samples = [{"token_ids": [(7 * i + j) % 500 + 3 for j in range(SAMPLE_TOKENS)], "id": f"s{i}"} for i in range(n)]
-    r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples}, timeout=60)
+    r = httpx.post(f"{stack.api}/v1/jobs", json={"samples": samples}, timeout=60, headers=stack.headers)
     assert r.status_code == 200, r.text
     job = r.json()["job_id"]
     # No trainer yet: submission stops where the learned size says the budget is full.

@@ -62,11 +62,11 @@ def samples(n, seed, length=40):
 
 
 def stats(stack):
-    return httpx.get(f"{stack.api}/v1/stats", timeout=10).json()
+    return httpx.get(f"{stack.api}/v1/stats", timeout=10, headers=stack.headers).json()
 
 
 def status(stack, job):
-    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10, headers=stack.headers).json()
 
 
 def consume(stack, job, on_sample=None):

@@ -87,7 +87,7 @@ def spool_bytes(stack) -> int:
         except FileNotFoundError:
             pass
     if getattr(stack, "layout", "files") == "arena":
-        a = httpx.get(f"{stack.api}/v1/stats", timeout=10).json()["arena"]
+        a = httpx.get(f"{stack.api}/v1/stats", timeout=10, headers=stack.headers).json()["arena"]
         total += a["used_bytes"]
     return total
 
@@ -111,7 +111,7 @@ def restart(stack, name, wait_url, while_down=None):
 
 
 def status(stack, job):
-    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()
+    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10, headers=stack.headers).json()
 
 
 def wait_done(stack, job, timeout=300):
@@ -386,7 +386,7 @@ def test_delete_running_job_leaves_no_file_and_no_request(layout_stack):
     while status(stack, job)["counts"]["ready"] < 1:
         assert time.time() - t0 < 120
         time.sleep(0.1)
-    r = httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30)
+    r = httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30, headers=stack.headers)
     assert r.status_code == 200
     c = r.json()["counts"]
     assert c["cancelled"] + c["consumed"] + c["failed"] == 30 and c["cancelled"] > 0
@@ -431,7 +431,7 @@ def test_remote_trainer_over_curve_gets_bytes_and_sidecar_deletes(layout_stack):
     st = wait_done(stack, job)
     assert st["counts"]["consumed"] == n
     assert wait_spool_empty(stack, timeout=30) == []  # deleted by the sidecar on RECEIVED
-    assert httpx.get(f"{stack.api}/v1/stats", timeout=10).json()["delivery"]["delivered_remote"] >= n
+    assert httpx.get(f"{stack.api}/v1/stats", timeout=10, headers=stack.headers).json()["delivery"]["delivered_remote"] >= n
 
 
 def test_regenerate_mode_extracts_prompt_plus_new_reply(stack, tiny_model):

@@ -85,7 +85,7 @@ def windows(verifier: str, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def job_counts(stack, job) -> dict:
-    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10).json()["counts"]
+    return httpx.get(f"{stack.api}/v1/jobs/{job}", timeout=10, headers=stack.headers).json()["counts"]
 
 
 def cfg(verifier, out, **kw) -> TrainConfig:
@@ -204,7 +204,7 @@ def test_demo_training_step_runs_again_in_the_same_workdir(stack, verifier, tmp_
         _, p, _ = train_draft(verifier, stack, [job], tmp_path, draft_vocab_size=256, steps=n, lr=3e-3, seed=0,
                               checkpoint_every=n)  # fmt: skip
         if p.returncode != 0:
-            httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30)  # its samples stay unacknowledged
+            httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30, headers=stack.headers)  # its samples stay unacknowledged
         assert p.returncode == 0, f"run {run + 1}: {p.stderr[-3000:]}"
         summary = json.loads(p.stdout[p.stdout.index("{") :])
         assert summary["steps"] == n and summary["samples"] == n
@@ -221,7 +221,7 @@ def test_trainer_names_the_missing_layer(stack, verifier, tmp_path):
     assert p.returncode == 2
     assert "not aux layer(s) [1]" in p.stderr and "[2, 6, 9, 12]" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
-    httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30).raise_for_status()  # its sample was never acknowledged
+    httpx.delete(f"{stack.api}/v1/jobs/{job}", timeout=30, headers=stack.headers).raise_for_status()  # its sample was never acknowledged
 
 
 @pytest.mark.parametrize("workers", [0, 2])

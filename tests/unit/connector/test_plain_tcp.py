@@ -90,3 +90,15 @@ def test_the_connector_refuses_a_plain_tcp_notice_endpoint_in_its_extra_config(t
         plugin.ConnectorOptions.from_vllm(vllm_config([2], extra))
     monkeypatch.setenv(E.ALLOW_SWITCH, "1")
     assert plugin.ConnectorOptions.from_vllm(vllm_config([2], extra)).notice_endpoint == "tcp://10.0.0.5:5557"
+
+
+@pytest.mark.parametrize("var", ["HSSTREAM_NOTICE_ENDPOINT", "HSSTREAM_DELIVERY_ENDPOINT"])
+def test_an_abstract_ipc_socket_is_refused_like_plain_tcp(monkeypatch, var):
+    """``ipc://@name`` (a Linux abstract socket) has no file and so no permissions: any local user
+    connects to it, as to 127.0.0.1."""
+    monkeypatch.setenv(var, "ipc://@hsstream-notices")
+    with pytest.raises(E.InsecureEndpoint, match=rf"refusing {var}=ipc://@hsstream-notices: it is a Linux abstract "
+                                                 rf"socket.*any local user.*{E.ALLOW_SWITCH}=1"):  # fmt: skip
+        Settings()
+    with pytest.raises(E.InsecureEndpoint, match="abstract socket"):
+        HiddenStateStream("ipc://@hsstream-delivery")

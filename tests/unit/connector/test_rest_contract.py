@@ -223,8 +223,8 @@ def test_the_contract_and_its_client_import_nothing_of_ours_but_the_contract():
             "('connector', 'server', 'hsstream', 'trainer_client')))")  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert json.loads(p.stdout.replace("'", '"')) == ["connector", "connector.contract", "connector.contract.rest",
-                                                      "connector.contract.rest_client"]  # fmt: skip
+    assert json.loads(p.stdout.replace("'", '"')) == ["connector", "connector.contract", "connector.contract.api_token",
+                                                      "connector.contract.rest", "connector.contract.rest_client"]  # fmt: skip
 
 
 @pytest.fixture

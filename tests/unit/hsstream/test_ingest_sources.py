@@ -12,7 +12,8 @@ import tracemalloc
 import pytest
 from fastapi.testclient import TestClient
 
-from connector.contract.rest_client import SidecarClient, multipart_jsonl
+from connector.contract.api_token import read_token
+from connector.contract.rest_client import SidecarClient, auth_headers, multipart_jsonl
 from connector.contract.settings import Settings
 from trainer_client import data_sources as DS
 from hsstream import rest_client as RC
@@ -30,7 +31,8 @@ ROWS = [
 def client(tmp_path, tiny_model):
     s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9",
                  model=tiny_model)  # fmt: skip
-    return TestClient(create_app(s), raise_server_exceptions=False)  # no lifespan: nothing is sent to vLLM
+    app = create_app(s)  # no token set: the sidecar made one in its run dir, which its clients read
+    return TestClient(app, raise_server_exceptions=False, headers=auth_headers(read_token(s.run_dir)))  # no lifespan: nothing is sent to vLLM
 
 
 @pytest.fixture
@@ -351,6 +353,8 @@ def test_train_submit_streams_the_source_through_the_upload(tmp_path, client, mo
     from hsstream.cli import submit_source
 
     monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
+    # the token the sidecar made in its run dir (the fixture's client carries it), as train finds it
+    monkeypatch.setenv("HSSTREAM_API_TOKEN", client.headers["authorization"].removeprefix("Bearer "))
     import pyarrow.parquet as pq
 
     p = tmp_path / "u.parquet"
@@ -379,6 +383,8 @@ def test_train_submit_records_the_source_and_counts_locally_from_a_second_read(t
     from trainer_client.train.config import TrainConfig
 
     monkeypatch.setattr(SidecarClient, "http_factory", lambda **kw: TestClient(client.app, base_url=kw["base_url"]))
+    # the token the sidecar made in its run dir (the fixture's client carries it), as train finds it
+    monkeypatch.setenv("HSSTREAM_API_TOKEN", client.headers["authorization"].removeprefix("Bearer "))
     monkeypatch.setattr(V, "token_counts_from_sidecar", lambda *a, **kw: None)  # counted here instead
     p = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(5)])
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "run"), device="cpu")

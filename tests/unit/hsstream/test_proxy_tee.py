@@ -268,3 +268,41 @@ def test_offer_is_cheap_beside_a_busy_tee(tmp_path):
     finally:
         gate.set()
         tee.stop()
+
+
+def test_a_refused_token_makes_a_new_client_that_looks_the_token_up_again(tmp_path):
+    """A proxy started before the sidecar made its token (or one the sidecar restarted with a new
+    token): its first client sends none and is answered 401; the next flush's client must read
+    the token again rather than the tee being refused for good."""
+    from connector.contract.rest_client import SidecarError
+
+    token_file: dict[str, str | None] = {"token": None}  # what the run dir holds, as SidecarClient reads it
+    made: list[FakeSidecar] = []
+
+    class TokenSidecar(FakeSidecar):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token = token_file["token"]  # read once, when the client is made
+
+        def _check(self) -> None:
+            if self.token != "t":
+                raise SidecarError("401 unauthorized", status=401, detail="", method="GET", path="/v1/overview")
+
+    def factory() -> FakeSidecar:
+        made.append(TokenSidecar())
+        return made[-1]
+
+    s = ProxySettings(state_dir=tmp_path / "st", flush_s=0.05, holdout_fraction=0.0)
+    store = TeedStore(s.store_path(), dedup_window=s.dedup_window, holdout_keep=s.holdout_keep, retention_s=s.retention_s)
+    m = ProxyMetrics()
+    tee = Tee(s, store, m, client_factory=factory)
+    tee.start()
+    try:
+        tee.offer(chat(1))
+        run_until(tee, lambda: counts(m).get("refused", 0) == 1)
+        token_file["token"] = "t"  # the sidecar is up now and has made its token
+        tee.offer(chat(2))
+        run_until(tee, lambda: counts(m).get("teed", 0) == 1)
+    finally:
+        tee.stop()
+    assert len(made) == 2 and made[0].closed and [r["messages"][0]["content"] for r in made[1].jobs[0][0]] == ["question 2"]

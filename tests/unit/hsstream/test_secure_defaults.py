@@ -242,6 +242,7 @@ def test_serve_makes_spool_run_dir_and_ledger_private(tmp_path):
         assert _mode(tmp_path / "spool") == 0o700
         assert _mode(tmp_path / "run") == 0o700
         assert _mode(s.ledger_file()) == 0o600
+        assert _mode(tmp_path / "run" / "api-token") == 0o600  # no HSSTREAM_API_TOKEN: the sidecar made one
     finally:
         app_.state.services.ledger.close()
 

@@ -11,7 +11,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from connector.contract.rest_client import SidecarClient
+from connector.contract.api_token import read_token
+from connector.contract.rest_client import SidecarClient, auth_headers
 from connector.contract.settings import Settings
 from hsstream import evaluate as E
 from hsstream import job_options as JO
@@ -93,7 +94,8 @@ def test_train_takes_the_same_names_as_flags_and_in_its_config_file(train, tmp_p
 def app_client(tmp_path, tiny_model):
     s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9",
                  model=tiny_model)  # fmt: skip
-    return TestClient(create_app(s), raise_server_exceptions=False)
+    app = create_app(s)  # no token set: the sidecar made one in its run dir, which its clients read
+    return TestClient(app, raise_server_exceptions=False, headers=auth_headers(read_token(s.run_dir)))
 
 
 def test_submit_of_the_file_as_shipped_reports_the_cut_and_accounts_for_every_record(tmp_path, app_client, monkeypatch,

@@ -8,6 +8,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from connector.contract.api_token import read_token
+from connector.contract.rest_client import auth_headers
 from connector.contract.settings import Settings
 from server.app import create_app
 
@@ -16,7 +18,8 @@ from server.app import create_app
 def client(tmp_path):
     s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9",
                  max_job_samples=5, max_job_rows=20)  # fmt: skip
-    return TestClient(create_app(s), raise_server_exceptions=False)  # no lifespan: nothing starts
+    app = create_app(s)  # no token set: the sidecar made one in its run dir, which its clients read
+    return TestClient(app, raise_server_exceptions=False, headers=auth_headers(read_token(s.run_dir)))  # no lifespan: nothing starts
 
 
 def _job(n: int, epochs: int = 1) -> dict:

@@ -11,6 +11,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from connector.contract.api_token import read_token
+from connector.contract.rest_client import auth_headers
 from connector.contract.settings import Settings
 from server.app import create_app
 from tests.unit.connector.chat_templates import CHATML, QWEN3, make_tokenizer
@@ -22,7 +24,8 @@ S, E = "<|im_start|>", "<|im_end|>"
 def client(tmp_path, tiny_model):
     s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9",
                  model=tiny_model)  # fmt: skip
-    return TestClient(create_app(s), raise_server_exceptions=False)  # no lifespan: nothing is sent to vLLM
+    app = create_app(s)  # no token set: the sidecar made one in its run dir, which its clients read
+    return TestClient(app, raise_server_exceptions=False, headers=auth_headers(read_token(s.run_dir)))  # no lifespan: nothing is sent to vLLM
 
 
 def tok_of(client):

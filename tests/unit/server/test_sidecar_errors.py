@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from connector.contract.api_token import read_token
+from connector.contract.rest_client import auth_headers
 from connector.contract.settings import Settings
 from server.app import create_app
 
@@ -14,7 +16,8 @@ from server.app import create_app
 @pytest.fixture
 def client(tmp_path):
     s = Settings(run_dir=tmp_path / "run", spool_dir=tmp_path / "spool", vllm_url="http://127.0.0.1:9")
-    return TestClient(create_app(s), raise_server_exceptions=False)  # no lifespan: nothing starts
+    app = create_app(s)  # no token set: the sidecar made one in its run dir, which its clients read
+    return TestClient(app, raise_server_exceptions=False, headers=auth_headers(read_token(s.run_dir)))  # no lifespan: nothing starts
 
 
 @pytest.mark.parametrize(
