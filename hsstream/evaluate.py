@@ -89,6 +89,15 @@ def summarise(drafts: float, drafted: float, accepted: float, per_pos: list[floa
     }
 
 
+def has_request_records() -> bool:
+    """Whether the installed vLLM keeps each request's spec-decode record
+    (``per_request_spec_decode_metrics``, an engine argument since after vLLM 0.26): without it
+    only vLLM's counters measure acceptance, and ``ours`` is None. A feature check, not a version's."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return "per_request_spec_decode_metrics" in getattr(EngineArgs, "__dataclass_fields__", {})
+
+
 def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | list[list[int]], max_tokens: int, temps: list[float],
                       spec_tokens: int = SPEC_TOKENS, per_request: bool = False, max_model_len: int = 1024,
                       spec: dict | None = None) -> dict:  # fmt: skip
@@ -101,7 +110,8 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
     if draft and spec is None:
         spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": spec_tokens}
     spec = {**spec, "model": draft, "num_speculative_tokens": spec_tokens} if draft else None
-    extra = {"per_request_spec_decode_metrics": "detailed"} if per_request and draft else {}
+    records = per_request and draft and has_request_records()
+    extra = {"per_request_spec_decode_metrics": "detailed"} if records else {}
     llm = LLM(
         model=verifier, speculative_config=spec, disable_log_stats=False, max_model_len=max_model_len, enforce_eager=True,
         gpu_memory_utilization=0.2, seed=0, max_num_seqs=16, **extra,
@@ -147,10 +157,13 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
                 drafts = delta("vllm:spec_decode_num_drafts")
                 o["vllm_metrics"] = {"drafts": drafts, "drafted": drafted, "accepted": accepted,
                                      "accepted_per_position": per_pos, **summarise(drafts, drafted, accepted, per_pos)}  # fmt: skip
-                ours = per_request_figures([r.outputs[0].spec_decode_metrics for r in res], spec_tokens)
-                missing = sum(r.outputs[0].spec_decode_metrics is None for r in res)
-                o["ours"] = {**ours, **summarise(ours["drafts"], ours["drafted"], ours["accepted"], ours["accepted_per_position"]),
-                             "requests_without_record": missing}  # fmt: skip
+                if records:
+                    ours = per_request_figures([r.outputs[0].spec_decode_metrics for r in res], spec_tokens)
+                    missing = sum(r.outputs[0].spec_decode_metrics is None for r in res)
+                    o["ours"] = {**ours, **summarise(ours["drafts"], ours["drafted"], ours["accepted"],
+                                                     ours["accepted_per_position"]), "requests_without_record": missing}  # fmt: skip
+                else:  # this vLLM keeps no per-request record: its counters are the only figures
+                    o["ours"] = None
         out[str(temp)] = o
     return out
 
@@ -402,6 +415,8 @@ def agreement(res: dict) -> float:
     gap = 0.0
     for v in res["temperatures"].values():
         o, m = v["ours"], v["vllm_metrics"]
+        if o is None:  # this vLLM keeps no per-request record: nothing to compare
+            return float("inf")
         pairs = [(o["acceptance_rate"], m["acceptance_rate"])]
         pairs += list(zip(o["acceptance_per_position"] or [], m["acceptance_per_position"] or []))
         if (o["acceptance_per_position"] is None) != (m["acceptance_per_position"] is None):
@@ -427,6 +442,9 @@ def print_table(res: dict, console=None) -> None:  # noqa: ANN001
     k = res["num_speculative_tokens"]
     for t, v in res["temperatures"].items():
         o, m, tps = v["ours"], v["vllm_metrics"], v["tokens_per_s"]
+        if o is None:  # this vLLM keeps no per-request record (has_request_records): a column of dashes
+            o = {"acceptance_per_position": None, "acceptance_rate": None, "mean_acceptance_length": None,
+                 "drafts": float("nan")}  # fmt: skip
         tab = Table(title=f"draft {res['draft']}  T={t}  {res['prompts']} prompts x {res['max_tokens']} tokens, k={k}")
         tab.add_column("figure")
         tab.add_column("ours (per request)", justify="right")

@@ -105,13 +105,20 @@ def make_data(src: Path, out: Path, rows: int) -> int:
 
 def commands(a: argparse.Namespace, wd: Path) -> dict[str, list[str]]:
     m, run = str(a.model), wd / a.draft / "run"
+    # a checkpoint every --checkpoint-every-s as well: a run cut at the deadline is evaluated on its newest one
     train = (f"--out {run} --submit {a.data} --submit-preset sharegpt --submit-limit {a.train_samples} "
-             f"--draft {a.draft} --steps {a.steps} --lr {a.lr} --checkpoint-every {a.steps} --no-progress "
-             f"--logger none" + (f" --mask-token-id {a.mask_token_id}" if a.mask_token_id is not None else ""))  # fmt: skip
+             f"--draft {a.draft} --steps {a.steps} --lr {a.lr} --checkpoint-every {a.steps} "
+             f"--checkpoint-every-s {a.checkpoint_every_s} --no-progress --logger none "
+             f"--overlong truncate --max-tokens-per-sample {a.max_model_len - 8}"
+             + (f" --mask-token-id {a.mask_token_id}" if a.mask_token_id is not None else ""))  # fmt: skip
     up = [sys.executable, "-m", "hsstream", "up", "--model", m, "--layer-ids", ",".join(map(str, layer_ids(a.model))),
           "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", str(a.gpu_mem_util),
+          "--enforce-eager" if a.enforce_eager else "--no-enforce-eager",
           "--log-dir", str(wd / a.draft / "logs"), "--train", train]  # fmt: skip
-    ev = [sys.executable, "-m", "hsstream", "eval", "--model", m, "--prompts", str(wd / "prompts.jsonl"),
+    # held out: the rows after the trained ones (--submit-limit counts rows), each prompting with its
+    # conversation up to the first reply through the chat template, as the trainer saw it
+    ev = [sys.executable, "-m", "hsstream", "eval", "--model", m, "--prompts", str(a.data), "--preset", "sharegpt",
+          "--rows", f"{a.train_samples}:", "--max-prompts", str(a.eval_prompts),
           "--temperature", "0", "--temperature", "1", "--max-tokens", str(a.max_tokens),
           "--max-model-len", str(a.max_model_len), "--json"]  # fmt: skip
     return {"up": up, "eval_trained": [*ev, "--draft", str(run / "final"), "--workdir", str(wd / a.draft / "eval")],
@@ -161,45 +168,198 @@ def untrained_draft(a: argparse.Namespace, run: Path, out: Path) -> None:
 
 def per_temperature(ev: dict) -> dict:
     """``hsstream eval --json``'s figures by temperature: ours (from the requests' records) and
-    vLLM's counters' mean acceptance length, per position, tokens/s with and without the draft."""
-    return {t: {"mean_acceptance_length": v["ours"].get("mean_acceptance_length"),
-                "vllm_mean_acceptance_length": v["vllm_metrics"].get("mean_acceptance_length"),
-                "acceptance_per_position": v["ours"].get("acceptance_per_position"),
-                "tokens_per_s": v["tokens_per_s"]["with_draft"], "baseline_tokens_per_s": v["tokens_per_s"]["without_draft"]}
-            for t, v in ev["temperatures"].items()}  # fmt: skip
+    vLLM's counters' mean acceptance length, per position, tokens/s with and without the draft.
+    ``mean_acceptance_length`` is ours where this vLLM keeps per-request records (after 0.26),
+    else its counters' (``mal_from`` says which)."""
+    out = {}
+    for t, v in ev["temperatures"].items():
+        ours, vm = v.get("ours") or {}, v.get("vllm_metrics") or {}
+        mal = ours.get("mean_acceptance_length")
+        out[t] = {"mean_acceptance_length": mal if mal is not None else vm.get("mean_acceptance_length"),
+                  "mal_from": "requests" if mal is not None else "vllm_counters",
+                  "vllm_mean_acceptance_length": vm.get("mean_acceptance_length"),
+                  "acceptance_per_position": ours.get("acceptance_per_position") or vm.get("acceptance_per_position"),
+                  "tokens_per_s": v["tokens_per_s"]["with_draft"],
+                  "baseline_tokens_per_s": v["tokens_per_s"]["without_draft"]}  # fmt: skip
+    return out
 
 
-def run(a: argparse.Namespace, wd: Path, cmds: dict[str, list[str]]) -> dict:
-    res: dict = {"benchmark": "real_model_gpu", "draft": a.draft, "model": str(a.model), "data": str(a.data),
-                 "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "commands": {k: shlex.join(v) for k, v in cmds.items()},
-                 "args": {k: str(v) for k, v in vars(a).items()}}  # fmt: skip
-    (wd / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held_out(a.data, a.train_samples,
-                                                                                      a.eval_prompts)))
+class Clock:
+    """The run's deadline (``--deadline-s`` from the script's start; None: none): every phase gets
+    at most what is left, so a device call of a fixed length ends with a (partial) JSON."""
+
+    def __init__(self, deadline_s: float | None) -> None:
+        self.t0, self.deadline_s = time.monotonic(), deadline_s
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self, cap: float) -> float:
+        return cap if self.deadline_s is None else max(0.0, min(cap, self.deadline_s - self.elapsed()))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc): ``hsstream up`` starts each child in its own
+    session, so its process group alone does not hold them."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def stop_up(p: subprocess.Popen, grace_s: float) -> bool:
+    """SIGTERM to ``hsstream up`` (it stops the trainer, the sidecar and vLLM in order); SIGKILL
+    to it and everything below it if it has not ended within ``grace_s``. True: it stopped in time."""
+    import signal
+
+    below = descendants(p.pid)
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=grace_s)
+        return True
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [p.pid, *below, *descendants(p.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    p.wait()
+    return False
+
+
+def trained_draft(run_dir: Path) -> tuple[Path | None, int | None]:
+    """The draft to serve: ``final/`` (the run ended), else the newest complete checkpoint's
+    ``draft/`` (the run was cut at the deadline); with its step where known."""
+    from trainer_client.train.checkpoints import list_checkpoints
+
+    ck = list_checkpoints(run_dir)
+    if (run_dir / "final" / "config.json").is_file():
+        return run_dir / "final", None
+    return (ck[-1][1] / "draft", ck[-1][0]) if ck else (None, None)
+
+
+def trainer_figures(run_dir: Path) -> dict | None:
+    """The trainer's samples/s and waiting share: from ``result.json`` (the run ended), else the
+    last line of ``metrics.jsonl`` (cumulative figures up to that step)."""
+    rj = run_dir / "result.json"
+    if rj.is_file():
+        tr = json.loads(rj.read_text())
+        out = {k: tr.get(k) for k in ("samples", "tokens", "steps", "wall_s", "wait_s", "world_size", "device", "top1",
+                                       "loss")}  # fmt: skip
+        if tr.get("wall_s"):
+            out["samples_per_s"] = round(tr["samples"] / tr["wall_s"], 2)
+            out["wait_frac"] = round(tr["wait_s"] / tr["wall_s"], 4)
+        out["from"] = "result.json"
+        return out
+    lines = [ln for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()] if (
+        run_dir / "metrics.jsonl").is_file() else []  # fmt: skip
+    if not lines:
+        return None
+    m = json.loads(lines[-1])
+    return {"steps": m.get("step"), "samples_per_s": m.get("samples_per_s"), "wait_frac": m.get("wait_frac"),
+            "loss": m.get("loss"), "top1": [m[k] for k in sorted(m) if k.startswith("top1_")], "from": "metrics.jsonl"}  # fmt: skip
+
+
+def run(a: argparse.Namespace, wd: Path, cmds: dict[str, list[str]], clock: Clock, save, res: dict) -> dict:  # noqa: ANN001
+    """Fills ``res`` phase by phase (``save`` after each), so what was done survives an exception."""
+    res.update({"benchmark": "real_model_gpu", "draft": a.draft, "model": str(a.model), "data": str(a.data),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "commands": {k: shlex.join(v) for k, v in cmds.items()},
+                "args": {k: str(v) for k, v in vars(a).items()}, "complete": False})  # fmt: skip
+    try:
+        import torch
+
+        res["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception as e:  # noqa: BLE001 - a figure for the record only
+        res["device"] = f"unknown ({e})"
+    save(res)
+    # 1. train, cut at the deadline less what the evaluation needs
+    run_dir, log_path = wd / a.draft / "run", wd / a.draft / "up.log"
+    train_budget = a.train_timeout if a.deadline_s is None else min(a.train_timeout, clock.left(1e9) - a.eval_reserve_s)
     t0 = time.perf_counter()
-    p = subprocess.run(cmds["up"], cwd=ROOT, capture_output=True, text=True, timeout=a.train_timeout)
-    res["up_s"] = round(time.perf_counter() - t0, 1)
-    (wd / a.draft / "up.log").write_text(p.stdout + p.stderr)
-    if p.returncode != 0:
-        res["error"] = f"hsstream up exited {p.returncode}: {(p.stderr or p.stdout)[-3000:]}"
+    with open(log_path, "wb") as fh:
+        p = subprocess.Popen(cmds["up"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = p.wait(timeout=max(1.0, train_budget))
+            cut = False
+        except subprocess.TimeoutExpired:
+            log(f"training cut after {time.perf_counter() - t0:.0f} s (deadline {a.deadline_s} s less "
+                f"{a.eval_reserve_s} s for the evaluation)")
+            res["up_stopped_cleanly"] = stop_up(p, a.stop_grace_s)
+            rc, cut = p.returncode, True
+    res["up_s"], res["train_cut_at_deadline"] = round(time.perf_counter() - t0, 1), cut
+    res["trainer"] = trainer_figures(run_dir)
+    draft, step = trained_draft(run_dir)
+    res["trained_draft"] = {"dir": str(draft) if draft else None, "checkpoint_step": step}
+    if not cut and rc != 0:
+        res["error"] = f"hsstream up exited {rc}: {log_path.read_text(errors='replace')[-3000:]}"
+    if draft is None:
+        res.setdefault("error", f"no trained draft in {run_dir} (no final/, no checkpoint): see {log_path}")
+        res["up_log_tail"] = log_path.read_text(errors="replace")[-3000:]
+        save(res)
         return res
-    run_dir = wd / a.draft / "run"
-    tr = json.loads((run_dir / "result.json").read_text())
-    res["trainer"] = {k: tr.get(k) for k in ("samples", "tokens", "steps", "wall_s", "wait_s", "world_size", "device",
-                                             "top1", "loss")}  # fmt: skip
-    if tr.get("wall_s"):
-        res["trainer"]["samples_per_s"] = round(tr["samples"] / tr["wall_s"], 2)
-        res["trainer"]["wait_frac"] = round(tr["wait_s"] / tr["wall_s"], 4)
+    save(res)
+    # 2. the untrained draft of the same maps, 3. serve each
     untrained_draft(a, run_dir, wd / a.draft / "untrained-draft")
+    cmds["eval_trained"][cmds["eval_trained"].index("--draft") + 1] = str(draft)
+    res["commands"]["eval_trained"] = shlex.join(cmds["eval_trained"])
     for arm in ("trained", "untrained"):
-        p = subprocess.run(cmds[f"eval_{arm}"], cwd=ROOT, capture_output=True, text=True, timeout=a.eval_timeout)
+        left = clock.left(a.eval_timeout)
+        if left < 20:
+            res["error"] = f"deadline: no time left to serve the {arm} draft"
+            break
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmds[f"eval_{arm}"], cwd=ROOT, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            res["error"] = f"hsstream eval ({arm}) passed its {left:.0f} s (deadline or --eval-timeout)"
+            break
+        res[f"eval_{arm}_s"] = round(time.perf_counter() - t0, 1)
         if p.returncode != 0:
-            res["error"] = f"hsstream eval ({arm}) exited {p.returncode}: {p.stderr[-3000:]}"
-            return res
-        res[arm] = per_temperature(json.loads(p.stdout))
-    t0_tr, t0_un = res["trained"]["0.0"]["mean_acceptance_length"], res["untrained"]["0.0"]["mean_acceptance_length"]
-    res["checks"] = {f"t0_mal_trained_ge_untrained_plus_{MAL_MARGIN}": t0_tr is not None and t0_un is not None
-                     and t0_tr >= t0_un + MAL_MARGIN}  # fmt: skip
+            res["error"] = f"hsstream eval ({arm}) exited {p.returncode}: {(p.stderr or p.stdout)[-3000:]}"
+            break
+        ev = json.loads(p.stdout)
+        res[arm] = per_temperature(ev)
+        res.setdefault("speculative_config", ev.get("speculative_config"))
+        save(res)
+    if "trained" in res and "untrained" in res:
+        t0_tr, t0_un = res["trained"]["0.0"]["mean_acceptance_length"], res["untrained"]["0.0"]["mean_acceptance_length"]
+        res["checks"] = {f"t0_mal_trained_ge_untrained_plus_{MAL_MARGIN}": t0_tr is not None and t0_un is not None
+                         and t0_tr >= t0_un + MAL_MARGIN}  # fmt: skip
+        res["complete"] = "error" not in res
     return res
+
+
+def summary(res: dict) -> str:
+    """The table printed at the end: per temperature, each arm's mean acceptance length and tokens/s."""
+    rows = [f"real model ({res.get('device')}), draft {res['draft']}: " + (
+        "complete" if res.get("complete") else f"INCOMPLETE ({(res.get('error') or '')[:200]})")]  # fmt: skip
+    tr = res.get("trainer") or {}
+    rows.append(f"trainer: {tr.get('steps')} steps, {tr.get('samples_per_s')} samples/s, waiting "
+                f"{tr.get('wait_frac')} of its time; cut at the deadline: {res.get('train_cut_at_deadline')}")  # fmt: skip
+    rows.append(f"{'T':>4} {'arm':>10} {'mean acc. length':>17} {'tokens/s':>10}")
+    temps = sorted(set(res.get("trained", {})) | set(res.get("untrained", {})))
+    for t in temps:
+        for arm in ("trained", "untrained"):
+            v = res.get(arm, {}).get(t)
+            if v:
+                mal = v["mean_acceptance_length"]
+                rows.append(f"{t:>4} {arm:>10} {'-' if mal is None else f'{mal:.3f}':>17} {v['tokens_per_s'] or 0:>10.1f}")
+        base = (res.get("trained", {}).get(t) or {}).get("baseline_tokens_per_s")
+        rows.append(f"{t:>4} {'none':>10} {'1 (no draft)':>17} {base or 0:>10.1f}")
+    for k, v in (res.get("checks") or {}).items():
+        rows.append(f"check {k}: {'PASS' if v else 'FAIL'}")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,8 +378,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-mem-util", type=float, default=0.4, help="vLLM's share: the trainer uses the same GPU")
-    ap.add_argument("--train-timeout", type=float, default=420)
-    ap.add_argument("--eval-timeout", type=float, default=240)
+    ap.add_argument("--train-timeout", type=float, default=420, help="seconds `hsstream up --train` may take at most")
+    ap.add_argument("--eval-timeout", type=float, default=240, help="seconds each `hsstream eval` may take at most")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="end, with the JSON written, within this many seconds of the start: training is cut at "
+                         "the deadline less --eval-reserve-s and the newest checkpoint served")
+    ap.add_argument("--eval-reserve-s", type=float, default=150,
+                    help="with --deadline-s: seconds kept for the untrained draft and the two evaluations")
+    ap.add_argument("--stop-grace-s", type=float, default=30, help="seconds `hsstream up` has to stop once cut")
+    ap.add_argument("--checkpoint-every-s", type=float, default=45,
+                    help="the trainer also checkpoints this often: what a cut run is evaluated on")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="the training stack's vLLM without torch.compile/CUDA graphs (starts ~40 s sooner; "
+                         "hsstream eval serves eager anyway)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--name", default=None, help="bench/results/NAME.json (default real_model_gpu_<draft>)")
     ap.add_argument("--dry-run", action="store_true", help="check the model, data and every command's flags; print them")
@@ -232,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.model is None or a.data is None:
         ap.error("--model and --data are needed (or --probe)")
+    clock = Clock(a.deadline_s)
     a.model, a.data = a.model.resolve(), a.data.resolve()
     wd = (a.workdir or Path(tempfile.mkdtemp(prefix="hsstream-real-model-"))).resolve()
     (wd / a.draft).mkdir(parents=True, exist_ok=True)
@@ -241,12 +413,28 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in cmds.items():
             print(f"{k}: {shlex.join(v)}")
         return 0
-    res = run(a, wd, cmds)
     name = a.name or f"real_model_gpu_{a.draft}"
-    for d in [ROOT / "bench" / "results"] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else []):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    dests = [ROOT / "bench" / "results"] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+
+    def save(res: dict) -> None:  # after every phase: a call cut short still brings back what was done
+        res["wall_s"] = round(clock.elapsed(), 1)
+        for d in dests:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{name}.json.tmp"
+            tmp.write_text(json.dumps(res, indent=1) + "\n")
+            os.replace(tmp, d / f"{name}.json")
+
+    res: dict = {}
+    try:
+        run(a, wd, cmds, clock, save, res)
+    except Exception as e:  # noqa: BLE001 - written down, with what was done, then raised
+        res["error"] = f"{type(e).__name__}: {e}"
+        save(res)
+        raise
+    save(res)
     log(json.dumps({k: res.get(k) for k in ("trainer", "trained", "untrained", "checks", "error")}))
+    print(summary(res), flush=True)
+    print(f"wrote {', '.join(str(d / (name + '.json')) for d in dests)}", flush=True)
     return 0 if not res.get("error") and all(res.get("checks", {}).values()) else 1
 
 

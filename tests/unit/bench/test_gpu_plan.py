@@ -60,3 +60,88 @@ def test_the_real_model_runs_commands_parse_and_its_data_is_checked(tmp_path, ti
         RM.main([*base, "--eval-prompts", "6"])
     with pytest.raises(SystemExit, match="--draft nope"):
         RM.main([*base, "--eval-prompts", "5", "--draft", "nope"])
+
+
+def test_parts_of_given_sizes_compressed_come_back_the_same(tmp_path):
+    """--part-mib 1,2 (the last size repeats) and --compress xz: small parts ride with the bundle's."""
+    import random
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "noise.bin").write_bytes(random.Random(0).randbytes(3 << 20))  # does not compress: 3 MiB of parts
+    m = C.pack(src, tmp_path / "parts", "m", part_mib="1,2", compress="xz")
+    assert [p["bytes"] for p in m["parts"][:2]] == [1 << 20, 2 << 20] and len(m["parts"]) == 3 and m["compress"] == "xz"
+    assert all(p["bytes"] <= 2 << 20 for p in m["parts"]) and sum(p["bytes"] for p in m["parts"]) == m["tar_bytes"]
+    got = C.unpack(tmp_path / "parts", "m", tmp_path / "out")
+    assert (got / "noise.bin").read_bytes() == (src / "noise.bin").read_bytes()
+    with pytest.raises(SystemExit, match="each 1..59"):
+        C.pack(src, tmp_path / "parts", "m", part_mib="13.6,60")
+
+
+def test_a_cut_run_serves_its_newest_checkpoint_and_reports_the_trainers_last_figures(tmp_path):
+    run = tmp_path / "run"
+    assert RM.trained_draft(run) == (None, None) and RM.trainer_figures(run) is None
+    for step in (10, 20):
+        d = run / "checkpoints" / f"step-{step:08d}"
+        (d / "draft").mkdir(parents=True)
+        (d / "draft" / "config.json").write_text("{}")
+        (d / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoints" / "step-00000030" / "draft").mkdir(parents=True)  # incomplete: no state, no config
+    assert RM.trained_draft(run) == (run / "checkpoints" / "step-00000020" / "draft", 20)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "samples_per_s": 1.0}) + "\n" + json.dumps(
+        {"step": 25, "samples_per_s": 9.5, "wait_frac": 0.25, "loss": 2.0, "top1_0": 0.5, "top1_1": 0.25}) + "\n")  # fmt: skip
+    f = RM.trainer_figures(run)
+    assert (f["steps"], f["samples_per_s"], f["wait_frac"], f["top1"], f["from"]) == (25, 9.5, 0.25, [0.5, 0.25], "metrics.jsonl")
+    (run / "final").mkdir()
+    (run / "final" / "config.json").write_text("{}")
+    (run / "result.json").write_text(json.dumps({"samples": 30, "steps": 30, "wall_s": 10.0, "wait_s": 1.0}))
+    assert RM.trained_draft(run) == (run / "final", None)
+    f = RM.trainer_figures(run)
+    assert (f["samples_per_s"], f["wait_frac"], f["from"]) == (3.0, 0.1, "result.json")
+
+
+def test_per_temperature_takes_vllms_counters_where_this_vllm_keeps_no_request_records():
+    tps = {"with_draft": 50.0, "without_draft": 40.0}
+    ev = {"temperatures": {
+        "0.0": {"ours": {"mean_acceptance_length": 2.5, "acceptance_per_position": [0.9]},
+                "vllm_metrics": {"mean_acceptance_length": 2.4}, "tokens_per_s": tps},
+        "1.0": {"ours": None, "vllm_metrics": {"mean_acceptance_length": 1.7, "acceptance_per_position": [0.5]},
+                "tokens_per_s": tps}}}  # fmt: skip
+    got = RM.per_temperature(ev)
+    assert (got["0.0"]["mean_acceptance_length"], got["0.0"]["mal_from"]) == (2.5, "requests")
+    assert (got["1.0"]["mean_acceptance_length"], got["1.0"]["mal_from"]) == (1.7, "vllm_counters")
+    assert got["1.0"]["acceptance_per_position"] == [0.5] and got["1.0"]["baseline_tokens_per_s"] == 40.0
+    res = {"draft": "eagle3", "complete": True, "trained": got, "untrained": got, "trainer": {"steps": 3},
+           "checks": {"t0_mal_trained_ge_untrained_plus_0.5": False}}  # fmt: skip
+    table = RM.summary(res)
+    assert " 1.0    trained             1.700       50.0" in table and "check t0_mal_trained_ge_untrained_plus_0.5: FAIL" in table
+
+
+def test_stop_up_ends_a_child_that_ignores_sigterm_and_its_own_session_children(tmp_path):
+    """What a cut `hsstream up` leaves if it hangs: a grandchild in its own session (as up starts
+    vLLM and the sidecar), which the up process group does not hold."""
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "grandchild.pid"
+    code = ("import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+            f"open({str(pidfile)!r}, 'w').write(str(g.pid)); time.sleep(60)")  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    g = int(pidfile.read_text())
+    assert RM.stop_up(p, grace_s=0.5) is False and p.returncode is not None
+    for _ in range(100):  # the grandchild is reaped by init once killed
+        try:
+            os_stat = open(f"/proc/{g}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if os_stat == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"grandchild {g} still running")

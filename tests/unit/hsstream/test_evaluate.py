@@ -201,3 +201,17 @@ def test_the_verifier_defaults_to_the_one_the_draft_names_if_it_is_here(tmp_path
     assert E.draft_verifier(d) is None  # a hub name: not here
     (d / "config.json").write_text("[]")
     assert E.draft_verifier(d) is None
+
+
+def test_a_vllm_without_request_records_gives_no_agreement_and_a_table_of_vllms_figures(capsys):
+    """vLLM 0.26 (the H200's) has no per_request_spec_decode_metrics: ``ours`` is None."""
+    f = E.per_request_figures(records(0, 3), 3)
+    vm = {**f, **E.summarise(f["drafts"], f["drafted"], f["accepted"], f["accepted_per_position"])}
+    res = _res(None, vm)
+    assert E.agreement(res) == float("inf")
+    res.update(draft="d", prompts=2, max_tokens=8, num_speculative_tokens=3)
+    res["temperatures"]["0.0"]["tokens_per_s"] = {"with_draft": 10.0, "without_draft": None}
+    E.print_table(res)
+    out = capsys.readouterr().out
+    assert f"{vm['mean_acceptance_length']:.3f}" in out
+    assert E.has_request_records() is True  # this host's vLLM 0.32 keeps them
