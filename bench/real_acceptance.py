@@ -40,13 +40,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.acceptance import RUN_DIR_NAME, log, train_draft, verdict, write_result  # noqa: E402
+from bench import ovo_regimes as R  # noqa: E402
+from bench.acceptance import RUN_DIR_NAME, log, verdict, write_result  # noqa: E402
 
 OUT_DEFAULT = ROOT / "bench" / "results" / "real_acceptance_cpu.json"
 USER_SPEAKERS = ("human", "user")
@@ -154,12 +156,42 @@ def eval_prompts_file(tok, evals: list[dict], path: Path) -> None:  # noqa: ANN0
             f.write(json.dumps({"prompt": text}) + "\n")
 
 
+def train_online(verifier: str, stack, jobs: list[str], wd: Path, *, draft_vocab_size: int, lr: float, seed: int,  # noqa: ANN001
+                 counts_file: Path, cores: list[int]) -> tuple[list[str], int, dict | None, float]:  # fmt: skip
+    """``hsstream train`` on ``jobs`` into WD/draft-run (replaced: an earlier run's followed jobs of a
+    sidecar that is gone) until every sample is consumed, its log shown as it goes (and kept in
+    WD/train.log); the command, exit status, summary and wall time."""
+    run_dir = wd / RUN_DIR_NAME
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "hsstream", "train", "--model", verifier, "--out", str(run_dir),
+           *[x for j in jobs for x in ("--job", j)], "--api", stack.api, "--endpoint", stack.delivery_endpoint,
+           "--spool", str(stack.spool), "--draft-vocab-size", str(draft_vocab_size), "--token-counts", str(counts_file),
+           "--lr", str(lr), "--seed", str(seed), "--checkpoint-every", "1000", "--log-every", "20", "--no-progress"]  # fmt: skip
+    log("training: hsstream " + " ".join(cmd[3:]))
+    t0 = time.perf_counter()
+    with open(wd / "train.log", "w") as logf:
+        p = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
+        out: list[str] = []
+        reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        for line in p.stderr:  # type: ignore[union-attr]
+            logf.write(line)
+            if " step " in line or "draft vocabulary" in line or "error" in line.lower() or "Traceback" in line:
+                print("  train | " + line.rstrip()[-200:], flush=True)
+        rc = p.wait()
+        reader.join()
+    wall = time.perf_counter() - t0
+    text = "".join(out)
+    return cmd, rc, json.loads(text[text.index("{") :]) if rc == 0 and "{" in text else None, wall
+
+
 def hsstream_eval(verifier: str, draft: Path, prompts: Path, wd: Path, name: str, *, max_tokens: int,
-                  baseline: bool) -> tuple[dict, float, list[str]]:  # fmt: skip
+                  baseline: bool, dtype: str) -> tuple[dict, float, list[str]]:  # fmt: skip
     """``hsstream eval ... --json`` as a user runs it; its result, wall time and command."""
     cmd = [sys.executable, "-m", "hsstream", "eval", "--draft", str(draft), "--model", verifier, "--prompts", str(prompts),
            "--temperature", "0", "--temperature", "1", "--max-tokens", str(max_tokens), "--workdir", str(wd / name),
-           "--json", *([] if baseline else ["--no-baseline"])]  # fmt: skip
+           "--dtype", dtype, "--json", *([] if baseline else ["--no-baseline"])]  # fmt: skip
     log(f"hsstream eval ({name}): " + " ".join(cmd[3:]))
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600)
@@ -195,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     ap.add_argument("--seed", type=int, default=0, help="the trainer's seed")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per held-out prompt by hsstream eval")
     ap.add_argument("--margin", type=float, default=0.5, help="trained minus untrained mean acceptance length at T=0, at least")
+    ap.add_argument("--dtype", default=None, help="vLLM's --dtype for the verifier (default: bfloat16 where the CPU has "
+                                                   "native bf16, else float32, several times faster there)")  # fmt: skip
     ap.add_argument("--workdir", default=None, help="logs, drafts and eval results (default: a new temp dir); its "
                                                     f"{RUN_DIR_NAME}/ is replaced by each run")  # fmt: skip
     ap.add_argument("--out", default=str(OUT_DEFAULT))
@@ -236,16 +270,26 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     n = launch.num_hidden_layers(verifier)
     assert n is not None
     layers = launch.default_layer_ids(n)
+    dtype = a.dtype or ("bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32")
+    split_cores = R.split_cores(os.sched_getaffinity(0))  # vLLM + sidecar | trainer, while training
+    log(f"vLLM serves the verifier in {dtype}; while training, vLLM and the sidecar on cores {split_cores['producer']}, "
+        f"the trainer on {split_cores['trainer']}")  # fmt: skip
     phases["prepare"] = time.perf_counter() - t0
 
     # -- 2. stream (regenerated replies) + train -----------------------------------------------
     n_greedy = round(len(train) * a.greedy_share)
     parts = [(0.0, train[:n_greedy]), (1.0, train[n_greedy:])]
-    stack = Stack(verifier, layers, wd, max_model_len=1024)
+    stack = Stack(verifier, layers, wd, max_model_len=1024, vllm_extra=["--dtype", dtype])
+    stack.env["VLLM_CPU_OMP_THREADS_BIND"] = R.omp_bind(split_cores["producer"])
     t0 = time.perf_counter()
     jobs, job_specs = [], []
+    before = os.sched_getaffinity(0)
     try:
-        stack.start()
+        os.sched_setaffinity(0, split_cores["producer"])  # the stack's processes inherit it
+        try:
+            stack.start()
+        finally:
+            os.sched_setaffinity(0, before)
         phases["stack_start"] = time.perf_counter() - t0
         log(f"stack up in {phases['stack_start']:.0f} s (vLLM CPU build + our connector + sidecar), layers {layers}")
         with SidecarClient(stack.api, timeout=120) as c:
@@ -258,15 +302,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
                 jobs.append(r.job_id)
                 job_specs.append({"job": r.job_id, "samples": len(part), "queued": r.num_samples,
                                   "refused_at_submission": r.num_failed_at_submission, "options": opts})  # fmt: skip
-        t1 = time.perf_counter()
-        cmd, p, t_train = train_draft(verifier, stack, jobs, wd, draft_vocab_size=a.draft_vocab_size, steps=None,
-                                      lr=a.lr, seed=a.seed, checkpoint_every=1000,
-                                      extra=["--token-counts", str(counts_file)])  # fmt: skip
-        phases["train"] = time.perf_counter() - t1
-        if p.returncode != 0:
-            log(f"training failed ({p.returncode}):\n" + "\n".join(p.stderr.splitlines()[-30:]))
+        cmd, rc, train_res, t_train = train_online(verifier, stack, jobs, wd, draft_vocab_size=a.draft_vocab_size, lr=a.lr,
+                                                   seed=a.seed, counts_file=counts_file, cores=split_cores["trainer"])  # fmt: skip
+        phases["train"] = t_train
+        if train_res is None:
+            log(f"training failed ({rc}): see {wd / 'train.log'}")
             return 1
-        train_res = json.loads(p.stdout[p.stdout.index("{") :])
         with SidecarClient(stack.api, timeout=30) as c:
             status = [c.job(j) for j in jobs]
         time.sleep(0.5)  # the trainer's last acks and deletions
@@ -296,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     # -- 3. serve ---------------------------------------------------------------------------------
     t0 = time.perf_counter()
     trained_res, w_tr, eval_cmd = hsstream_eval(verifier, Path(train_res["final_dir"]), prompts_file, wd, "eval-trained",
-                                                max_tokens=a.max_tokens, baseline=True)  # fmt: skip
+                                                max_tokens=a.max_tokens, baseline=True, dtype=dtype)  # fmt: skip
     untrained_res, w_un, _ = hsstream_eval(verifier, untrained_dir, prompts_file, wd, "eval-untrained",
-                                           max_tokens=a.max_tokens, baseline=False)  # fmt: skip
+                                           max_tokens=a.max_tokens, baseline=False, dtype=dtype)  # fmt: skip
     phases["eval"] = time.perf_counter() - t0
     print_table(trained_res)
     print_table(untrained_res)
@@ -324,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
         "eval_command": " ".join(eval_cmd),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
-        "verifier": {"path": verifier, "name": a.model, "layers": layers,
+        "verifier": {"path": verifier, "name": a.model, "layers": layers, "served_dtype": dtype, "cores": split_cores,
                      "note": "SmolLM2-135M-Instruct's Q4_1 GGUF dequantized to bf16 (hsstream models get smollm2)"},  # fmt: skip
         "data": {"file": str(data), "records_read": sel["records_read"], "skipped": sel["skipped"], "split": split,
                  "max_prompt_tokens": a.max_prompt_tokens, "held_out_one_in": a.held_out_one_in,

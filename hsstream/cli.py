@@ -9,9 +9,9 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Hidden-state streaming for online Eagle-3 training.")
 models_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-                         help="Real verifiers by short name (smollm2): fetch, convert and check once.")
+                         help="Real verifiers by short name: fetch, convert and check once.")
 data_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
-                       help="Real datasets by short name (sharegpt): fetch once, as shipped.")
+                       help="Real datasets by short name: fetch once, as shipped.")
 app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 
@@ -428,6 +428,8 @@ def eval_(
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),
     max_model_len: int = typer.Option(1024, help="vLLM's context length"),
+    dtype: str = typer.Option("auto", help="vLLM's --dtype for the verifier: auto (the checkpoint's), bfloat16, float32 "
+                                           "(on a CPU without native bf16, float32 serves several times faster)"),
     workdir: str = typer.Option(None, help="keep the engines' logs here (default: a temp dir)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON instead of a table"),
 ) -> None:
@@ -475,7 +477,8 @@ def eval_(
     wd.mkdir(parents=True, exist_ok=True)
     try:
         res = E.evaluate(mdl, draft, plist, max_tokens=max_tokens, temps=list(temperature or [0.0]),
-                         spec_tokens=num_speculative_tokens, baseline=baseline, workdir=wd, max_model_len=max_model_len)  # fmt: skip
+                         spec_tokens=num_speculative_tokens, baseline=baseline, workdir=wd, max_model_len=max_model_len,
+                         dtype=dtype)  # fmt: skip
     except RuntimeError as e:
         typer.echo(f"error: {e}\n(logs in {wd})", err=True)
         raise typer.Exit(1) from e

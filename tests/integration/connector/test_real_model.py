@@ -1,8 +1,15 @@
 """The real verifier through vLLM (CPU build) and our connector: SmolLM2-135M-Instruct's hidden
 states in our files, checked against HF transformers layer by layer with the tolerance the
-family tests use (bf16 vLLM vs float32 HF: every layer within 5 % of its max abs, layers
-distinct), on a chat-formatted ShareGPT-like turn and on random token ids, in a non-ascending
-layer order written as configured; the same files against the ascending order must not match.
+family tests use (every layer within 5 % of its max abs, layers distinct), on a chat-formatted
+ShareGPT-like turn and on random token ids, in a non-ascending layer order written as
+configured; the same files against the ascending order must not match.
+
+The reference runs in bf16, the dtype vLLM runs this checkpoint in (measured: ours within 3.6 %
+of it at worst, layer 30). Against float32 the 5 % rule measures bf16 itself: the first position
+carries a massive activation (dimension 507, 4,400 to 25,000 from layer 15 on, where bf16's step
+is 16 to 128), and at layer 30 HF's own bf16 run is 6.8 % of the max off its float32 run on the
+chat prompt (ours 5.4 %; 6.5 % on the random ids, where HF's bf16 is 2.8 % off); the tiny
+verifiers of the family tests have no such outlier.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ def test_smollm2_files_match_hf_layer_by_layer(real_vllm, smollm2):
         ids = t["token_ids"].tolist()
         assert ids == (tok(prompt).input_ids if isinstance(prompt, str) else prompt)
         assert tuple(t["hidden_states"].shape) == (len(ids), len(LAYERS), 576)
-        assert_matches_hf(smollm2, ids, t["hidden_states"], LAYERS)
+        assert_matches_hf(smollm2, ids, t["hidden_states"], LAYERS, ref_dtype="bfloat16")
         with pytest.raises(AssertionError):  # the check can fail: the same file is not the ascending order
-            assert_matches_hf(smollm2, ids, t["hidden_states"], sorted(LAYERS))
+            assert_matches_hf(smollm2, ids, t["hidden_states"], sorted(LAYERS), ref_dtype="bfloat16")
     assert real_vllm.spool_files() == []
