@@ -16,7 +16,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
 	base-image compose-smoke fuzz arena-bench lock deps-drift deps-lowest deps-extras versions vllm-conformance \
-	real-acceptance
+	real-acceptance test-real
 
 $(STAMP): pyproject.toml $(wildcard $(LOCK))
 	@test -f $(LOCK) || { echo "error: no dependency lock for $(ARCH) (deploy/lock/ has: $$(ls deploy/lock))." \
@@ -77,6 +77,13 @@ test-unit: $(STAMP) os-deps versions
 
 test-integration: $(STAMP) os-deps versions
 	$(PY) -m pytest tests/integration
+
+# Not in `make test` (minutes on 2 cores): the real model trained online must serve better than
+# untrained (tests/integration/hsstream/test_real_acceptance.py; docs/real-model.md).
+test-real: $(STAMP) os-deps versions
+	$(PY) -m hsstream models get smollm2
+	$(PY) -m hsstream data get sharegpt
+	$(PY) -m pytest tests -m real_acceptance
 
 # The lock again from pyproject.toml's ranges (uv, from the dev extra): the versions it already
 # holds stay unless a range excludes them; UPGRADE=1 takes the newest. Commit both files it writes.
