@@ -97,7 +97,7 @@ def main() -> int:
                     reads.take(slot)
                     reads.release(slot, scrub=False)
                 elif arm == "scrub":
-                    reads._scrub(slot.offset, slot.end)  # noqa: SLF001
+                    reads.scrub(slot.offset, slot.end)
                 elif arm == "read_unheld":
                     t = read_unheld(shared, slot)
                     del t

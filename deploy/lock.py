@@ -92,8 +92,15 @@ def read_lock(path: Path) -> dict[str, tuple[str, list[str]]]:
 
 
 def installed() -> dict[str, str]:
-    """name -> version of every distribution the running interpreter sees."""
-    return {norm(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    """name -> version of every distribution installed in the running interpreter's site-packages.
+
+    Only there: ``sys.path`` can hold more once something has run (setuptools puts its
+    ``_vendor`` folder on it when imported, and the vendored copies' metadata would read as an
+    older ``packaging`` and a dozen unlocked packages)."""
+    import sysconfig
+
+    paths = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    return {norm(d.metadata["Name"]): d.version for d in metadata.distributions(path=paths) if d.metadata["Name"]}
 
 
 def compare(lock: dict[str, tuple[str, list[str]]], have: dict[str, str]) -> dict[str, list]:

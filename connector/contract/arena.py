@@ -293,7 +293,7 @@ class SlotReads:
         for a, b in self._uncovered(off, off + length):
             try:
                 if scrub:
-                    self._scrub(a, b)
+                    self.scrub(a, b)
                 if self._fd is not None:
                     _ofd_lock(self._fd, fcntl.F_UNLCK, a, b - a)
             except OSError:
@@ -320,7 +320,7 @@ class SlotReads:
             parts.append((at, hi))
         return parts
 
-    def _scrub(self, a: int, b: int) -> None:
+    def scrub(self, a: int, b: int) -> None:
         """Drop this process's private copies of the pages of [a, b) (an in-place op wrote them):
         the pages that are present and not the file's, or swapped out; all of them if the page
         map cannot be read."""

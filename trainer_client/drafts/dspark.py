@@ -52,9 +52,11 @@ def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
 def v2_runner_available() -> bool:
     """Whether this vLLM build can run its V2 model runner: a CUDA-like platform with Triton
     (vLLM's own test in ``VllmConfig.use_v2_model_runner``; the CPU build of 0.32 has neither)."""
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
+    try:
+        from vllm.platforms import current_platform
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return False
     return bool(current_platform.is_cuda_alike() and HAS_TRITON)
 
 

@@ -30,6 +30,8 @@ pytestmark = pytest.mark.skipif(not LOCK.exists(), reason=f"no lock for {L.machi
 
 
 def test_this_venv_is_the_lock():
+    import setuptools  # noqa: F401  (puts its vendored packages' metadata on sys.path: CI's run had it)
+
     diff = L.compare(L.read_lock(LOCK), L.installed())
     assert not any(diff.values()), f"the venv differs from {LOCK.name} (make clean && make install): {diff}"
 

@@ -16,9 +16,6 @@ from tests.support import imports as I
 
 #: Circles present when this test was written, as the set of modules they tie together.
 ALLOWED: dict[frozenset[str], str] = {
-    # hsstream/launch.py imports evaluate.speculative_config; evaluate.py imports launch to start vLLM.
-    # Removed by helper "vllmdrafts" (issue 42 deliverable 4: each draft's own speculative_config).
-    frozenset({"hsstream.evaluate", "hsstream.launch"}): "vllmdrafts",
     # finite_scan.scan_of_bytes looks the codec's mask up in payload.CODECS; payload imports
     # sample_file; sample_file.checksum_and_finite imports finite_scan.scan_of_bytes (all but one
     # function-level). Unowned: for the lead to assign (e.g. checksum_and_finite moved into

@@ -50,7 +50,7 @@ def admitted(rows: dict[str, list[str]]) -> set[str]:
 
 
 def gpu_extra() -> tuple[str, str]:
-    m = re.search(r'^gpu = \["vllm>=([\d.]+),<([\d.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    m = re.search(r'^gpu = \["vllm>=([\d.]+),<([\d.]+)"[,\]]', (ROOT / "pyproject.toml").read_text(), re.M)
     assert m, "pyproject's gpu extra is no longer vllm>=A,<B"
     return m.group(1), m.group(2)
 

@@ -51,7 +51,7 @@ def test_a_warm_start_refuses_another_kind_of_draft_and_a_non_draft(tiny_model, 
 
     d, _ = init_draft
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "a"), init_draft=str(d), draft="dflash",
-                      mask_token_id=1, progress=False, logger="none")  # fmt: skip
+                      draft_options={"mask_token_id": 1}, progress=False, logger="none")  # fmt: skip
     with pytest.raises(ValueError, match="eagle3 draft, not dflash"):
         OnlineTrainer(cfg, token_counts=None).prepare()
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path / "b"), init_draft=str(tmp_path), progress=False,
