@@ -49,7 +49,7 @@ demo: $(STAMP)
 	$(PY) bench/real_acceptance.py --workdir .demo/real --out .demo/real_acceptance.json
 
 # Not CI: the same measurement as `make demo`'s, its result committed (bench/results/real_acceptance_cpu.json,
-# docs/benchmarks.md): the real-model acceptance check (trained >= untrained + 0.5 at T=0), ~13 min on 2 cores.
+# docs/benchmarks.md): the real-model acceptance check (trained >= untrained + 0.5 at T=0), estimated ~13 min on 2 quiet cores (320 regenerated samples of ~200 tokens at ~200 trained tokens/s, three engine starts), not yet measured there.
 real-acceptance: $(STAMP)
 	$(PY) -m hsstream models get smollm2
 	$(PY) -m hsstream data get sharegpt

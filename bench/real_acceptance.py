@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,15 +173,20 @@ def train_online(verifier: str, stack, jobs: list[str], wd: Path, *, draft_vocab
     with open(wd / "train.log", "w") as logf:
         p = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
-        out: list[str] = []
-        reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        for line in p.stderr:  # type: ignore[union-attr]
-            logf.write(line)
-            if " step " in line or "draft vocabulary" in line or "error" in line.lower() or "Traceback" in line:
-                print("  train | " + line.rstrip()[-200:], flush=True)
-        rc = p.wait()
-        reader.join()
+        try:
+            out: list[str] = []
+            reader = threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True)  # type: ignore[union-attr]
+            reader.start()
+            for line in p.stderr:  # type: ignore[union-attr]
+                logf.write(line)
+                if " step " in line or "draft vocabulary" in line or "error" in line.lower() or "Traceback" in line:
+                    print("  train | " + line.rstrip()[-200:], flush=True)
+            rc = p.wait()
+            reader.join()
+        finally:  # interrupted: the trainer stops too (it says what it saved), before the stack does
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=120)
     wall = time.perf_counter() - t0
     text = "".join(out)
     return cmd, rc, json.loads(text[text.index("{") :]) if rc == 0 and "{" in text else None, wall
@@ -233,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
                                                     f"{RUN_DIR_NAME}/ is replaced by each run")  # fmt: skip
     ap.add_argument("--out", default=str(OUT_DEFAULT))
     a = ap.parse_args(argv)
+    # SIGTERM unwinds through the finally blocks as Ctrl-C does (a background job of a shell
+    # ignores SIGINT): the trainer and the stack stop and the spool goes, rather than left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
     from transformers import AutoTokenizer
