@@ -16,6 +16,16 @@ def tiny_model() -> str:
     return str(build_tiny_verifier())
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real verifier, SmolLM2-135M-Instruct (bf16 from its Q4_1 GGUF): `hsstream models get
+    smollm2`'s checkpoint, fetched, converted and checked once (a 93 MB download the first time,
+    then cached in ~/.cache/hsstream). Only the tests that need a real model take it."""
+    from hsstream.assets import get_model
+
+    return str(get_model("smollm2"))
+
+
 def _shm_files() -> set[str]:
     out = set()
     for root, _dirs, files in os.walk("/dev/shm"):
@@ -73,10 +83,21 @@ def is_integration(path: Path) -> bool:
     return any(parts[i : i + 2] == ("tests", "integration") for i in range(len(parts) - 1))
 
 
-def pytest_collection_modifyitems(items):
+#: The marker of tests too long for ``make test`` (minutes of real-model training and serving):
+#: they run only when ``-m`` names it (``make test-real``), never under ``pytest tests`` or ``-m integration``.
+OPT_IN = "real_acceptance"
+
+
+def pytest_collection_modifyitems(config, items):
     """Every test under ``tests/integration/`` is marked ``integration`` (they start vLLM and the
     sidecar, or need vLLM installed): ``-m "not integration"`` leaves them out
-    (tests/unit/project/test_integration_marker.py checks it selects every test that starts vLLM)."""
+    (tests/unit/project/test_integration_marker.py checks it selects every test that starts vLLM).
+    Tests marked :data:`OPT_IN` are deselected unless ``-m`` names that marker."""
     for item in items:
         if is_integration(item.path):
             item.add_marker(pytest.mark.integration)
+    if OPT_IN not in (config.getoption("markexpr", "") or ""):
+        left = [i for i in items if i.get_closest_marker(OPT_IN)]
+        if left:
+            config.hook.pytest_deselected(items=left)
+            items[:] = [i for i in items if not i.get_closest_marker(OPT_IN)]
