@@ -89,7 +89,7 @@ def submit(api: str, samples: list[dict], options: dict) -> str:
         return c.create_job(samples, options).job_id
 
 
-def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_vocab_size: int, steps: int,  # noqa: ANN001
+def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_vocab_size: int, steps: int | None,  # noqa: ANN001
                 lr: float, seed: int, checkpoint_every: int = 200,
                 extra: list[str] | None = None) -> tuple[list[str], subprocess.CompletedProcess, float]:  # fmt: skip
     """``hsstream train`` on ``jobs`` from ``stack``'s stream into WORKDIR/draft-run: the command,
@@ -110,7 +110,7 @@ def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_v
         sys.executable, "-m", "hsstream", "train", "--model", verifier, "--out", str(run_dir),
         *[x for j in jobs for x in ("--job", j)], "--api", stack.api,
         "--endpoint", stack.delivery_endpoint, "--spool", str(stack.spool),
-        "--draft-vocab-size", str(draft_vocab_size), "--steps", str(steps), "--lr", str(lr),
+        "--draft-vocab-size", str(draft_vocab_size), *(["--steps", str(steps)] if steps is not None else []), "--lr", str(lr),
         "--checkpoint-every", str(checkpoint_every), "--no-progress", "--seed", str(seed), *(extra or []),
     ]  # fmt: skip
     log("training: " + " ".join(cmd[1:]))

