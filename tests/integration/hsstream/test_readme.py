@@ -133,7 +133,8 @@ def stack(smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
     work = tmp / "clone"
     work.mkdir()
-    (work / ".venv").symlink_to(ROOT / ".venv")
+    # the clone's .venv (a worktree without one: the venv running this test, as sys.prefix says)
+    (work / ".venv").symlink_to(ROOT / ".venv" if (ROOT / ".venv").exists() else Path(sys.prefix))
     shutil.copytree(ROOT / "deploy", work / "deploy")
     # the model and its layers are README's (--model smollm2, Eagle-3's default layers), not the test stack's
     up = Up(tmp, "smollm2", command=[str(work / shlex.split(STACK)[0]), *shlex.split(STACK)[1:]], cwd=work,
