@@ -13,7 +13,7 @@ Installs run without the test lock (network and disk); every vLLM run takes it. 
 installable on CPU here (its CPU torch does not resolve); it is covered on CUDA by
 ``bench/gpu_check.py`` (``bench/results/gpu_check_h200.json``): its row is built from that file
 (verdict, date, layers), and ``--cuda-row-only`` refreshes just that row after a new GPU run.
-``tests/unit/project/test_results_in_readme.py`` holds the README's table to this file.
+``tests/unit/project/test_results_in_docs.py`` holds docs/vllm-versions.md's table to this file.
 """
 
 from __future__ import annotations

