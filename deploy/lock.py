@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("drift", help="newest or lowest-direct versions in a throw-away venv, unit suite there")
     c.add_argument("kind", choices=["newest", "lowest"])
     c.add_argument("--out", default=None)
-    c.add_argument("pytest", nargs="*", default=["tests/unit", "--timeout", "900"])
+    c.add_argument("pytest", nargs="*", default=[
+        "tests/unit", "--timeout", "900",
+        # the run rewrites what that test compares (the results table), so it cannot hold mid-run
+        "--deselect", "tests/unit/deploy/test_lock.py::test_the_docs_results_table_is_the_committed_results"])
     c.set_defaults(fn=cmd_drift)
     c = sub.add_parser("extras", help="each extra resolves on its own (pip --dry-run --report)")
     c.add_argument("--out", default=None)

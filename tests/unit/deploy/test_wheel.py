@@ -36,6 +36,9 @@ JUNK = ("__pycache__", ".pyc")
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+    # Never the checkout on the path (PYTHONPATH=$PWD, as the drift runs and helpers use): pip would
+    # see its egg-info as the project already installed and skip the wheel.
+    kw.setdefault("env", {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")})
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
     assert r.returncode == 0, f"{shlex.join(cmd)[:300]} -> {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
