@@ -1,0 +1,220 @@
+"""bench/vs_speculators: the checks that make the headline study the comparison it claims (each
+shown failing on a result that is not), the comparison's arithmetic, the doc section written from
+the JSON, the sizes' time estimate and the data rules. No vLLM, no torch model: the result is
+built here the way run.py builds it."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+
+from bench.vs_speculators import data as D
+from bench.vs_speculators import plan as P
+from bench.vs_speculators import results as R
+
+AFF = {"producer": [0], "vllm_omp_threads_bind": "0", "trainer": [1]}
+SETTINGS = {"draft_vocab_size": 4096, "aux_layer_ids": [2, 15, 27], "steps": 8, "samples_per_step": 1, "lr": 1e-3,
+            "weight_decay": 0.01, "betas": [0.9, 0.999], "schedule": "cosine", "min_lr_ratio": 0.0, "warmup_steps": 0,
+            "ttt_steps": 3, "ttt_step_loss_decay": 1.0, "grad_clip": 1.0, "loss": "kl_div/eager",
+            "draft_attn_impl": "sdpa", "seed": 0, "epochs": 1, "precision": "float32", "torch_threads": 1}  # fmt: skip
+ARCH = {"draft_vocab_size": 4096, "norm_before_fc": False, "transformer_layer_config": {"hidden_size": 576}}
+
+
+def point(t_s: float, step: int, m0: float, m1: float) -> dict:
+    return {"step": step, "t_s": t_s, "prompts_hash": "p",
+            "T0": {"mean_acceptance_length": m0, "acceptance_rate": (m0 - 1) / 3, "tokens_per_s": 50.0},
+            "T1": {"mean_acceptance_length": m1, "acceptance_rate": (m1 - 1) / 3, "tokens_per_s": 45.0}}  # fmt: skip
+
+
+def result() -> dict:
+    """A complete result that passes every check: ours reaches speculators' final 1.60 at 30 s,
+    speculators got there at 60 s."""
+    ours = {"curve": [point(15, 4, 1.40, 1.20), point(30, 8, 1.70, 1.30)], "steps": 8, "samples_hash": "h",
+            "sample_lengths": [128], "trained_keys": 8, "trained_twice": 0, "ledger_samples": 8,
+            "job": {"done": True}, "spool_files_left": 0, "settings": dict(SETTINGS), "arch": dict(ARCH),
+            "affinity": dict(AFF), "disk_peak_bytes": {"checkpoints": 10**8}, "shm_peak_bytes": 5 * 10**7}  # fmt: skip
+    spec = {"curve": [point(40, 4, 1.30, 1.10), point(60, 8, 1.60, 1.25)], "steps": 8, "samples_hash": "h",
+            "sample_lengths": [128], "hidden_state_files": 10, "settings": dict(SETTINGS), "arch": dict(ARCH),
+            "affinity": dict(AFF), "disk_peak_bytes": {"hidden_states": 3 * 10**8, "checkpoints": 10**8},
+            "shm_peak_bytes": 10**6}  # fmt: skip
+    r = {"mode": "full", "date": "2026-12-05", "command": "python -m bench.vs_speculators", "wall_s_total": 3000.0,
+         "verifier": {"label": "SmolLM2-135M-Instruct"},
+         "sizes": {"conversations": 8, "val_rows": 2, "tokens": 128, "draft_vocab": 4096, "prompts": 4, "max_tokens": 16,
+                   "points": 2},
+         "data": {"train_hash": "h", "held_out_disjoint": True, "prompts_hash": "p", "ledger": {"accounted": True}},
+         "arms": {"ours": ours, "speculators": spec}, "vocab_maps_equal": True,
+         "untrained": {**point(0, 0, 1.01, 1.0), "prompts_hash": "p"}, "no_draft": {"T0": {"tokens_per_s": 40.0},
+                                                                               "prompts_hash": "p"}}  # fmt: skip
+    r["checks"] = R.checks(r)
+    r["comparison"] = R.comparison(r)
+    return r
+
+
+def test_a_complete_result_passes_every_check():
+    r = result()
+    assert all(r["checks"].values()), [k for k, v in r["checks"].items() if not v]
+
+
+@pytest.mark.parametrize(
+    ("check", "spoil"),
+    [
+        ("same_samples", lambda r: r["arms"]["ours"].update(samples_hash="other")),
+        ("same_samples", lambda r: r["data"].update(train_hash=None) or r["arms"]["ours"].update(samples_hash=None)
+         or r["arms"]["speculators"].update(samples_hash=None)),
+        ("samples_all_of_their_length", lambda r: r["arms"]["speculators"].update(sample_lengths=[96, 128])),
+        ("held_out_disjoint", lambda r: r["data"].update(held_out_disjoint=False)),
+        ("same_held_out_prompts", lambda r: r["arms"]["speculators"]["curve"][0].update(prompts_hash="q")),
+        ("same_held_out_prompts", lambda r: r["untrained"].update(prompts_hash="q")),
+        ("records_accounted", lambda r: r["data"]["ledger"].update(accounted=False)),
+        ("ours_every_sample_trained_once", lambda r: r["arms"]["ours"].update(trained_twice=1)),
+        ("ours_every_sample_trained_once", lambda r: r["arms"]["ours"].update(trained_keys=7)),
+        ("ours_every_sample_trained_once", lambda r: r["arms"]["ours"]["job"].update(done=False)),
+        ("speculators_every_sample_written_and_trained", lambda r: r["arms"]["speculators"].update(hidden_state_files=9)),
+        ("speculators_every_sample_written_and_trained", lambda r: r["arms"]["speculators"].update(steps=7)),
+        ("spool_empty_after_ours", lambda r: r["arms"]["ours"].update(spool_files_left=2)),
+        ("same_settings", lambda r: r["arms"]["speculators"]["settings"].update(lr=2e-3)),
+        ("same_settings", lambda r: r["arms"]["speculators"]["settings"].update(betas=[0.9, 0.95])),
+        ("same_settings", lambda r: r["arms"]["ours"]["settings"].pop("warmup_steps")),
+        ("same_settings", lambda r: r["arms"]["ours"]["settings"].update(samples_per_step=2)),
+        ("same_draft_architecture", lambda r: r["arms"]["speculators"]["arch"].update(norm_before_fc=True)),
+        ("same_draft_architecture", lambda r: r["arms"]["ours"].update(arch={}) or r["arms"]["speculators"].update(arch={})),
+        ("same_vocab_maps", lambda r: r.update(vocab_maps_equal=False)),
+        ("same_cores", lambda r: r["arms"]["ours"].update(affinity={**AFF, "trainer": [0, 1]})),
+        ("same_cores", lambda r: r["arms"]["speculators"].update(affinity=None)),
+        ("points_per_curve_ge_min", lambda r: r["arms"]["ours"]["curve"].pop(0)),
+        ("curves_complete", lambda r: r["arms"]["speculators"]["curve"][1]["T1"].update(mean_acceptance_length=None)),
+        ("curves_complete", lambda r: r["arms"]["ours"]["curve"][1].update(t_s=10)),
+    ],
+)
+def test_each_check_fails_on_a_result_that_is_not_the_comparison(check, spoil):
+    r = result()
+    spoil(r)
+    c = R.checks(r)
+    assert not c[check]
+    assert all(v for k, v in c.items() if k != check), [k for k, v in c.items() if not v]
+
+
+def test_settings_compare_floats_closely_and_need_both_sides():
+    a = dict(SETTINGS)
+    assert all(R.settings_equal(a, {**a, "lr": 0.001 + 1e-18}).values())
+    assert not R.settings_equal(a, {**a, "lr": 0.0011})["lr"]
+    assert not R.settings_equal(a, {**a, "ttt_steps": None})["ttt_steps"]
+    assert not R.settings_equal(a, {**a, "precision": "bfloat16"})["precision"]
+
+
+def test_the_architecture_ignores_paths_and_dtypes_only():
+    cfg = {"draft_vocab_size": 8, "norm_output": False, "speculators_config": {"verifier": {"name_or_path": "/a"}},
+           "transformer_layer_config": {"hidden_size": 4, "dtype": "float32", "sliding_window": 4096}}  # fmt: skip
+    other = copy.deepcopy(cfg)
+    other["speculators_config"]["verifier"]["name_or_path"] = "/b"
+    other["transformer_layer_config"]["dtype"] = "bfloat16"
+    assert R.arch_of(cfg) == R.arch_of(other)
+    other["transformer_layer_config"]["sliding_window"] = 2048
+    assert R.arch_of(cfg) != R.arch_of(other)
+
+
+def test_the_comparison_says_when_ours_reaches_their_final_figure():
+    c = result()["comparison"]
+    assert c["speculators_final"] == {"t_s": 60, "T0": 1.60, "T1": 1.25}
+    assert c["ours_reaches_speculators_final_at_s"] == 30 and c["ours_reaches_no_later"] and c["ours_wall_saved_s"] == 30
+    assert c["trained_minus_untrained_T0"] == {"ours": pytest.approx(0.69), "speculators": pytest.approx(0.59)}
+    assert "30 s earlier" in R.verdict(result())
+
+
+def test_the_comparison_says_so_when_ours_is_later_or_never_gets_there():
+    r = result()
+    r["arms"]["ours"]["curve"] = [point(50, 4, 1.40, 1.2), point(90, 8, 1.65, 1.3)]
+    c = R.comparison(r)
+    assert c["ours_reaches_speculators_final_at_s"] == 90 and not c["ours_reaches_no_later"]
+    r["comparison"] = c
+    assert "does **not**" in R.verdict(r) and "30 s after" in R.verdict(r)
+    r["arms"]["ours"]["curve"] = [point(20, 4, 1.40, 1.2), point(30, 8, 1.50, 1.3)]
+    r["comparison"] = R.comparison(r)
+    assert r["comparison"]["ours_reaches_speculators_final_at_s"] is None and not r["comparison"]["ours_reaches_no_later"]
+    assert "0.100 short" in R.verdict(r)
+
+
+def test_the_doc_section_is_written_from_the_json_and_says_so_without_one():
+    r = result()
+    s = R.doc_section(r, "bench/results/vs_speculators_cpu.json")
+    assert s.startswith(R.DOC_BEGIN) and s.endswith(R.DOC_END)
+    assert "| ours (online) | 8 | 30 | 1.700 / 1.300 |" in s and "| speculators (offline) | 8 | 60 | 1.600 / 1.250 |" in s
+    assert "Every check passed." in s
+    r["checks"]["same_cores"] = False
+    assert "**Checks failed: same_cores.**" in R.doc_section(r, "x.json")
+    none = R.doc_section(None, "bench/results/vs_speculators_cpu.json")
+    assert R.NOT_RUN in none and "|" not in none
+    doc = f"# B\n\ntext\n{none}\nmore\n"
+    new = R.replace_section(doc, s)
+    assert R.current_section(new) == s and new.startswith("# B\n\ntext\n") and new.endswith("\nmore\n")
+    with pytest.raises(ValueError, match="markers"):
+        R.replace_section("# B\n", s)
+
+
+def test_the_full_sizes_are_what_the_estimate_fits_in_an_hour():
+    assert P.fit(3600) == P.FULL
+    e = P.estimate_s(P.FULL)
+    assert e["total"] <= 3600 and P.FULL.conversations >= 2000
+    # what gives way first is the vocabulary, then the tokens per sample, never the conversations first
+    slow = {"train_tok_s": 120.0}
+    z = P.fit(3600, slow)
+    assert z.conversations == P.FULL.conversations and z.draft_vocab == 4096 and z.tokens < P.FULL.tokens
+    assert P.train_tok_s(P.DEFAULT_RATES, 4096) > P.train_tok_s(P.DEFAULT_RATES, 8192)
+
+
+def test_pick_takes_one_checkpoint_per_share_of_the_steps_and_the_last():
+    from bench.vs_speculators.run import pick
+
+    ck = [{"step": s} for s in (500, 1000, 1500, 1996, 1997, 1998, 2000)]
+    assert [c["step"] for c in pick(ck, 2000, 4)] == [500, 1000, 1500, 2000]
+    assert [c["step"] for c in pick([{"step": 20}, {"step": 40}], 40, 2)] == [20, 40]
+    assert pick([], 10, 2) == []
+
+
+# ---------------------------------------------------------------------------------- data rules
+
+
+@pytest.mark.parametrize(
+    ("conv", "why"),
+    [
+        ([], "empty"),
+        ([{"from": "gpt", "value": "hi"}, {"from": "human", "value": "yo"}], "assistant_first"),
+        ([{"from": "human", "value": "a"}, {"from": "human", "value": "b"}, {"from": "gpt", "value": "c"}], "not_alternating"),
+        ([{"from": "human", "value": "a"}, {"from": "gpt", "value": " "}], "empty_turn"),
+        ([{"from": "human", "value": "a"}, {"from": "robot", "value": "b"}], "unknown_speaker"),
+        ([{"from": "human", "value": "a"}, {"from": "system", "value": "s"}, {"from": "gpt", "value": "b"}], "system_inside"),
+        ([{"from": "human", "value": "a"}], "no_reply"),
+    ],
+)
+def test_conversations_the_rules_skip_say_why(conv, why):
+    assert D.normalize({"conversations": conv}) == (None, why)
+
+
+def test_speakers_are_mapped_and_only_the_first_turns_kept():
+    conv = [{"from": "system", "value": "s"}, {"from": "user", "value": "q1"}, {"from": "chatgpt", "value": "a1"},
+            {"from": "human", "value": "q2"}, {"from": "bard", "value": "a2"}, {"from": "human", "value": "q3"},
+            {"from": "bing", "value": "a3"}]  # fmt: skip
+    out, why = D.normalize({"conversations": conv})
+    assert why == "" and [t["from"] for t in out] == ["system", "human", "gpt", "human", "gpt"]
+    assert [t["value"] for t in out] == ["s", "q1", "a1", "q2", "a2"]
+
+
+def test_the_ledger_accounts_for_every_record_read():
+    led = D.Ledger(read=10, skipped=Counter(empty=2, too_short=1), train=4, val=1, held_out=2)
+    assert led.accounted()
+    led.read = 11
+    assert not led.accounted() and not led.as_dict()["accounted"]
+
+
+def test_held_out_prompts_must_differ_from_every_trained_conversation_and_prefix():
+    conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    s = D.Sample("1", conv, [5, 6, 7, 8, 9], [0, 0, 1, 1, 1])
+    fresh = D.Prompt("2", D.conversation_hash([{"from": "human", "value": "x"}]), [5, 4])
+    assert D.held_out_disjoint([fresh], [s])
+    assert not D.held_out_disjoint([D.Prompt("3", D.conversation_hash(conv), [1, 2])], [s])  # the same conversation
+    assert not D.held_out_disjoint([D.Prompt("4", "other", [5, 6])], [s])  # a trained sample's prompt
+    assert not D.held_out_disjoint([D.Prompt("5", "other", [5, 6, 7])], [s])  # a prefix of a trained sample
+    assert D.set_hash(["b", "a", "a"]) == D.set_hash(["a", "b"]) != D.set_hash(["a"])
+    assert D.sample_digest([1, 2], [0, 1]) != D.sample_digest([1, 2], [1, 1])
