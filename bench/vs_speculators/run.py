@@ -181,6 +181,9 @@ def run(a: argparse.Namespace, z: P.Sizes, mode: str) -> int:
 
     rc = P.RECIPE
     t_all = time.perf_counter()
+    # One engine step that takes longer than vLLM's 300 s default (a loaded machine) kills the
+    # engine and the run with it; a longer wait changes no figure of a run that would finish.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     verifier, label = resolve_verifier(a.verifier, a.quick)
     sharegpt = resolve_sharegpt(a.sharegpt)
     n_layers = num_hidden_layers(verifier)

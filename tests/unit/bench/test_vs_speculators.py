@@ -6,6 +6,7 @@ built here the way run.py builds it."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -218,3 +219,78 @@ def test_held_out_prompts_must_differ_from_every_trained_conversation_and_prefix
     assert not D.held_out_disjoint([D.Prompt("5", "other", [5, 6, 7])], [s])  # a prefix of a trained sample
     assert D.set_hash(["b", "a", "a"]) == D.set_hash(["a", "b"]) != D.set_hash(["a"])
     assert D.sample_digest([1, 2], [0, 1]) != D.sample_digest([1, 2], [1, 1])
+
+
+# ---------------------------------------------------------------------------------- the two commands
+
+
+def test_speculators_train_flags_resolve_to_the_shared_recipe():
+    """The flags the speculators arm passes, through speculators' own resolver, are the recipe
+    (a flag it ignored or renamed would leave its default: Muon, linear, norms, window 2048)."""
+    from pathlib import Path
+
+    from speculators.train.config import TrainConfig
+
+    from bench.vs_speculators import theirs as T
+
+    rc, z = P.RECIPE, P.FULL
+    args = T.train_args("/v", Path("/p"), Path("/h"), Path("/s"), Path("/l"), z, rc, [2, 15, 27], T.ratio_for(2000, 20))
+    c = TrainConfig.resolve(args).flatten()
+    assert (c["optimizer"], c["lr"], c["weight_decay"], c["scheduler_type"]) == ("adamw", rc.lr, rc.weight_decay, "cosine")
+    assert (c["ttt_steps"], c["ttt_step_loss_decay"], c["loss_fn"], c["loss_implementation"]) == (3, 1.0, "kl_div", "eager")
+    assert (c["norm_before_residual"], c["norm_before_fc"], c["norm_output"], c["fc_norm"]) == (True, False, False, False)
+    assert (c["num_layers"], c["draft_arch"], c["sliding_window"], c["full_attention_indices"]) == (1, "llama", 4096, [0])
+    assert (c["draft_attn_impl"], c["hidden_states_dtype"], c["num_workers"], c["seed"]) == ("sdpa", "float32", 0, 0)
+    assert (c["target_layer_ids"], c["draft_vocab_size"], c["total_seq_len"], c["epochs"]) == ([2, 15, 27], 4096, 128, 1)
+    assert c["checkpoint_freq"] == 0.25 and c["on_missing"] == "raise" and c["scheduler_warmup_steps"] is None
+    assert int(2020 * c["train_data_ratio"]) == 2000
+
+
+def test_hsstream_train_flags_resolve_to_the_shared_recipe():
+    import yaml
+    from typer.testing import CliRunner
+
+    from bench.vs_speculators import ours as O
+    from hsstream.cli import app
+
+    class Stack:
+        api, delivery_endpoint, spool = "http://127.0.0.1:1", "ipc:///tmp/x.sock", "/dev/shm/x"
+
+    rc, z = P.RECIPE, P.FULL
+    cmd = O.train_command("/v", Path("/r"), "job1", Stack, Path("/p/token_freq.pt"), z, rc, [2, 15, 27], 2000)
+    res = CliRunner().invoke(app, [*cmd[3:], "--dump-config"])
+    assert res.exit_code == 0, res.output
+    c = yaml.safe_load(res.output)
+    assert (c["lr"], c["weight_decay"], c["betas"], c["schedule"], c["min_lr_ratio"]) == (rc.lr, rc.weight_decay, [0.9, 0.999], "cosine", 0.0)
+    assert (c["warmup_steps"], c["grad_clip"], c["ttt_steps"], c["ttt_step_loss_decay"]) == (20, 1.0, 3, 1.0)
+    assert (c["samples_per_step"], c["max_tokens_per_step"], c["draft_attn_impl"], c["seed"]) == (1, 128, "sdpa", 0)
+    assert (c["aux_layer_ids"], c["draft_vocab_size"], c["checkpoint_every"], c["keep_checkpoints"]) == ([2, 15, 27], 4096, 500, 0)
+    assert (c["threads"], c["device"], c["autocast"], c["jobs"], c["token_counts"]) == (1, "cpu", "none", ["job1"], "/p/token_freq.pt")
+
+
+def test_speculators_split_and_order_one_sample_a_step():
+    from bench.vs_speculators import theirs as T
+
+    for n, v in ((2000, 20), (40, 4), (7, 1)):
+        r = T.ratio_for(n, v)
+        assert int((n + v) * r) == n
+    batches = T.trainer_order([128] * 50, 128, 0)
+    assert sorted(b[0] for b in batches) == list(range(50)) and all(len(b) == 1 for b in batches)
+    assert batches == T.trainer_order([128] * 50, 128, 0) != T.trainer_order([128] * 50, 128, 1)
+    # shorter samples would be packed several to a step: the steps check then sees it
+    assert any(len(b) > 1 for b in T.trainer_order([60] * 50, 128, 0))
+
+
+def test_speculators_vllm_command_is_launch_vllm_s():
+    import json
+    from pathlib import Path
+
+    from bench.vs_speculators import theirs as T
+
+    cmd = T.vllm_command("/v", Path("/hs"), 8123, [2, 15, 27, 30], 1024)
+    i = cmd.index("--speculative_config")
+    assert json.loads(cmd[i + 1])["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
+    k = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
+    assert k == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                 "kv_connector_extra_config": {"shared_storage_path": "/hs"}}  # fmt: skip
+    assert cmd[2:5] == ["vllm.entrypoints.cli.main", "serve", "/v"] and "--no-enable-prefix-caching" in cmd
