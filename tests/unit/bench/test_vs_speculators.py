@@ -288,9 +288,17 @@ def test_speculators_vllm_command_is_launch_vllm_s():
     from bench.vs_speculators import theirs as T
 
     cmd = T.vllm_command("/v", Path("/hs"), 8123, [2, 15, 27, 30], 1024)
-    i = cmd.index("--speculative_config")
+    i = cmd.index("--speculative-config")
     assert json.loads(cmd[i + 1])["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27, 30]
-    k = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
-    assert k == {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                 "kv_connector_extra_config": {"shared_storage_path": "/hs"}}  # fmt: skip
-    assert cmd[2:5] == ["vllm.entrypoints.cli.main", "serve", "/v"] and "--no-enable-prefix-caching" in cmd
+    k = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    # speculators' file backend's config; on a machine without CUDA only the class is the CPU-safe subclass
+    assert {**k, "kv_connector": "ExampleHiddenStatesConnector", "kv_connector_module_path": None} == {
+        "kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer", "kv_connector_module_path": None,
+        "kv_connector_extra_config": {"shared_storage_path": "/hs"}}  # fmt: skip
+    assert k["kv_connector"] in ("ExampleHiddenStatesConnector", "CpuExampleHiddenStatesConnector")
+    # the CPU-safe class exists where the config says (read, not imported: that would load vLLM)
+    mod = Path(__file__).resolve().parents[3] / (T.CPU_CONNECTOR["kv_connector_module_path"].replace(".", "/") + ".py")
+    assert f"class {T.CPU_CONNECTOR['kv_connector']}(ExampleHiddenStatesConnector)" in mod.read_text()
+    with pytest.raises(ValueError):
+        T.cpu_safe({"kv_connector": "Other"})
+    assert cmd[2:5] == ["vllm.entrypoints.openai.api_server", "--model", "/v"] and "--no-enable-prefix-caching" in cmd
