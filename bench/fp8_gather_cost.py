@@ -11,14 +11,14 @@ hidden-state cache of the dummy draft at Qwen3-8B shape (4 layers x 4096 hidden,
 1,024-token requests, vLLM 0.30+'s logical ``[blocks, K, block_size, H]`` view of a
 token-major cache, the request's blocks scattered over the cache):
 
-* ``host``: the gatherer's ``_copy_async`` (bf16 D2H into pinned memory, on its side stream),
-  the copy's event, then the writer's host quantise (``SpoolWriter._encode``, i.e.
+* ``host``: the gatherer's ``copy_async`` (bf16 D2H into pinned memory, on its side stream),
+  the copy's event, then the writer's host quantise (``SpoolWriter.encode``, i.e.
   the FP8 codec's ``encode`` (``HSSTREAM_PAYLOAD_DTYPE=fp8_e4m3``) on the host tensor, counted as the writer counts it);
-* ``device``: the gatherer's ``_copy_async`` with the quantise on the side stream, FP8 D2H,
+* ``device``: the gatherer's ``copy_async`` with the quantise on the side stream, FP8 D2H,
   the copy's event.
 
 A real ``HiddenStateGatherer`` and a real ``SpoolWriter`` (``notice_endpoint=None``, spool in a
-temp dir) are driven through ``_copy_async`` and ``_encode``, the calls ``submit`` and the
+temp dir) are driven through ``copy_async`` and ``encode``, the calls ``submit`` and the
 writer thread make, without the file write and checksum that follow either way (the same for
 both arms). Arms are interleaved, their order alternated each round, after a warm-up. Per arm:
 submit -> encoded host tensors ready (p50 / p99 ms), and bytes copied device-to-host (the
@@ -94,14 +94,14 @@ def one(arm: str, g, w, blocks: list[int], n: int, cuda: bool) -> tuple[float, d
     t0 = time.perf_counter()
     g.step_starts()
     if cuda:
-        host, event = g._copy_async(blocks, n)
+        host, event = g.copy_async(blocks, n)
         event.synchronize()
     else:  # the same chunked gather (and on-device encode), run synchronously on CPU tensors
-        host = g._empty_host(n, pin_memory=False)
-        g._gather_into(blocks, n, host)
+        host = g.empty_host(n, pin_memory=False)
+        g.gather_into(blocks, n, host)
     moved = w.stats["bytes_copied"] - b0
     t1 = time.perf_counter()
-    enc = host if g.encode_at_gather else w._encode(host[HIDDEN_STATES_KEY])
+    enc = host if g.encode_at_gather else w.encode(host[HIDDEN_STATES_KEY])
     dt = time.perf_counter() - t0
     return dt, enc, moved, t1 - t0
 
@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> dict:
                   "block_size": args.block_size, "num_blocks": args.num_blocks,
                   "cache_view": "[blocks, K, block_size, H] of a token-major cache (vLLM 0.30+)",
                   "bf16_bytes_per_request": bf16_bytes},
-        "driven": "real HiddenStateGatherer + SpoolWriter(notice_endpoint=None): _copy_async (CUDA) or "
-                  "_empty_host + _gather_into (CPU smoke), then SpoolWriter._encode for the host arm",
+        "driven": "real HiddenStateGatherer + SpoolWriter(notice_endpoint=None): copy_async (CUDA) or "
+                  "empty_host + gather_into (CPU smoke), then SpoolWriter.encode for the host arm",
         "timed": "submit -> encoded host tensors ready (copy event synchronised; host arm: plus the host quantise)",
         "warmup": args.warmup, "rounds": args.rounds, "interleaved": "order alternated each round",
         "arms": arms,

@@ -70,23 +70,23 @@ def main() -> int:
     d_file, d_slot, arena = _sample(spool)
     maps = ArenaMaps(spool)
     cores = os.cpu_count() or 1
-    # (C._CPUS, rescan_finite): the scan in the checksum's pass on one core, beside it on the
+    # (C.CPUS, rescan_finite): the scan in the checksum's pass on one core, beside it on the
     # scan pool, or the writer's verdict taken (the default: no scan).
     arms = {"rescan_one_pass": (1, True), "rescan_beside": (cores, True), "writer_verdict": (cores, False)}
     times: dict[str, dict[str, list[float]]] = {a: {"files": [], "arena": []} for a in arms}
     cpu: dict[str, dict[str, float]] = {a: {"files": 0.0, "arena": 0.0} for a in arms}
     writer = {"checksum": [], "checksum_and_finite": []}
-    hs = C.load_and_check(spool, d_slot, arenas=maps, keep=lambda _arr: None, verify_slots=True).hidden_states.clone()
+    hs = C.load_and_check(spool, d_slot, arenas=maps, verify_slots=True).hidden_states.clone()
     wt = {SF.HIDDEN_STATES_KEY: hs, SF.TOKEN_IDS_KEY: torch.zeros(T, dtype=torch.int64)}
-    real = C._CPUS
+    real = C.CPUS
     try:
         for r in range(args.rounds + 2):  # 2 warm-up rounds
             order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for arm in order:
-                C._CPUS, rescan = arms[arm]
+                C.CPUS, rescan = arms[arm]
                 for lay, d in (("files", d_file), ("arena", d_slot)):
                     c0, t0 = time.process_time(), time.perf_counter()
-                    s = C.load_and_check(spool, d, arenas=maps, keep=lambda _arr: None, rescan_finite=rescan,
+                    s = C.load_and_check(spool, d, arenas=maps, rescan_finite=rescan,
                                           verify_slots=True)
                     dt = time.perf_counter() - t0
                     del s
@@ -102,7 +102,7 @@ def main() -> int:
                 if r >= 2:
                     writer[name].append(1000 * (time.perf_counter() - t0))
     finally:
-        C._CPUS = real
+        C.CPUS = real
         maps.close()
         arena.close()
         for p in spool.iterdir():

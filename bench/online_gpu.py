@@ -54,7 +54,7 @@ from bench.online_gpu_config import CONFIGS, LAYERS, log, parser, plain_options,
 from bench.online_gpu_consumer import consume_deliver, consume_train, consumer_main, measure_floor, train_config  # noqa: E402
 from bench.online_gpu_results import describe, result_name, save, summarize  # noqa: E402
 from bench.online_gpu_runner import ConfigFailed, Orchestrator, dry_run, prompts, run  # noqa: E402
-from bench.online_gpu_stats import WINDOW, SpoolWatch, breakdown, kv_tokens, pct, timeline, window_rate  # noqa: E402
+from bench.online_gpu_stats import WINDOW, SpoolWatch, breakdown, kv_tokens, latency, pct, timeline, window_rate  # noqa: E402
 
 __all__ = [
     "CONFIGS",
@@ -70,6 +70,7 @@ __all__ = [
     "describe",
     "dry_run",
     "kv_tokens",
+    "latency",
     "log",
     "main",
     "measure_floor",

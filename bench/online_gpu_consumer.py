@@ -265,8 +265,7 @@ def consume_deliver(spec: dict) -> dict:
                 break
     res["samples"] = n
     res["stream_stats"] = dict(stream.stats)
-    res["stream_pool"] = {"workers": stream.workers, "max_held": stream._pool.max_held,
-                          "max_running": stream._pool.max_running, "finite_on_device": bool(on_dev),
+    res["stream_pool"] = {"workers": stream.workers, **stream.pool_stats, "finite_on_device": bool(on_dev),
                           "host_buffers": dict(stream.host_buffers.stats)}  # fmt: skip
     return res
 
@@ -281,7 +280,8 @@ def train_config(spec: dict):  # noqa: ANN201
               max_steps=spec["n_samples"], checkpoint_every=10**9, keep_checkpoints=1, tensorboard=False,
               progress=False, log_every=50, samples_per_step=1, max_tokens_per_step=max(4096, spec["prompt_len"]),
               extra={"benchmark": "online_gpu"}, draft=spec.get("draft", "eagle3"),
-              mask_token_id=spec.get("mask_token_id"), block_size=spec.get("block_size", 4))  # fmt: skip
+              draft_options={k: v for k, v in (("mask_token_id", spec.get("mask_token_id")),
+                                              ("block_size", spec.get("block_size", 4))) if v is not None})  # fmt: skip
     if "device" in names:
         kw["device"] = spec["device_str"]
     return TrainConfig(**{k: v for k, v in kw.items() if k in names}), sorted(set(kw) - names)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench.online_gpu_config import ROOT, vllm_flags
-from bench.online_gpu_stats import WINDOW, floor_ms
+from bench.online_gpu_stats import FIRST, WINDOW, floor_ms
 
 OUT_DIR = ROOT / "bench" / "results"
 
@@ -39,7 +39,8 @@ def describe(args: argparse.Namespace, shape: dict) -> dict:
                   "num_hidden_layers": n, "vocab_size": shape["vocab_size"], "layers": args.layers,
                   "vllm_weights": "load_format=dummy", "trainer_reads": "random embed_tokens / norm / lm_head"},
         "args": {k: v for k, v in vars(args).items() if k not in ("consumer",)},
-        "window": f"steady state: completions from the {WINDOW[0]:.0%} to the {WINDOW[1]:.0%} quantile",
+        "window": f"steady state: completions from the {WINDOW[0]:.0%} to the {WINDOW[1]:.0%} quantile "
+                  f"(latency also over every sample: 'all', and each job's first {FIRST}: 'first_{FIRST}')",
         "runs": [], "errors": [],
     }  # fmt: skip
 
@@ -64,8 +65,12 @@ def summarize(doc: dict) -> None:
         "stream_delivered_tok_per_s": mean("stream", lambda r: r["delivered_to_trainer_gpu"].get("tok_per_s")),
         "stream_ratio_to_plain": mean("stream", lambda r: r.get("ratio_to_plain")),
         "stream_vllm_ratio_to_plain": mean("stream", lambda r: r.get("vllm_ratio_to_plain")),
+        # Notice -> trainer GPU of "stream": over the steady-state window, and over every sample.
         "latency_p50_ms": mean("stream", lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
         "latency_p99_ms": mean("stream", lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+        "latency_all_p50_ms": mean("stream", lambda r: _all(r, "p50")),
+        "latency_all_p99_ms": mean("stream", lambda r: _all(r, "p99")),
+        "latency_all_max_ms": mean("stream", lambda r: _all(r, "max")),
         "ordered_latency_p50_ms": mean("stream_ordered", lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
         "ordered_latency_p99_ms": mean("stream_ordered", lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
         # The floor: one sample from tmpfs onto the GPU, alone, the faster of the two ways measured.
@@ -87,6 +92,7 @@ def summarize(doc: dict) -> None:
     f, ar = by_layout.get("files", {}), by_layout.get("arena", {})
     s["arena_vs_files_p50"] = _ratio(ar, f, "latency_p50_ms")
     s["arena_vs_files_p99"] = _ratio(ar, f, "latency_p99_ms")
+    s["arena_vs_files_all_p99"] = _ratio(ar, f, "latency_all_p99_ms")
     s["by_fp8_encoding"] = by_fp8 = fp8_encoding(runs)
     dv, hv = by_fp8.get("device", {}), by_fp8.get("host", {})
     s["fp8_device_vs_host_p50"] = _ratio(dv, hv, "latency_p50_ms")
@@ -95,15 +101,23 @@ def summarize(doc: dict) -> None:
         ("(a) plain vLLM prefill", f"{s['plain_tok_per_s']} tok/s", "1.000"),
         ("(b) delivered onto the trainer GPU", f"{s['stream_delivered_tok_per_s']} tok/s", s["stream_ratio_to_plain"]),
         ("(b) vLLM with our connector", "", s["stream_vllm_ratio_to_plain"]),
-        ("(b) notice -> trainer GPU latency", f"p50 {s['latency_p50_ms']} ms, p99 {s['latency_p99_ms']} ms",
+        ("(b) notice -> trainer GPU, steady-state window", f"p50 {s['latency_p50_ms']} ms, p99 {s['latency_p99_ms']} ms",
          f"floor {s['floor_ms']} ms"),
-        *[(f"(b) spool layout {lay}: notice -> trainer GPU", f"p50 {v['latency_p50_ms']} ms, p99 {v['latency_p99_ms']} ms",
-           f"vLLM {v['vllm_ratio_to_plain']} of plain, delivered {v['ratio_to_plain']}") for lay, v in by_layout.items()],
+        ("(b) notice -> trainer GPU, every sample", f"p50 {s['latency_all_p50_ms']} ms, p99 {s['latency_all_p99_ms']} ms, "
+         f"max {s['latency_all_max_ms']} ms", ""),
+        *[row for lay, v in by_layout.items() for row in (
+            (f"(b) spool layout {lay}: notice -> trainer GPU, steady-state window",
+             f"p50 {v['latency_p50_ms']} ms, p99 {v['latency_p99_ms']} ms",
+             f"vLLM {v['vllm_ratio_to_plain']} of plain, delivered {v['ratio_to_plain']}"),
+            (f"(b) spool layout {lay}: notice -> trainer GPU, every sample",
+             f"p50 {v['latency_all_p50_ms']} ms, p99 {v['latency_all_p99_ms']} ms, max {v['latency_all_max_ms']} ms",
+             f"each job's first {FIRST}: p99 {v['first_p99_ms']} ms (max over runs {v['first_p99_ms_max']})"))],
         *[(f"(b) FP8 encoded on the {w}: notice -> trainer GPU", f"p50 {v['latency_p50_ms']} ms, p99 {v['latency_p99_ms']} ms",
            f"vLLM {v['vllm_ratio_to_plain']} of plain, delivered {v['ratio_to_plain']}") for w, v in by_fp8.items()],
         *[(f"(b) {lay}: {k}", f"p50 {v['breakdown'][k]['p50_ms']} ms, p99 {v['breakdown'][k]['p99_ms']} ms", "")
           for lay, v in by_layout.items() for k in STAGES if k in v["breakdown"]],
-        ("(b) arena ÷ files latency", f"p50 {s['arena_vs_files_p50']}", f"p99 {s['arena_vs_files_p99']}"),
+        ("(b) arena ÷ files latency", f"p50 {s['arena_vs_files_p50']}, p99 {s['arena_vs_files_p99']} (window)",
+         f"p99 over every sample {s['arena_vs_files_all_p99']}"),
         ("(b) the same, yielded in delivery order", f"p50 {s['ordered_latency_p50_ms']} ms, "
          f"p99 {s['ordered_latency_p99_ms']} ms", "stream_ordered"),
         ("(c) Eagle-3 trainer", f"{s['train_samples_per_s']} samples/s, {s['train_tokens_per_s']} tok/s",
@@ -123,7 +137,8 @@ def summarize(doc: dict) -> None:
 #: connector's (``Notice.timings``), the sidecar's hop, and the trainer's read and checks.
 #: (``connector_checksum`` includes the writer's host encoding when the payload is FP8 encoded
 #: there; ``connector_copy_wait``: the writer waiting for the device-to-host copy's event.)
-STAGES = ("connector_gather", "connector_copy_wait", "connector_checksum", "connector_write",
+STAGES = ("forward_end_to_gpu", "connector_gather", "connector_queue", "connector_copy_wait", "connector_checksum",
+          "connector_write",
           "sidecar", "sidecar_in", "sidecar_queue", "sidecar_to_trainer", "pool_queue", "check", "check_read",
           "check_checksum", "check_finite", "check_to_device", "copy_to_trainer_gpu")
 
@@ -168,14 +183,30 @@ def _stream_group(rs: list[dict]) -> dict:
     stages = sorted({k for r in rs for k, v in (r.get("breakdown") or {}).items() if isinstance(v, dict)})
     return {
         "configs": sorted({r["config"] for r in rs}), "runs": len(rs),
+        # over the steady-state window; over every sample ("all"); each job's first samples
         "latency_p50_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p50"]),
         "latency_p99_ms": mean(lambda r: r["latency_notice_to_gpu_ms"]["p99"]),
+        "latency_all_p50_ms": mean(lambda r: _all(r, "p50")),
+        "latency_all_p99_ms": mean(lambda r: _all(r, "p99")),
+        "latency_all_max_ms": max((x for x in (_all(r, "max") for r in rs) if x is not None), default=None),
+        "first_p99_ms": mean(lambda r: _first(r, "p99")),
+        "first_p99_ms_max": max((x for x in (_first(r, "p99") for r in rs) if x is not None), default=None),
         "delivered_tok_per_s": mean(lambda r: r["delivered_to_trainer_gpu"].get("tok_per_s")),
         "ratio_to_plain": mean(lambda r: r.get("ratio_to_plain")),
         "vllm_ratio_to_plain": mean(lambda r: r.get("vllm_ratio_to_plain")),
         "breakdown": {k: {q: mean(lambda r, k=k, q=q: ((r.get("breakdown") or {}).get(k) or {}).get(q))
                           for q in ("p50_ms", "p99_ms")} for k in stages},
     }  # fmt: skip
+
+
+def _all(r: dict, q: str) -> float | None:
+    """A run's notice -> GPU figure ``q`` over every delivered sample (None in older files)."""
+    return (r["latency_notice_to_gpu_ms"].get("all") or {}).get(q)
+
+
+def _first(r: dict, q: str) -> float | None:
+    """A run's notice -> GPU figure ``q`` over its job's first :data:`FIRST` samples (None in older files)."""
+    return (r["latency_notice_to_gpu_ms"].get(f"first_{FIRST}") or {}).get(q)
 
 
 def _gpu_names() -> str:

@@ -25,13 +25,11 @@ from pathlib import Path
 from bench.online_gpu_config import ROOT, SPOOL_LAYOUT, log, plain_options, stack_kind, vllm_flags
 from bench.online_gpu_results import OUT_DIR, describe, result_name, save, summarize
 from bench.online_gpu_stats import (
-    WINDOW,
     SpoolWatch,
     breakdown,
     floor_ms,
     kv_tokens,
-    pct,
-    rounded,
+    latency,
     timeline,
     window_rate,
 )
@@ -281,25 +279,14 @@ class Orchestrator:
         recs = r["records"]
         deliver = window_rate([x["g"] for x in recs], a.prompt_len)
         vllm = window_rate([x["sent"] for x in recs if x.get("sent")], a.prompt_len)
-        lat_all = [1000 * (x["g"] - x["sent"]) for x in recs if x.get("sent")]
-        # Latency in the same steady-state window as the rates: the first samples' notices can
-        # precede the consumer's connection (it connects once the job exists), the tail is
-        # drained after the last request; both are reported apart, in "all".
-        gs = sorted(x["g"] for x in recs)
-        lo_t = gs[int(math.floor(WINDOW[0] * (len(gs) - 1)))] if gs else 0.0
-        hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
-        lat = [1000 * (x["g"] - x["sent"]) for x in recs if x.get("sent") and lo_t <= x["g"] <= hi_t]
         out = {"config": config or ("stream_ordered" if ordered else "stream"), "round": rnd,
                "spool_layout": self.stack_layout, "payload_dtype": a.payload_dtype,
                "fp8_on_device": self.stack_fp8_device, "consumers": r["results"],
                "spool": r["spool"],
                "delivered_to_trainer_gpu": deliver, "vllm_with_connector": vllm,
-               "latency_notice_to_gpu_ms": {"p50": rounded(pct(lat, 0.5)), "p99": rounded(pct(lat, 0.99)),
-                                            "max": rounded(max(lat) if lat else None), "n": len(lat),
-                                            "window": list(WINDOW),
-                                            "all": {"p50": rounded(pct(lat_all, 0.5)), "p99": rounded(pct(lat_all, 0.99)),
-                                                    "max": rounded(max(lat_all) if lat_all else None),
-                                                    "n": len(lat_all)}},
+               # Over the steady-state window (as the rates), over every delivered sample, and over
+               # the job's first samples (its start: the consumer connects before the job exists).
+               "latency_notice_to_gpu_ms": latency(recs),
                "floor": r["results"][0].get("floor")}  # fmt: skip
         if plain_rate and deliver.get("tok_per_s"):
             out["ratio_to_plain"] = round(deliver["tok_per_s"] / plain_rate, 4)
@@ -313,9 +300,11 @@ class Orchestrator:
         log("(b) where latency goes, p50/p99 ms: " + ", ".join(
             f"{k} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}" for k, v in out["breakdown"].items()
             if isinstance(v, dict) and not k.startswith("connector_")))  # fmt: skip
+        lat = out["latency_notice_to_gpu_ms"]
         log(f"(b) {out['config']} ({self.stack_layout}): delivered {deliver.get('tok_per_s')} tok/s onto the trainer GPU = {out.get('ratio_to_plain')}"
-            f" of plain; vLLM {vllm.get('tok_per_s')} tok/s; notice->GPU p50 {out['latency_notice_to_gpu_ms']['p50']} ms"
-            f" p99 {out['latency_notice_to_gpu_ms']['p99']} ms; floor {floor_ms(out)} ms")
+            f" of plain; vLLM {vllm.get('tok_per_s')} tok/s; notice->GPU p50 {lat['p50']} ms p99 {lat['p99']} ms (window);"
+            f" all {lat['all']['n']}: p50 {lat['all']['p50']} p99 {lat['all']['p99']} max {lat['all']['max']} ms;"
+            f" first 32 p99 {lat['first_32']['p99']} ms; floor {floor_ms(out)} ms")
         return out
 
     def run_train(self, rnd: int, plain_rate: float | None) -> dict:
@@ -435,7 +424,11 @@ def run(args: argparse.Namespace, shape: dict, model: str) -> int:
                             doc.setdefault("stacks", []).append({"round": rnd, "before": cfg, "spool_layout": layout,
                                                                  "fp8_on_device": fp8_dev})
                             log(f"stack warm-up: {len(o.warm_prompts)} samples")
-                            o.run_consumers("deliver", rnd, o.warm_prompts)
+                            w = o.run_consumers("deliver", rnd, o.warm_prompts)
+                            wl = latency(w["records"])
+                            doc["stacks"][-1]["warmup_latency_ms"] = {k: wl[k] for k in ("all", "first_32")}
+                            log(f"stack warm-up: notice->GPU over all {wl['all']['n']}: p50 {wl['all']['p50']} "
+                                f"p99 {wl['all']['p99']} max {wl['all']['max']} ms")
                         run = (o.run_train(rnd, plain_rate) if cfg == "train"
                                else o.run_stream(rnd, plain_rate, ordered=True if cfg == "stream_ordered" else None,
                                                  config=cfg))

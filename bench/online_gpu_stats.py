@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 
 WINDOW = (0.10, 0.90)
+#: A job's first samples, whose p99 shows what its start costs (the stall the window leaves out).
+FIRST = 32
 _KV_RE = re.compile(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens")
 
 
@@ -38,6 +40,28 @@ def pct(xs: list[float], q: float) -> float | None:
         return None
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def latency(recs: list[dict], first: int = FIRST) -> dict:
+    """Notice -> sample on the GPU (ms) of one job's records, three ways, each named: ``p50`` /
+    ``p99`` / ``max`` over the steady-state window (samples on the GPU between the 10th and 90th
+    percentile of delivery times, as the rates), ``all`` over every delivered sample, ``first_32``
+    over the job's first ``first`` samples by notice time (its start); and ``samples_ms``, every
+    sample's latency in notice order, so any other cut can be taken from the JSON later."""
+    xs = sorted((x for x in recs if x.get("sent") is not None), key=lambda x: x["sent"])
+    lat_all = [1000 * (x["g"] - x["sent"]) for x in xs]
+    gs = sorted(x["g"] for x in recs)
+    lo_t = gs[int(math.floor(WINDOW[0] * (len(gs) - 1)))] if gs else 0.0
+    hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
+    lat = [1000 * (x["g"] - x["sent"]) for x in xs if lo_t <= x["g"] <= hi_t]
+    head = lat_all[:first]
+
+    def three(v: list[float]) -> dict:
+        return {"p50": rounded(pct(v, 0.5)), "p99": rounded(pct(v, 0.99)), "max": rounded(max(v) if v else None),
+                "n": len(v)}  # fmt: skip
+
+    return {**three(lat), "window": list(WINDOW), "all": three(lat_all), f"first_{first}": three(head),
+            "samples_ms": [round(v, 2) for v in lat_all]}
 
 
 def kv_tokens(log_path: Path) -> list[int]:
@@ -84,6 +108,12 @@ def rounded(x: float | None, nd: int = 2) -> float | None:
     return None if x is None else round(x, nd)
 
 
+#: The connector's stages from the engine's step to the notice, in order (``Notice.timings``):
+#: their sum plus notice -> GPU is the sample's time from the end of its forward pass to the
+#: trainer's GPU (``forward_end_to_gpu``; the gather is enqueued by the step right after it).
+FORWARD_END_STAGES = ("gather", "queue", "copy_wait", "checksum", "write")
+
+
 def breakdown(recs: list[dict]) -> dict:
     """Mean, p50 and p99 ms per sample of each stage, from the notices' connector timings and
     the stream's per-sample stamps (``Sample.timings``, one host clock with ``sent_at``):
@@ -97,7 +127,8 @@ def breakdown(recs: list[dict]) -> dict:
       and finiteness on the GPU with ``--finite-on-device``) + small checks;
     * ``in_order``: checked -> handed to the loop (with ``--ordered``, older samples first; always the
       socket thread's own work: a 33.5 MB tmpfs unlink took ~4 ms there until files were deleted aside);
-    * ``copy_to_trainer_gpu``: handed -> on the GPU (a no-op copy with ``--finite-on-device``).
+    * ``copy_to_trainer_gpu``: handed -> on the GPU (a no-op copy with ``--finite-on-device``);
+    * ``forward_end_to_gpu``: the connector's stages (:data:`FORWARD_END_STAGES`) + notice -> GPU.
     """
     stages: dict[str, list[float]] = {}
 
@@ -122,6 +153,8 @@ def breakdown(recs: list[dict]) -> dict:
             add(f"check_{k[:-2]}", t.get(k))
         if x.get("g") is not None:
             add("copy_to_trainer_gpu", x["g"] - x["y"])
+            if x.get("sent") is not None and set(FORWARD_END_STAGES) <= set(conn):
+                add("forward_end_to_gpu", sum(conn[k] for k in FORWARD_END_STAGES) + x["g"] - x["sent"])
     return {k: {"mean_ms": round(statistics.mean(v), 3), "p50_ms": round(statistics.median(v), 3),
                 "p99_ms": round(pct(v, 0.99), 3)} for k, v in stages.items()}  # fmt: skip
 

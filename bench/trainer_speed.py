@@ -6,7 +6,7 @@ NAME`` trains on them online with the same settings (layers 2, 6, 9 + 12, draft 
 lr 3e-3, one sample a step, one thread, the mask token ``<|im_start|>``), and the speed is that
 run's samples and tokens over its training wall time, as acceptance_<draft>_cpu.json's
 ``trainer_speed_cpu``. Serving is not attempted where this vLLM refuses the draft: the result
-records ``hsstream eval``'s refusal instead (hsstream/evaluate.py, ``GPU_ONLY``).
+records ``hsstream eval``'s refusal instead (the draft's plug-in: ``Draft.refusal``).
 
 Writes bench/results/trainer_speed_<draft>_cpu.json (and $OUT/ if set).
 

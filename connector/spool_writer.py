@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +68,9 @@ class WriteJob:
     #: The writer's hold on the slot (taken by the gatherer before it copies into it; released
     #: once the header is written or the write failed).
     lease: A.SlotLease | None = None
+    #: When the engine's step handed the job over (``time.perf_counter``): the notice's ``queue``
+    #: timing is the wait from here to a writer thread, so its stages add up from the step on.
+    created: float = field(default_factory=time.perf_counter)
 
     def host_bytes(self) -> int:
         """Host memory this job holds while it waits (hidden states already in their slot: none
@@ -214,6 +217,12 @@ class SpoolWriter:
         with self._lock:
             self.stats["bytes_copied"] += int(nbytes)
 
+    def stats_snapshot(self) -> dict[str, int]:
+        """A copy of :attr:`stats` taken under the writer's lock: counters from one moment, for
+        a reader on another thread (a benchmark's before and after)."""
+        with self._lock:
+            return dict(self.stats)
+
     # -- the arena layout --------------------------------------------------------------------
     def arena_for(self, slot: A.Slot) -> MappedArena:
         """The mapping ``slot`` is in: the arena is opened once per process and again when a slot
@@ -324,7 +333,7 @@ class SpoolWriter:
             ids = torch.tensor(job.token_ids, dtype=torch.int64)
             # Encoded on the writer thread, off the engine's step (as hs-connectors quantises on
             # write), unless the gatherer encoded on the device (FP8: half the bytes copied).
-            payload = job.encoded if job.encoded is not None else self._encode(job.hidden_states)
+            payload = job.encoded if job.encoded is not None else self.encode(job.hidden_states)
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
@@ -354,7 +363,8 @@ class SpoolWriter:
             if job.lock is not None:
                 job.lock.release()
             t3 = time.perf_counter()
-            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            timings = {"gather": job.gather_s, "queue": t0 - job.created, "copy_wait": t1 - t0, "checksum": t2 - t1,
+                       "write": t3 - t2}
             notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write failed for %s", job.request_id)
@@ -373,7 +383,7 @@ class SpoolWriter:
             self._pending_bytes -= job.nbytes
             self._idle.notify_all()
 
-    def _encode(self, hs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode(self, hs: torch.Tensor) -> dict[str, torch.Tensor]:
         """The payload codec's tensors for ``hs``, the bytes of those it made anew counted (FP8's
         values and scales; a model-dtype payload is ``hs`` itself)."""
         out = PL.codec(self.shape.dtype).encode(hs)
@@ -398,7 +408,7 @@ class SpoolWriter:
             if job.encoded is not None:  # encoded on the device: copied into the slot below
                 payload = job.encoded
             else:
-                payload = {SF.HIDDEN_STATES_KEY: hs} if job.in_slot else self._encode(hs)
+                payload = {SF.HIDDEN_STATES_KEY: hs} if job.in_slot else self.encode(hs)
             if (rows := payload[SF.HIDDEN_STATES_KEY].shape[0]) != ids.shape[0]:
                 raise ValueError(f"{rows} hidden-state rows for {ids.shape[0]} tokens")
             tensors = {**payload, SF.TOKEN_IDS_KEY: ids}
@@ -434,7 +444,8 @@ class SpoolWriter:
             mapped.write_header(slot, header)
             self.count_copied(len(header))
             t3 = time.perf_counter()
-            timings = {"gather": job.gather_s, "copy_wait": t1 - t0, "checksum": t2 - t1, "write": t3 - t2}
+            timings = {"gather": job.gather_s, "queue": t0 - job.created, "copy_wait": t1 - t0, "checksum": t2 - t1,
+                       "write": t3 - t2}
             notice = notice.model_copy(update={"timings": {k: round(v, 6) for k, v in timings.items()}})
         except BaseException as e:  # noqa: BLE001 - every failure must become a notice
             log.exception("hidden-state write into slot %s+%s failed for %s", slot.offset, slot.length, job.request_id)

@@ -16,6 +16,13 @@ nothing but the pickled per-step metadata. Load it with::
 (``"none"``: no sidecar), ``layer_ids`` (the order written), ``layer_order`` (``config``:
 that order; ``sorted``: ascending, as the Example connector writes) and ``payload_dtype``
 (``model`` or ``fp8_e4m3``, ``connector/contract/payload.py``). See docs/drop-in.md.
+
+Which hooks vLLM calls when, runner by runner (V1; V2 as in 0.32; V2 with ``finalize_step`` as
+in 0.33/0.34), is ``connector/contract/vllm_hooks.py``: the class takes a step's saves when the
+metadata is bound and does the work in ``get_finished``, so it assumes nothing about where
+``wait_for_save`` and the metadata's ``clear`` fall. What vLLM added since is handled where the
+base class has it (sleep mode's ``unregister_kv_caches`` / ``restore_kv_caches``,
+``kv_cache_access``); docs/vllm-versions.md lists each change and the module it touched.
 """
 
 from __future__ import annotations
@@ -43,6 +50,11 @@ from connector.scheduler_side import SchedulerSide
 from connector.spool_writer import ShapeInfo, SpoolWriter
 from connector.step_metadata import LockRequest, PendingSave
 from connector.worker_side import HiddenStateGatherer, WorkerSide
+
+try:  # vLLM 0.34+: how a connector reaches the device KV cache (a feature check, not a version's)
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:
+    KVCacheAccess = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -242,6 +254,9 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._writer: SpoolWriter | None = None
         self._worker = WorkerSide(None, None)  # until register_kv_caches; stays inert off rank 0
+        self._kv_caches: dict[str, torch.Tensor] | None = None  # vLLM's own dict (sleep mode re-reads it)
+        self._cache_layer: str | None = None
+        self._bound: list[StreamConnectorMetadata] = []  # the steps' metadata bound since get_finished
         log.info(
             "hsstream connector (%s): spool %s, notices -> %s, layers %s (file order: %s), payload %s",
             role.name, o.spool_dir, o.notice_endpoint, o.user_layer_ids, o.file_layer_ids, o.stored_dtype,
@@ -254,6 +269,19 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished_count(self) -> int:
         return 1  # only TP rank 0 writes; the others never report
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+ asks before it enables sleep mode: we follow its cache remap
+        (``unregister_kv_caches`` drains our copies, ``restore_kv_caches`` takes the cache again)."""
+        return True
+
+    if KVCacheAccess is not None:
+
+        @classmethod
+        def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+            """Only this worker process reads the cache, with torch ops: any allocation works."""
+            return KVCacheAccess.IN_PROCESS
+
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
@@ -265,6 +293,7 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConnectorConfigError(f"expected one hidden-state cache layer, found {len(names)}: {names}")
         if get_tensor_model_parallel_rank() != 0:
             return
+        self._kv_caches, self._cache_layer = kv_caches, names[0]
         o = self.opts
         self._writer = SpoolWriter(
             o.spool_dir,
@@ -290,8 +319,26 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
         # up to Python's 5 ms for a switch.
         lower_switch_interval(o.switch_interval_ms)
 
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM 0.33+): the cache's memory is about to be released. Every copy from it
+        finishes now; a save that arrives before ``restore_kv_caches`` gets an error notice."""
+        self._worker.release_cache()
+
+    def restore_kv_caches(self) -> None:
+        """Sleep mode's wake-up: the cache is readable again, through the tensor vLLM now holds
+        for its layer (a view taken before the sleep may point at the released memory)."""
+        if self._kv_caches is not None and self._cache_layer is not None:
+            self._worker.retake_cache(self._kv_caches[self._cache_layer])
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        # The step's saves are taken here, the one hook every runner calls first
+        # (connector/contract/vllm_hooks.py): get_finished does the work, and whether the metadata
+        # is still bound by then (or wait_for_save has run) differs between vLLM's runners.
+        if isinstance(connector_metadata, StreamConnectorMetadata) and not any(
+            m is connector_metadata for m in self._bound
+        ):
+            self._bound.append(connector_metadata)
         # Before this step's forward is launched: the copies this step queues (for requests the
         # previous step finished) wait for what is on the GPU now, not for this forward too.
         self._worker.step_starts()
@@ -311,10 +358,10 @@ class HiddenStatesStreamConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         pending: list[PendingSave] = []
         new_locks: dict[str, LockRequest] = {}
-        if self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, StreamConnectorMetadata):
-                pending, new_locks = meta.pending, meta.new_locks
+        bound, self._bound = self._bound, []
+        for meta in bound:
+            pending += meta.pending
+            new_locks.update(meta.new_locks)
         return self._worker.step(pending, finished_req_ids, new_locks), None
 
     def shutdown(self) -> None:

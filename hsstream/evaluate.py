@@ -1,5 +1,6 @@
-"""Serve the verifier with a draft (Eagle-3, P-EAGLE, DFlash; DSpark on a GPU) in vLLM and measure
-acceptance (``hsstream eval``).
+"""Serve the verifier with a draft in vLLM and measure acceptance (``hsstream eval``). How vLLM
+serves a draft directory, and whether the installed vLLM can, is the draft's own plug-in's
+(``trainer_client/drafts/serving.py``).
 
 One vLLM engine per child process (its memory goes back when the child exits); the child runs
 ``python -m hsstream.evaluate --serve-child IN OUT``. bench/acceptance.py serves through here too.
@@ -26,58 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainer_client.drafts.serving import DraftError, check_draft_dir, speculative_config  # noqa: F401 - the CLI's
+
 SPEC_TOKENS = 3
-
-
-class DraftError(ValueError):
-    """The draft directory is not a draft this vLLM can serve (Eagle-3, P-EAGLE, DFlash; DSpark on a GPU)."""
-
-
-#: speculators_model_type → what vLLM 0.32's --speculative-config takes for it (its speculators
-#: loader maps peagle to eagle3 with parallel drafting, dflash to the dflash method, dspark to
-#: dspark).
-SERVED = {"eagle3": {"method": "eagle3"}, "peagle": {"method": "eagle3", "parallel_drafting": True},
-          "dflash": {"method": "dflash"}, "dspark": {"method": "dspark"}}  # fmt: skip
-
-#: Served by vLLM's V2 model runner only (vllm/v1/worker/gpu/: CUDA and Triton); the V1 runner,
-#: the CPU build's, refuses them in VllmConfig with this message.
-GPU_ONLY = {"dspark": "Model Runner V1 does not support: dspark speculative decoding"}
-
-
-def v2_runner_available() -> bool:
-    """Whether this vLLM build can run its V2 model runner: a CUDA-like platform with Triton
-    (vLLM's own test in ``VllmConfig.use_v2_model_runner``; the CPU build has neither)."""
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
-
-    return bool(current_platform.is_cuda_alike() and HAS_TRITON)
-
-
-def draft_type(c: dict) -> str | None:
-    t = c.get("speculators_model_type")
-    if t in SERVED:
-        return t
-    return "eagle3" if "eagle3" in json.dumps(c.get("architectures", "")).lower() else None
-
-
-def speculative_config(draft: str | Path, num_speculative_tokens: int | None = None) -> dict:
-    """vLLM's ``--speculative-config`` for the draft in ``draft`` (checked first): its method from
-    the checkpoint, its draft tokens a step given or the checkpoint's (Eagle-3: 3, its TTT
-    default; P-EAGLE: its parallel tokens; DFlash: block_size - 1; DSpark: block_size, its anchor
-    drafting too)."""
-    d = check_draft_dir(draft)
-    c = json.loads((d / "config.json").read_text())
-    t = draft_type(c)
-    n = num_speculative_tokens
-    if n is None:
-        if t in ("dflash", "dspark"):
-            n = int(c.get("block_size", 8)) - (0 if c.get("sample_from_anchor") else 1)
-        elif t == "peagle":
-            props = (c.get("speculators_config") or {}).get("proposal_methods") or [{}]
-            n = int(props[0].get("speculative_tokens") or SPEC_TOKENS)
-        else:
-            n = SPEC_TOKENS
-    return {**SERVED[t], "model": str(d), "num_speculative_tokens": int(n)}  # type: ignore[index]
 
 
 def draft_verifier(draft: str | Path) -> str | None:
@@ -89,35 +41,6 @@ def draft_verifier(draft: str | Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return str(p) if isinstance(p, str) and p and Path(p).is_dir() else None
-
-
-def check_draft_dir(draft: str | Path) -> Path:
-    """``draft`` resolved, or :class:`DraftError` saying what is missing (before an engine starts)."""
-    d = Path(draft)
-    if not d.is_dir():
-        raise DraftError(f"--draft {draft}: no such directory")
-    cfg = d / "config.json"
-    if not cfg.is_file():
-        hint = " (a run dir? its draft is in final/ or checkpoints/*/)" if (d / "final").is_dir() or (d / "checkpoints").is_dir() else ""
-        raise DraftError(f"--draft {draft}: no config.json, not a speculators-format draft{hint}")
-    try:
-        c = json.loads(cfg.read_text())
-    except ValueError as e:
-        raise DraftError(f"--draft {draft}: config.json is not JSON ({e})") from e
-    if draft_type(c) is None:
-        raise DraftError(f"--draft {draft}: config.json is not an Eagle-3 draft's, nor a P-EAGLE, DFlash or DSpark "
-                         f"one's (speculators_model_type {c.get('speculators_model_type')!r})")  # fmt: skip
-    if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
-        raise DraftError(f"--draft {draft}: no weights (*.safetensors)")
-    t = draft_type(c)
-    if t in GPU_ONLY and not v2_runner_available():
-        raise DraftError(
-            f"--draft {draft}: a {t} draft needs a GPU: vLLM 0.32 serves {t} only with its V2 model runner (a CUDA GPU "
-            f"and Triton); this vLLM (its CPU build) would run the V1 runner, which refuses it: \"{GPU_ONLY[t]}\". "
-            f"Serve it on a GPU host "
-            f"(--speculative-config '{{\"method\": \"{SERVED[t]['method']}\", ...}}')"
-        )
-    return d.resolve()
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +191,20 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     return res
 
 
+def is_plain_text(path: str | Path) -> bool:
+    """A prompts file of the old kind: a text file whose first line is no JSON object (one
+    prompt a line, :func:`read_prompts`); anything else is a source of samples (:func:`source_prompts`)."""
+    from trainer_client import data_sources as DS
+
+    if DS.source_kind(path) != "jsonl":
+        return False
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return not line.lstrip().startswith("{")
+    return True
+
+
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a file: JSONL of ``{"prompt": ...}`` (the REST samples' prompt field) or plain
     text, one prompt a line."""
@@ -288,6 +225,105 @@ def read_prompts(path: str | Path) -> list[str]:
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
+
+
+def parse_rows(spec: str | None) -> tuple[int, int | None] | None:
+    """``--rows START:STOP`` (0-based, STOP excluded; either may be left out) as a pair."""
+    if spec is None:
+        return None
+    a, sep, b = spec.partition(":")
+    try:
+        lo, hi = int(a or 0), (int(b) if b.strip() else None)
+    except ValueError:
+        lo = hi = -1
+    if not sep or lo < 0 or (hi is not None and hi <= lo):
+        raise ValueError(f"--rows {spec!r}: START:STOP with 0 <= START < STOP, e.g. 17000:17100 (STOP may be left out)")
+    return lo, hi
+
+
+def read_digests(path: str | Path) -> set[str]:
+    """``--row-hashes FILE``: one row digest a line (``trainer_client.data_sources.row_digest``)."""
+    out = {ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    if not out:
+        raise ValueError(f"--row-hashes {path}: no digest in it")
+    return out
+
+
+def chat_prompt_ids(tok, sample: dict, chat_template_kwargs: dict | None = None) -> list[int]:  # noqa: ANN001
+    """A chat row's prompt as vLLM would be asked to answer it: its messages (a ShareGPT row
+    mapped and repaired as the sidecar does) up to its first assistant turn, rendered with the
+    generation prompt (the sidecar's regenerate mode renders a prompt so)."""
+    from connector.contract.sample_tokens import SampleRefused, encode_sample, sample_messages
+
+    msgs = sample_messages(sample)
+    first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+    if not any(m.get("role") == "user" for m in msgs[:first]):
+        raise SampleRefused("no user turn before the first reply", reason="no user turn")
+    row = {"messages": msgs[:first], **({"tools": sample["tools"]} if sample.get("tools") is not None else {})}
+    ids, _ = encode_sample(tok, row, mode="regenerate", chat_template_kwargs=chat_template_kwargs)
+    return ids
+
+
+def source_prompts(source: str, verifier: str, *, preset: str | None = None, fields: list[str] | None = None,
+                   split: str | None = None, rows: str | None = None, row_hashes: str | None = None,
+                   limit: int = 32, max_prompt_tokens: int | None = None,
+                   chat_template_kwargs: dict | None = None) -> tuple[list[str | list[int]], dict]:  # fmt: skip
+    """Prompts from a file or dataset read as ``hsstream submit`` reads it
+    (``trainer_client/data_sources.py``: any format, ``preset`` / ``fields`` / ``split``, a JSON
+    array cut off before its end), so held-out rows of a training set are named by where they
+    are: ``rows`` (``START:STOP``, indexes of the source's rows) and/or ``row_hashes`` (a file of
+    ``row_digest`` lines). Each selected row gives one prompt -- a ``prompt`` its text, a chat
+    row its conversation up to the first reply (:func:`chat_prompt_ids`), ``token_ids`` their
+    first half -- until ``limit``; rows that give none (an empty conversation) are counted, not
+    fatal. Returns the prompts and what was read (rows, digests, skipped per reason)."""
+    from collections import Counter
+
+    from connector.contract.sample_tokens import SampleRefused, load_tokenizer
+    from trainer_client import data_sources as DS
+
+    span = parse_rows(rows)
+    want = read_digests(row_hashes) if row_hashes else None
+    notes: list[str] = []
+    it = DS.iter_samples(source, preset=preset, fields=fields, split=split,
+                         on_truncated=lambda t: notes.append(t.line()))  # fmt: skip
+    tok = None
+    prompts: list[str | list[int]] = []
+    used: list[dict] = []
+    skipped: Counter[str] = Counter()
+    for i, smp in enumerate(it):
+        if span is not None and (i < span[0] or (span[1] is not None and i >= span[1])):
+            if span[1] is not None and i >= span[1]:
+                break
+            continue
+        digest = DS.row_digest(smp)
+        if want is not None and digest not in want:
+            continue
+        try:
+            if isinstance(smp.get("prompt"), str) and smp.get("messages") is None and smp.get("conversations") is None:
+                p: str | list[int] = smp["prompt"]
+                if not p:
+                    raise SampleRefused("empty prompt")
+            elif smp.get("token_ids") is not None:
+                ids = [int(t) for t in smp["token_ids"]]
+                p = ids[: max(1, len(ids) // 2)]
+            else:
+                tok = tok or load_tokenizer(verifier)
+                p = chat_prompt_ids(tok, smp, chat_template_kwargs)
+        except SampleRefused as e:
+            skipped[e.reason] += 1
+            continue
+        if max_prompt_tokens is not None and not isinstance(p, str):
+            p = p[-max_prompt_tokens:]
+        prompts.append(p)
+        used.append({"row": i, "id": smp.get("id"), "digest": digest})
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        why = ", ".join(f"{k}: {n}" for k, n in skipped.items()) or "none matched"
+        raise ValueError(f"{source}: no prompt in the rows selected ({why})")
+    info = {"source": str(source), "rows": rows, "row_hashes": row_hashes, "prompts": len(prompts),
+            "skipped": dict(skipped), "used": used, "notes": notes}  # fmt: skip
+    return prompts, info
 
 
 def sample_prompt(token_ids: list[int], loss_mask: list[int] | None, prompt_len: int | None) -> list[int]:

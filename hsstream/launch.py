@@ -54,9 +54,9 @@ class VllmOptions:
     shutdown_timeout_s: int = 15
     #: False: plain vLLM (no extraction method, no connector), the baseline benchmarks compare with.
     extraction: bool = True
-    #: a trained draft to serve (a speculators-format dir: Eagle-3, P-EAGLE or DFlash), with
-    #: extraction off: its --speculative-config comes from the checkpoint (hsstream/evaluate.py's
-    #: speculative_config: the method, P-EAGLE's parallel drafting, DFlash's block)
+    #: a trained draft to serve (a speculators-format dir of a registered draft), with extraction
+    #: off: its --speculative-config comes from the draft's plug-in and the checkpoint
+    #: (trainer_client/drafts/serving.py: the method, P-EAGLE's parallel drafting, DFlash's block)
     draft: str | None = None
     num_speculative_tokens: int | None = None
     extra: list[str] = field(default_factory=list)
@@ -95,7 +95,7 @@ def vllm_args(o: VllmOptions) -> list[str]:
     if o.draft:
         if o.extraction:
             raise ValueError("a served draft and hidden-state extraction both take --speculative-config: pick one")
-        from hsstream.evaluate import speculative_config
+        from trainer_client.drafts.serving import speculative_config  # the draft's plug-in says how
 
         args += ["--speculative-config", json.dumps(speculative_config(o.draft, o.num_speculative_tokens))]
     # Prefix caching is off unless asked for: see docs/prefix-caching.md.

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from connector.contract.rest import JobCreated
 from connector.contract.rest_client import SidecarClient, SidecarError, UploadCounter
+from hsstream import job_options as JO
 from trainer_client import data_sources as DS
 
 console = Console(stderr=True)
@@ -41,21 +42,31 @@ def _exit_code(e: SidecarError) -> int:
 
 def submit(path: str, options: str, url: str | None, follow: bool, *, preset: str | None = None,
            fields: list[str] | None = None, split: str | None = None, limit: int | None = None,
-           shuffle: bool = False, seed: int = 0, shuffle_buffer: int = DS.DEFAULT_SHUFFLE_BUFFER) -> int:
-    """Upload a source's samples as one job (streamed: :func:`upload_samples`); prints the job id."""
+           shuffle: bool = False, seed: int = 0, shuffle_buffer: int = DS.DEFAULT_SHUFFLE_BUFFER,
+           job_flags: dict | None = None) -> int:
+    """Upload a source's samples as one job (streamed: :func:`upload_samples`); prints the job id.
+    ``options`` (``--options``' JSON) with ``job_flags`` over it (``hsstream/job_options.py``:
+    ``on_invalid`` is skip unless one of them says otherwise). A JSON array cut off before its
+    end is sent up to the cut, which is reported in one line."""
     try:
+        opts = JO.build(options, **(job_flags or {}))
         samples = DS.iter_samples(path, preset=preset, fields=fields, split=split, limit=limit, shuffle=shuffle,
-                                  seed=seed, shuffle_buffer=shuffle_buffer)  # fmt: skip
-    except (DS.DataSourceError, OSError) as e:
+                                  seed=seed, shuffle_buffer=shuffle_buffer, on_truncated=say_truncated)  # fmt: skip
+    except (DS.DataSourceError, JO.JobOptionsError, OSError) as e:
         console.print(f"[red]{e}[/red]")
         return 2
     with _client(url) as c:
         try:
-            job = upload_samples(c, samples, options, filename=Path(path).name or "samples")
+            job = upload_samples(c, samples, json.dumps(opts), filename=Path(path).name or "samples")
         except _Refused as e:
             return e.code
         print(job.job_id)
         return follow_job(c, job.job_id) if follow else 0
+
+
+def say_truncated(t: DS.TruncatedTail) -> None:
+    """The one line about a JSON array cut off before its end (the rows before the cut are sent)."""
+    console.print(f"[yellow]note: {t.line()}[/yellow]", soft_wrap=True)
 
 
 def upload_samples(
@@ -88,7 +99,7 @@ def upload_samples(
             prog.stop()
             console.print(f"[red]{line}[/red]")
             raise _Refused(code) from e
-        detail = f"sent; the sidecar queued {job.num_samples:,} (x epochs), refused {job.num_failed_at_submission:,}"
+        detail = f"sent; the sidecar queued {job.num_samples:,} (x epochs), skipped {job.num_failed_at_submission:,}"
         prog.update(task, rows=counter.rows, mib=counter.bytes / 2**20, detail=detail)
     for w in job.warnings:
         console.print(f"[yellow]warning: {w}[/yellow]")

@@ -28,7 +28,20 @@ def share(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
 
 
-def render(ov: Overview, url: str, interval: float) -> Group:
+def proxy_line(proxy: str | None) -> Text | None:
+    """The serving proxy's live draft (``GET /healthz``, open): ``None`` when no proxy is watched."""
+    if not proxy:
+        return None
+    import httpx
+
+    try:
+        live = httpx.get(proxy.rstrip("/") + "/healthz", timeout=2).json()["live"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        return Text(f"live draft  unknown: the proxy at {proxy} did not answer ({type(e).__name__})", style="red")
+    return Text(f"live draft  {live}  (proxy {proxy})")
+
+
+def render(ov: Overview, url: str, interval: float, live: Text | None = None) -> Group:
     """One frame. Labels are stable words (the tests read figures after them)."""
     sp, rt = ov.spool, ov.rates
     fill = sp.file_bytes / sp.budget_bytes if sp.budget_bytes else 0.0
@@ -47,6 +60,8 @@ def render(ov: Overview, url: str, interval: float) -> Group:
              f"reserved {sp.reserved_bytes:,} B  ready {ov.ready:,}",
              style="red" if fill > 0.9 else ""),  # fmt: skip
     ]
+    if live is not None:
+        lines.append(live)
     if ov.vllm_down_since_s is not None:
         lines.append(Text(f"vLLM unreachable for {ov.vllm_down_since_s:.0f} s", style="bold red"))
     jobs = Table(box=None, header_style="bold", pad_edge=False, collapse_padding=True)
@@ -80,13 +95,13 @@ def _line(e: SidecarError) -> str:
     return str(e) if e.unreachable else f"GET /v1/overview: {e}"
 
 
-def run_top(url: str | None, interval: float, once: bool) -> int:
+def run_top(url: str | None, interval: float, once: bool, proxy: str | None = None) -> int:
     console = Console()
     with _client(url) as c:
         base = c.base_url
         if once:
             try:
-                console.print(render(c.overview(), base, interval))
+                console.print(render(c.overview(), base, interval, proxy_line(proxy)))
             except SidecarError as e:
                 Console(stderr=True).print(f"[red]{_line(e)}[/red]")
                 return 3 if e.unreachable else 1
@@ -102,7 +117,7 @@ def run_top(url: str | None, interval: float, once: bool) -> int:
                 while not stop.is_set():
                     t0 = time.monotonic()
                     try:
-                        frame = render(c.overview(), base, interval)
+                        frame = render(c.overview(), base, interval, proxy_line(proxy))
                     except SidecarError as e:
                         frame = Text(f"{_line(e)} (retrying every {interval:g} s)", style="red")
                     if stop.is_set():

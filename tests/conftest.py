@@ -67,7 +67,16 @@ def _no_orphaned_semaphores():
     semaphores.remove_orphans(before)
 
 
+def is_integration(path: Path) -> bool:
+    """Whether a test file lies under ``tests/integration/`` (at any depth: tests/integration/<package>/)."""
+    parts = Path(path).parts
+    return any(parts[i : i + 2] == ("tests", "integration") for i in range(len(parts) - 1))
+
+
 def pytest_collection_modifyitems(items):
+    """Every test under ``tests/integration/`` is marked ``integration`` (they start vLLM and the
+    sidecar, or need vLLM installed): ``-m "not integration"`` leaves them out
+    (tests/unit/project/test_integration_marker.py checks it selects every test that starts vLLM)."""
     for item in items:
-        if Path(str(item.fspath)).parent.name == "integration":
+        if is_integration(item.path):
             item.add_marker(pytest.mark.integration)

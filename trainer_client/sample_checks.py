@@ -12,13 +12,15 @@ finiteness verdict in the notice stands once the checksum matches; where there i
 ``rescan_finite``), the scan goes with the checksum (:meth:`_SampleChecks.host_checks`).
 
 A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in place
-(``sample_reader.read_slot``): its tensors are views of the slot, unless the sample goes to a
-device or into pinned memory, where they are copied from the slot at once. The slot's header
-must hold this delivery's notice (same key, attempt and slot generation): anything else is a
-late write of another attempt, an :class:`InvalidSample`. Its checksum is not taken (unless
-``verify_slots``): only its claim's writer ever writes a slot, under its lease
-(``connector/contract/arena.py``). Once the hidden states are on the device
-its token ids are copied out too (a few bytes), so nothing holds the slot.
+(``sample_reader.read_slot``), under its read hold: its tensors are views of the trainer's
+copy-on-write mapping of the slot, unless the sample goes into pinned memory or to a CUDA
+device, where they are copied from the slot at once (``sample_reader.slot_is_copied``). The
+slot's header must hold this delivery's notice (same key, attempt and slot generation):
+anything else is a late write of another attempt, an :class:`InvalidSample`. Its checksum is not
+taken (unless ``verify_slots``): only its claim's writer ever writes a slot, under its lease,
+no one writes it again while it is held, and the trainer's own in-place ops stay in its private
+pages (``connector/contract/arena.py``). Once the hidden states are on the device its token ids
+are copied out too (a few bytes), so nothing holds the slot.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ from connector.contract.sample_file import InvalidSample
 from trainer_client.device_copy import DeviceCopy, to_device_checked
 from trainer_client.finite import all_finite, beside, scan_of, scannable, settle
 from trainer_client.sample import Sample
-from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot
+from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot, slot_is_copied
 
 def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
                    pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
                    alloc: Callable[[int], torch.Tensor] | None = None,
                    timings: dict[str, float] | None = None, arenas: ArenaMaps | None = None,
-                   keep: Callable | None = None, rescan_finite: bool = False,
+                   on_release: Callable[[], None] | None = None, rescan_finite: bool = False,
                    verify_slots: bool = False) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
     and check it against its notice and what the sidecar submitted. ``require_key=False``:
@@ -66,8 +68,9 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     copy to the device).
 
     ``arenas``: the stream's arena mapping, for a delivery of a slot (module docstring);
-    ``keep`` is handed the array the slot's views keep alive (``read_slot``). A slot this
-    trainer cannot reach raises ``sample_reader.SlotNotReadable``.
+    ``on_release`` is called (any thread) once no view of the slot is left and its hold is let go
+    (``read_slot``). A slot this trainer cannot reach or hold raises
+    ``sample_reader.SlotNotReadable``.
 
     ``rescan_finite``: scan the values on the host even where the writer said they are all
     finite (``Notice.finite``). Without it a matching checksum stands for the scan: the bytes
@@ -95,12 +98,10 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
         if arenas is None:
             raise InvalidSample("delivery of an arena slot, and no arena to read it from")
         arena = arenas.get(n.slot)  # type: ignore[arg-type]
-        if dev is not None and dev.type == "cuda":
-            arenas.register_cuda(arena)  # the slot's pages DMA'd to the device (once per arena)
-        # To a CUDA device: copied there from the slot itself; into pinned memory: one copy out.
-        copy = pin_memory and (dev is None or dev.type != "cuda")
+        # Into pinned memory, or to a CUDA device (from there, one DMA): one copy out, at once.
+        copy = slot_is_copied(dev, pin_memory)
         pinned = alloc or (lambda k: torch.empty(k, dtype=torch.uint8, pin_memory=True))
-        tensors = read_slot(arena, n.slot, copy_into=pinned if copy else None, keep=keep,  # type: ignore[arg-type]
+        tensors = read_slot(arena, n.slot, copy_into=pinned if copy else None, on_release=on_release,  # type: ignore[arg-type]
                             on_meta=lambda meta: _check_slot_notice(meta, n), timings=tm, on_header=checks.start)
         if not copy:
             tm["in_slot"] = 1  # the tensors are views of the slot (the stream clones the ids if it decodes)
@@ -214,13 +215,13 @@ class _SampleChecks:
         algo = self.n.checksum_algo
         taken = on_host and self.n.finite is not None and not (self.n.finite and self.rescan_finite)
         scan_here = on_host and not taken
-        pooled = scan_here and _CPUS > 1 and hs.numel() >= _BESIDE_MIN and scannable(hs)
+        pooled = scan_here and CPUS > 1 and hs.numel() >= _BESIDE_MIN and scannable(hs)
         scan = scan_of(hs) if pooled else None
         helpers = None
         found: bool | None = None  # the one-pass verdict (None: not taken in the checksum's pass)
         try:
             if pooled:
-                helpers = beside(scan, "scan", min(_CPUS, 8) - 1)  # type: ignore[arg-type]
+                helpers = beside(scan, "scan", min(CPUS, 8) - 1)  # type: ignore[arg-type]
             if not self.trusted:  # trusted: its writer's bytes (the slot's lease); a due scan runs below
                 t0 = time.perf_counter()
                 if scan_here and not pooled:  # one core: the writer's own pass (None where it does not apply)
@@ -260,7 +261,9 @@ class _SampleChecks:
         return hs, ids, scales
 
 
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+#: Cores this process may run on: a large sample's finiteness scan is shared among up to 8 of them
+#: (1: scanned in the checksum's pass on one core). Module-level so a benchmark can compare the two.
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _BESIDE_MIN = 1 << 20  # values: below, a thread hand-off costs more than the scan
 
 

@@ -6,8 +6,10 @@ is all in (``on_header``). Nothing here checks a sample against its notice: that
 
 A sample of the arena layout (``connector/contract/arena.py``) is not read at all: its slot is
 parsed in place (:func:`read_slot`) and its tensors are views of the arena, mapped once per
-stream (:class:`ArenaMaps`). The slot stays in use while any of them is alive; the caller learns
-when none is (``keep``: the numpy array under every view, for a ``weakref.finalize``).
+stream, copy-on-write (:class:`ArenaMaps`): an in-place op on them never reaches the shared slot.
+The slot is held (a read lock on its bytes, ``arena.SlotReads``) from before its header is read
+while any view of it is alive, so the sidecar cannot give it to another sample meanwhile, even
+across its own restart; the caller learns when no view is left (``on_release``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +37,8 @@ from connector.contract.sample_file import MAX_HEADER_BYTES, InvalidSample
 log = logging.getLogger("hsstream.trainer")
 
 __all__ = ["HEAD_BYTES", "MAX_HEADER_BYTES", "READ_PART", "READ_THREADS", "ArenaMaps", "InvalidSample", "OnHeader",
-           "SlotNotReadable", "read_into_buffer", "read_parallel", "read_sample_file", "read_slot", "shared_pool"]
+           "SlotNotReadable", "read_into_buffer", "read_parallel", "read_sample_file", "read_slot", "shared_pool",
+           "slot_is_copied"]
 
 
 class SlotNotReadable(Exception):
@@ -44,9 +48,15 @@ class SlotNotReadable(Exception):
 
 
 class ArenaMaps:
-    """One stream's mapping of its spool's arena: opened at the first slot, and again when a slot
-    names another arena (a new one replaced it); thread-safe (the check workers share it). A
-    mapping replaced while views of it live stays mapped until the last view goes."""
+    """One stream's mapping of its spool's arena, copy-on-write (``Arena.open(private=True)``):
+    opened at the first slot, and again when a slot names another arena (a new one replaced it);
+    thread-safe (the check workers share it). A mapping replaced while views of it live stays
+    mapped, its slots held, until the last view goes.
+
+    Never page-locked for CUDA (``cudaHostRegister``): pinning a private mapping writable breaks
+    its copy-on-write (every page becomes this process's own copy, and the slots written later
+    would not be seen), so a slot bound for a CUDA device is copied out into a pinned buffer first
+    (:func:`slot_is_copied`)."""
 
     def __init__(self, spool: str | os.PathLike[str], *, prefault: bool = True) -> None:
         """``prefault``: map the slots past each one read ahead of their turn, in the background
@@ -56,18 +66,19 @@ class ArenaMaps:
         self.prefault = prefault
         self._arena: A.Arena | None = None
         self._lock = threading.Lock()
-        self._registered: dict[str, bool] = {}  # arena id -> page-locked for CUDA (register_cuda)
 
     def get(self, slot: A.Slot) -> A.Arena:
         with self._lock:
             a = self._arena
             if a is None or a.id != slot.arena:
                 try:
-                    new = A.Arena.open(self.spool)
+                    new = A.Arena.open(self.spool, private=True)
                 except A.ArenaError as e:
                     raise SlotNotReadable(str(e)) from e
                 if a is not None:  # its fd only: a worker may be reading the old mapping now, views may live
                     os.close(a._fd)
+                    if a.reads is not None:
+                        a.reads.close()  # no new holds; its description goes with the last one
                 self._arena = a = new
             if a.id != slot.arena:
                 raise SlotNotReadable(f"slot of arena {slot.arena}, the spool's arena is {a.id}")
@@ -79,24 +90,6 @@ class ArenaMaps:
                 a.prefault_ahead(slot)  # in the background: the next slots' first reads pay no faults
             return a
 
-    def register_cuda(self, arena: A.Arena) -> bool:
-        """Page-lock ``arena``'s mapping for CUDA once (``cudaHostRegister``), so a slot's copy to
-        the trainer's GPU is one non-blocking DMA from the shared pages (views of it then report
-        ``is_pinned()``); False when the driver refuses (the copy then reads pageable memory).
-        Costs the arena's size in locked host memory, once per stream and arena."""
-        with self._lock:
-            if arena.id in self._registered:
-                return self._registered[arena.id]
-            ptr = int(np.frombuffer(arena.map, dtype=np.uint8).ctypes.data)  # no view kept: the address only
-            err = torch.cuda.cudart().cudaHostRegister(ptr, arena.size, 0)
-            ok = int(getattr(err, "value", err)) == 0
-            if not ok:
-                A.clear_cuda_error()  # else the next kernel launch would raise it
-                log.warning("cudaHostRegister of the arena (%d bytes) failed (%s): slots are copied to the GPU "
-                            "from pageable memory", arena.size, err)  # fmt: skip
-            self._registered[arena.id] = ok
-            return ok
-
     def close(self) -> None:
         with self._lock:
             if self._arena is not None:
@@ -104,41 +97,73 @@ class ArenaMaps:
                 self._arena = None
 
 
+def slot_is_copied(device: torch.device | None, pin_memory: bool) -> bool:
+    """Whether a slot's sample is copied out of the arena at once (into one pinned buffer) rather
+    than yielded as views of it: for ``pin_memory``, and for a CUDA device, whose copy cannot DMA
+    from the arena (a private mapping is not page-locked: :class:`ArenaMaps`)."""
+    return pin_memory or (device is not None and device.type == "cuda")
+
+
 def read_slot(arena: A.Arena, slot: A.Slot, *, copy_into: Callable[[int], torch.Tensor] | None = None,
-              keep: Callable[[np.ndarray], None] | None = None, on_meta: Callable[[dict[str, str]], None] | None = None,
+              on_release: Callable[[], None] | None = None, on_meta: Callable[[dict[str, str]], None] | None = None,
               timings: dict[str, float] | None = None, on_header: OnHeader | None = None) -> dict:  # fmt: skip
     """A slot's tensors, as views of the arena (zero-copy), or, with ``copy_into`` (a pinned
     buffer's allocator), copied into one buffer at once, so the slot is free as soon as this
-    returns. Its size comes from its header (``arena.written_size``: a slot not completely
-    written is an :class:`InvalidSample`), its tensors from the contract's one parser (every
-    malformed header an :class:`InvalidSample`); ``on_meta`` sees the header's metadata before
-    any tensor is made (the stream checks that the header's notice is the delivered one).
-    ``keep`` is given the numpy array every view of the slot keeps alive (torch.from_numpy
-    holds it): finalizing it means the slot's bytes are no longer used. ``timings``: ``read_s``
-    (parsing, and the copy if any)."""
+    returns. The slot is held (``arena.reads``, a read lock on its bytes) before its header is
+    read, so what is checked is what the views see for as long as they live: no void, no new
+    assignment, no writer gets in meanwhile. A slot this reader cannot hold (write-locked: the
+    delivery is stale; the arena replaced) is :class:`SlotNotReadable`. Its size comes from its
+    header (``arena.written_size``: a slot not completely written is an :class:`InvalidSample`),
+    its tensors from the contract's one parser (every malformed header an
+    :class:`InvalidSample`); ``on_meta`` sees the header's metadata before any tensor is made (the
+    stream checks that the header's notice is the delivered one). The hold is let go once no view
+    is left (a finalizer on the numpy array under every view), then ``on_release`` is called, from
+    any thread (it must only queue); at once for a copy or a slot refused here. ``timings``:
+    ``read_s`` (parsing, and the copy if any)."""
     t0 = time.perf_counter()
-    mv = memoryview(arena.map)[slot.offset : slot.offset + A.SLOT_HEADER]
+    reads = arena.reads
+    if reads is None:
+        raise SlotNotReadable("the arena is not mapped for reading (open it private)")
     try:
-        head = bytes(mv)
+        reads.take(slot)
+    except A.ArenaError as e:
+        raise SlotNotReadable(str(e)) from e
+    held = True  # until a finalizer owns the hold
+
+    def let_go() -> None:
+        nonlocal held
+        if held:
+            held = False
+            reads.release(slot, scrub=False)
+            if on_release is not None:
+                on_release()
+
+    try:
+        mv = memoryview(arena.map)[slot.offset : slot.offset + A.SLOT_HEADER]
+        try:
+            head = bytes(mv)
+        finally:
+            mv.release()
+        size = A.written_size(head, slot.length)
+        arr = np.frombuffer(arena.map, dtype=np.uint8, count=size, offset=slot.offset)
+        if copy_into is not None:
+            buf = copy_into(size)
+            view = buf.numpy()
+            view[:] = arr
+            _count(timings, size)
+            del arr
+            let_go()  # nothing of it was handed out: no private page to drop
+            head = view[: A.SLOT_HEADER].tobytes()  # everything from the copy: what is checked is what is used
+            A.written_size(head, slot.length)
+            base, out_view = buf, view
+        else:
+            fin = weakref.finalize(arr, _let_go_viewed, reads, slot, on_release)
+            fin.atexit = False  # at exit the kernel drops the locks
+            held = False
+            base, out_view = torch.from_numpy(arr), arr
+            del arr
     finally:
-        mv.release()
-    size = A.written_size(head, slot.length)
-    arr = np.frombuffer(arena.map, dtype=np.uint8, count=size, offset=slot.offset)
-    if copy_into is not None:
-        buf = copy_into(size)
-        view = buf.numpy()
-        view[:] = arr
-        _count(timings, size)
-        if keep is not None:
-            keep(arr)
-        del arr  # the slot is free from here
-        head = view[: A.SLOT_HEADER].tobytes()  # everything from the copy: what is checked is what is used
-        A.written_size(head, slot.length)
-        base, out_view = buf, view
-    else:
-        if keep is not None:
-            keep(arr)
-        base, out_view = torch.from_numpy(arr), arr
+        let_go()
     spans, meta = SF.parse_header(head, size, PL.safetensors_itemsizes())
     if on_meta is not None:
         on_meta(meta)
@@ -155,6 +180,14 @@ def read_slot(arena: A.Arena, slot: A.Slot, *, copy_into: Callable[[int], torch.
         elif (feed := on_header(tensors, None)) is not None:
             feed(0, 0)
     return tensors
+
+
+def _let_go_viewed(reads: A.SlotReads, slot: A.Slot, on_release: Callable[[], None] | None) -> None:
+    """The last view of a slot is gone: its private pages dropped, its hold let go, then the
+    caller told (a finalizer: any thread)."""
+    reads.release(slot, scrub=True)
+    if on_release is not None:
+        on_release()
 
 
 def read_sample_file(path: Path | None = None, payload: bytes | memoryview | None = None, *,

@@ -14,26 +14,31 @@ This module is the client (the socket, credit, leases, acks). What it yields is
 ``sample_checks.py`` (finiteness: ``finite.py``) and copied to a GPU by ``device_copy.py``.
 
 The arena layout (``connector/contract/arena.py``: ``notice.slot`` set, ``file`` None): the
-sample is read in place, its hidden states yielded as views of the arena's slot (unless copied
-to a device or into pinned memory), and nothing is renamed or deleted. The slot's bytes are in
-use until no view of them is alive, so its RECEIVED (on which the sidecar frees the slot for
-another sample) waits for that: a ``weakref.finalize`` on the array under the views (any
-thread, often the loop's own, when it drops a sample) only queues the slot, and the iterating
-thread, which alone owns the socket, sends the RECEIVED when it next runs (each turn of its
-loop, each wakeup of its poll, ``ack_through``, close). ACKs are not held back for it: a loop
-that asks for the next sample while it still holds the last one (``for x in stream``) acks it
-as usual, and the sidecar keeps a consumed sample's slot until its RECEIVED (or until this
-trainer is gone), so no slot is reused under a live view. A loop that keeps views for good
-keeps their slots: production slows (the arena fills), nothing is overwritten. At
+sample is read in place, its hidden states yielded as views of this process's copy-on-write
+mapping of the arena's slot (unless copied to a CUDA device or into pinned memory), and nothing
+is renamed or deleted. An in-place op on them changes this trainer's private pages only. The
+slot's bytes are in use until no view of them is alive: until then it is held (a read lock on
+its bytes, which the sidecar's void cannot get past: the slot is never given to another sample
+meanwhile, whatever the sidecar believes, a restarted one included). Its RECEIVED (on which the
+sidecar frees the slot for another sample) waits for that too: a ``weakref.finalize`` on the
+array under the views (any thread, often the loop's own, when it drops a sample) lets go of the
+hold and only queues the slot, and the iterating thread, which alone owns the socket, sends the
+RECEIVED when it next runs (each turn of its loop, each wakeup of its poll, ``ack_through``,
+close). ACKs are not held back for it: a loop that asks for the next sample while it still holds
+the last one (``for x in stream``) acks it as usual, and the sidecar keeps a consumed sample's
+slot until its RECEIVED (or until this trainer is gone; the hold keeps it out of the free list
+after that), so no slot is reused under a live view. A loop that keeps views for good keeps
+their slots: production slows (the arena fills), nothing is overwritten. At
 :meth:`close`, the yielded samples that still view their slots (the last one of a loop, still
 in its variable) get private copies of their tensors, so they stay valid and their RECEIVEDs
 go; only tensors the loop took out of a sample itself (``h = x.hidden_states``) keep their
-slots, until the sidecar drops this trainer (``HSSTREAM_TRAINER_TIMEOUT_S``). A sample dequantised by the stream (FP8 → ``dequantize``) holds no view: its
-slot is released as soon as it is decoded.
+slots for as long as they live. A sample dequantised by the stream (FP8 → ``dequantize``) holds
+no view: its slot is released as soon as it is decoded.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -84,14 +89,12 @@ class StreamError(RuntimeError):
 
 @dataclass(eq=False)
 class _SlotHold:
-    """One delivered arena slot while this trainer may use its bytes: read by a worker (``kept``
-    once its views' array is registered), checked (``settled``) or refused (``dead``), and
-    ``released`` once no view is left. Its RECEIVED (every token it was delivered with) goes
-    when it is both settled and released."""
+    """One delivered arena slot while this trainer may use its bytes: read by a worker, checked
+    (``settled``) or refused (``dead``), and ``released`` once no view is left (its hold let go).
+    Its RECEIVED (every token it was delivered with) goes when it is both settled and released."""
 
     key: M.SampleKey
     tokens: list[str]
-    kept: bool = False
     settled: bool = False
     released: bool = False
     dead: bool = False
@@ -170,8 +173,10 @@ class StreamOptions:
 
     ``verify_slots`` (off): take the checksum of a slot read in place, too (the arena layout).
     Off, a slot's bytes are trusted without one: no writer but the slot's own ever writes it
-    (the claim and the lease, ``connector/contract/arena.py``), and a checksum of shared memory
-    could not catch a later write anyway. On, it costs a pass over every sample's bytes.
+    (the claim and the lease), no one writes it again while this trainer holds it, and the
+    trainer's own in-place ops stay in its copy-on-write pages (``connector/contract/arena.py``).
+    On, it costs a pass over every sample's bytes; it checks them when read, not after (another
+    process of this user writing the arena file itself).
     """
 
     jobs: list[str] | None = None
@@ -302,11 +307,23 @@ class HiddenStateStream:
         self._slot_released: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._hold_ids = itertools.count(1)
         self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
+        self.lease_s: float | None = None  # the sidecar's lease on what it delivers (from the DELIVERs)
+
+    @property
+    def unacked(self) -> int:
+        """Samples delivered to this stream and neither acknowledged nor refused: what the sidecar
+        hands out again (after :attr:`lease_s` of silence) if the stream goes away now."""
+        return len(self._tokens)
 
     @property
     def slots_held(self) -> int:
         """Arena slots of checked samples whose RECEIVED waits for their views to go."""
         return sum(1 for h in self._slot_holds.values() if h.settled and not h.released)
+
+    @property
+    def pool_stats(self) -> dict[str, int]:
+        """The most deliveries the check pool ever held and ever checked at once (``check_pool.py``)."""
+        return {"max_held": self._pool.max_held, "max_running": self._pool.max_running}
 
     @property
     def waited_s(self) -> float:
@@ -435,19 +452,15 @@ class HiddenStateStream:
         return d.notice.slot is not None and d.notice.file is None
 
     def _hold(self, d: M.Deliver) -> Any:
-        """A new hold for a slot delivery; returns the ``keep`` its reader registers the views'
-        array with (the finalizer only queues the hold's id: it may run on any thread)."""
+        """A new hold for a slot delivery; returns the ``on_release`` its reader calls once no
+        view of the slot is left (it only queues the hold's id: it may run on any thread). The
+        reader calls it for every slot it read or refused; one it could not hold is settled here
+        (``_slot_settled``)."""
         hid = next(self._hold_ids)
         hold = _SlotHold(d.notice.key, [d.token])  # type: ignore[arg-type]
         self._slot_holds[hid] = hold
         self._slot_of_key[hold.key] = hid
-        released = self._slot_released
-
-        def keep(arr: Any) -> None:
-            hold.kept = True
-            weakref.finalize(arr, released.put, hid)
-
-        return keep
+        return functools.partial(self._slot_released.put, hid)
 
     def _drain_released(self) -> None:
         """The slots whose views are gone (queued by their finalizers): RECEIVED for the checked
@@ -496,7 +509,7 @@ class HiddenStateStream:
 
     def _slot_settled(self, d: M.Deliver, ok: bool) -> None:
         """A slot delivery's check is over: ``ok``, its RECEIVED goes once its views are gone
-        (now, if none was kept); else it was refused (FAIL) and its release sends nothing."""
+        (now, if it was copied out); else it was refused (FAIL) and its release sends nothing."""
         hid = self._slot_of_key.get(d.notice.key)  # type: ignore[arg-type]
         if hid is None:
             return
@@ -504,7 +517,7 @@ class HiddenStateStream:
         hold = self._slot_holds[hid]
         if ok:
             hold.settled = True
-            if hold.released or not hold.kept:
+            if hold.released:
                 self._slot_received(hid)
         else:
             hold.dead = True
@@ -620,6 +633,7 @@ class HiddenStateStream:
             self._send_acks([(key, d.token)])  # after the RECEIVED of a slot still in use
             return False
         self._tokens[key] = d.token  # the latest lease: the one our ack must name
+        self.lease_s = d.lease_s
         if key in self._used_set:
             # Redelivered while we hold it unacked (our lease lapsed, e.g. a long checkpoint):
             # the loop already has this sample; its later ack settles this copy too.
@@ -653,25 +667,25 @@ class HiddenStateStream:
             return
         received = time.time()
         data = self._fetch(d, payload)
-        keep = self._hold(d) if self._is_slot(d) and data is None else None
+        on_release = self._hold(d) if self._is_slot(d) and data is None else None
         if self.pin_memory and not self.host_buffers.stats["warmed"]:
             # Before the first burst: one cached pinned block per sample the pool may hold.
             n = d.notice
             self.host_buffers.warm(n.nbytes + 8 * n.num_tokens + SF.HEADER_ALLOWANCE, self.credit + 1)
-        job = self._pool.submit(d, self._load, d, data, received, keep)
+        job = self._pool.submit(d, self._load, d, data, received, on_release)
         self._held[d.notice.key] = d.notice.file  # type: ignore[index]
         if isinstance(data, memoryview):
             self._view_job = job
 
-    def _load(self, d: M.Deliver, data: bytes | memoryview | None, received: float, keep: Any = None) -> Sample:
+    def _load(self, d: M.Deliver, data: bytes | memoryview | None, received: float, on_release: Any = None) -> Sample:
         """Read and check one delivery (on a worker: touches no socket and no stream state;
-        ``keep`` registers a slot's views, see :meth:`_hold`)."""
+        ``on_release`` tells when a slot's views are gone, see :meth:`_hold`)."""
         tm: dict[str, float] = {"received": received, "started": time.time()}
         reads_spool = self._receiver is not None and self._receiver.reads_spool
         spool = self.spool if reads_spool else None
         sample = load_and_check(spool, d, data, pin_memory=self.pin_memory, device=self.device,
                                 alloc=self.host_buffers.alloc, timings=tm, arenas=self._arenas if reads_spool else None,
-                                keep=keep, rescan_finite=self.options.rescan_finite,
+                                on_release=on_release, rescan_finite=self.options.rescan_finite,
                                 verify_slots=self.options.verify_slots)  # fmt: skip
         decoded = sample.dequantized(self.dequantize)
         if decoded is not sample and tm.pop("in_slot", 0):
@@ -782,10 +796,10 @@ class HiddenStateStream:
         if not self._admit(d):
             return None
         data = self._fetch(d, payload)
-        keep = self._hold(d) if self._is_slot(d) and data is None else None
+        on_release = self._hold(d) if self._is_slot(d) and data is None else None
         job: Future = Future()
         try:
-            job.set_result(self._load(d, data, time.time(), keep))
+            job.set_result(self._load(d, data, time.time(), on_release))
         except Exception as e:  # noqa: BLE001 - settled below exactly as a worker's result
             job.set_exception(e)
         return self._settle(d, job)

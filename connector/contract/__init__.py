@@ -18,5 +18,7 @@ module                 contract
 ``sample_tokens``      a REST sample's token ids and loss masks (sidecar and trainer alike)
 ``rest``               the REST API's request and response bodies (the routes' models)
 ``rest_client``        ``SidecarClient``, the one typed client of that API
+``vllm_hooks``         when each of vLLM's model runners calls the connector's worker hooks
+                       in a step, as read in vLLM's source (the hook-order test drives it)
 =====================  ====================================================================
 """

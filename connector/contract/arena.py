@@ -18,26 +18,40 @@ bytes are aligned to its item size.
 The slot's life: assigned (sidecar, in the ledger; its claim written into the slot,
 :meth:`Arena.assign`) → written (connector, under its :class:`SlotLease`: the slot's bytes
 locked, the claim checked, the data copied in, the header written last, the lease released) →
-READY on its notice → read in place by a trainer → freed when the trainer says RECEIVED, which it
-sends only once no view of the slot is left; every free voids the claim under the slot's lock
-first (:meth:`Arena.void`). Each assignment has a new ``generation``. A writer whose claim was
-voided is refused before it writes a byte, and a slot whose writer still holds its lease cannot
-be voided, so no two assignments ever write one slot: the trainer trusts a slot read in place
-without a checksum. The notice inside the slot's header carries the generation too, and a
-trainer refuses a slot whose header names another than its DELIVER. The arena's first page names the arena
-(``arena`` id, a random hex string made at creation), so a slot of another arena (the sidecar
-made a new one) is refused instead of read.
+READY on its notice → read in place by a trainer, under its read hold (:class:`SlotReads`: a
+read lock on the slot's bytes, taken before the header is read, held while any view of the slot
+is alive) → freed when the trainer says RECEIVED, which it sends only once no view of the slot
+is left; every free voids the claim under the slot's write lock first (:meth:`Arena.void`). Each
+assignment has a new ``generation``. A writer whose claim was voided is refused before it writes
+a byte, and a slot that a writer or any reader still holds cannot be voided (the write lock
+conflicts with both), so no two assignments ever write one slot and no slot is written again
+while anyone may view it: the trainer trusts a slot read in place without a checksum. The locks
+are the kernel's (open-file-description locks): they go with a killed process, and they outlive
+the sidecar, so a restarted sidecar learns what is still held by asking for them
+(:meth:`Arena.held_ranges`). The notice inside the slot's header carries the generation too,
+and a trainer refuses a slot whose header names another than its DELIVER. The arena's first page
+names the arena (``arena`` id, a random hex string made at creation), so a slot of another arena
+(the sidecar made a new one) is refused instead of read.
+
+A trainer maps the arena copy-on-write (``MAP_PRIVATE``, :meth:`Arena.open` ``private``): an
+in-place op on a yielded tensor (an ``add_``, a normalisation) changes a private copy of the
+page, never the shared slot, and when the slot's last view goes its private pages are dropped
+(:class:`SlotReads`), so the next sample in those bytes is read from the arena again. Not a
+read-only mapping: torch ignores numpy's read-only flag, and an in-place op would SIGSEGV.
 
 Importable without torch (the writer and the readers import it where they need tensors).
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import errno
 import fcntl
 import json
 import mmap
 import os
+import queue
 import secrets
 import struct
 import threading
@@ -59,7 +73,10 @@ PAGE = 4096
 SLOT_HEADER = 4096
 #: The arena's first page: magic, format version, size, id (JSON after the magic).
 ARENA_MAGIC = b"HSSARENA"
-ARENA_FORMAT = 2  # 2: slots are claimed by the sidecar and written under a lease (SlotLease)
+#: 2: slots are claimed by the sidecar and written under a lease (SlotLease); 3: read under a
+#: read hold (SlotReads) from a copy-on-write mapping, so an older trainer (no holds, a shared
+#: writable mapping) cannot open it.
+ARENA_FORMAT = 3
 #: The smallest arena worth making (one page of header, one of data).
 MIN_ARENA_BYTES = 2 * PAGE
 #: ``madvise(2)`` advice (Linux 5.14+) that fills this process's page tables for a range ahead
@@ -85,6 +102,14 @@ CLAIM_LEN = len(CLAIM_MAGIC) + 8
 #: How long a writer waits for its slot's lock (held only by a writer of an overlapping, older
 #: assignment still writing, or by the sidecar for the moment it takes to void a claim).
 LEASE_WAIT_S = 10.0
+#: How long a reader waits for a slot's read lock. A write lock on a delivered slot is held only
+#: while the sidecar voids it or a writer of a newer assignment writes it: the delivery is stale.
+READ_WAIT_S = 0.5
+#: ``madvise(2)``: drop a range's pages from this process's page tables; in a private mapping its
+#: private copies are discarded and the next touch reads the file again.
+MADV_DONTNEED = 4
+#: ``/proc/self/pagemap`` entry bits: page present, swapped, file-backed (or shared).
+_PM_PRESENT, _PM_SWAPPED, _PM_FILE = 1 << 63, 1 << 62, 1 << 61
 
 
 class ArenaError(ProtocolError):
@@ -153,6 +178,200 @@ class SlotLease:
             pass  # closing drops it anyway once no other descriptor of the description is left
         finally:
             os.close(fd)
+
+
+class SlotReads:
+    """A reader's holds on the slots it views (a trainer's, ``trainer_client/sample_reader.py``):
+    a read lock (``F_OFD_SETLK``, ``F_RDLCK``) over each slot's bytes, on one description of the
+    arena file of its own, from before the slot's header is read until its last view goes. The
+    sidecar's void takes a write lock, so it fails while any reader holds the slot, which stays
+    out of the free list; the lock is the kernel's, so it survives a sidecar restart (the new one
+    finds it, :meth:`Arena.held_ranges`) and goes with a killed reader.
+
+    Holds are counted per slot; one description's locks merge, so letting go of a slot unlocks
+    only the bytes no other hold of this reader covers (a slot read twice, a stale delivery of an
+    overlapping one). Letting go first drops this process's private copies of the slot's pages
+    (copy-on-write mapping: what an in-place op on a view wrote), found in ``/proc/self/pagemap``,
+    so the next sample in those bytes is read from the arena, not from them.
+
+    :meth:`release` may run in any thread, in a finalizer, even one the garbage collector runs in
+    the middle of :meth:`take` on the same thread: it only queues, and whoever holds the
+    bookkeeping lock (or takes it next) applies the queue. A process forked from the reader
+    (which inherits the description) never lets go of the parent's holds."""
+
+    def __init__(self, arena: Arena) -> None:
+        self._fd: int | None = arena._description()
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._pending: queue.SimpleQueue[tuple[int, int, bool]] = queue.SimpleQueue()
+        self._held: dict[tuple[int, int], int] = {}  # (offset, length) -> holds
+        self._order: list[tuple[int, int]] = []  # the held ranges, sorted
+        self._longest = 0
+        self._closed = False
+        # An export of the mapping while the reader is open: its pages stay mapped for the scrub.
+        self._buf: Any = (ctypes.c_char * arena.size).from_buffer(arena.map) if arena.private else None
+        self._base = ctypes.addressof(self._buf) if self._buf is not None else 0
+        self._pagemap: int | None = None
+        if arena.private:
+            try:
+                self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._pagemap = None  # every page of a slot let go is dropped then (slower, as safe)
+        self.scrubbed_pages = 0  # private pages dropped so far (an in-place op wrote them)
+
+    def take(self, slot: Slot, wait_s: float = READ_WAIT_S) -> None:
+        """Hold ``slot`` (its bytes read-locked). :class:`SlotBusy` when a write lock stays on
+        them for ``wait_s`` (the delivery is stale: the slot is being voided or written anew),
+        :class:`ArenaError` when this reader is closed (its arena was replaced)."""
+        key = (slot.offset, slot.length)
+        deadline, pause = time.monotonic() + wait_s, 0.0005
+        while True:
+            with self._lock:
+                if self._closed or self._fd is None:
+                    raise ArenaError("the arena was replaced (this mapping is closed)")
+                n = self._held.get(key, 0)
+                got = n > 0 or _ofd_lock(self._fd, fcntl.F_RDLCK, slot.offset, slot.length)
+                if got:
+                    self._held[key] = n + 1
+                    if n == 0:
+                        bisect.insort(self._order, key)
+                        self._longest = max(self._longest, slot.length)
+            self._apply()
+            if got:
+                return
+            if time.monotonic() >= deadline:
+                raise SlotBusy(f"slot {slot.offset}+{slot.length} is write-locked (voided or written anew): "
+                               "a stale delivery")  # fmt: skip
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def release(self, slot: Slot, *, scrub: bool = True) -> None:
+        """Let go of one hold of ``slot`` (any thread; see the class). ``scrub``: views of it were
+        handed out, so an in-place op may have written private copies of its pages."""
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the holds are the parent's
+        self._pending.put((slot.offset, slot.length, scrub))
+        self._apply()
+
+    def holds(self) -> int:
+        """Slots held now."""
+        with self._lock:
+            return len(self._held)
+
+    def close(self) -> None:
+        """No new holds; the description goes once the last hold is let go (its locks with it)."""
+        with self._lock:
+            self._closed = True
+            if not self._held:
+                self._shut()
+        self._apply()
+
+    def _apply(self) -> None:
+        while not self._pending.empty():
+            if not self._lock.acquire(blocking=False):
+                return  # its holder applies the queue when it lets go of the lock
+            try:
+                while True:
+                    try:
+                        off, length, scrub = self._pending.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._let_go(off, length, scrub)
+            finally:
+                self._lock.release()
+
+    def _let_go(self, off: int, length: int, scrub: bool) -> None:
+        key = (off, length)
+        n = self._held.get(key, 0)
+        if n > 1:
+            self._held[key] = n - 1
+            return
+        if n == 0:
+            return
+        del self._held[key]
+        del self._order[bisect.bisect_left(self._order, key)]
+        for a, b in self._uncovered(off, off + length):
+            try:
+                if scrub:
+                    self.scrub(a, b)
+                if self._fd is not None:
+                    _ofd_lock(self._fd, fcntl.F_UNLCK, a, b - a)
+            except OSError:
+                pass  # closing the description drops the lock anyway
+        if self._closed and not self._held:
+            self._shut()
+
+    def _uncovered(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The parts of [lo, hi) no other held range covers."""
+        i = bisect.bisect_left(self._order, (lo - self._longest, 0))
+        parts, at = [], lo
+        for start, length in self._order[i:]:
+            if start >= hi:
+                break
+            end = start + length
+            if end <= at:
+                continue
+            if start > at:
+                parts.append((at, start))
+            at = max(at, end)
+            if at >= hi:
+                break
+        if at < hi:
+            parts.append((at, hi))
+        return parts
+
+    def scrub(self, a: int, b: int) -> None:
+        """Drop this process's private copies of the pages of [a, b) (an in-place op wrote them):
+        the pages that are present and not the file's, or swapped out; all of them if the page
+        map cannot be read."""
+        if self._buf is None:
+            return
+        first, n = (self._base + a) // PAGE, (b - a) // PAGE
+        runs: list[tuple[int, int]] = [(0, n)]
+        if self._pagemap is not None:
+            import numpy as np
+
+            try:
+                raw = os.pread(self._pagemap, 8 * n, 8 * first)
+            except OSError:
+                raw = b""
+            if len(raw) == 8 * n:
+                e = np.frombuffer(raw, dtype="<u8")
+                own = ((e & np.uint64(_PM_PRESENT | _PM_FILE)) == np.uint64(_PM_PRESENT)) | (
+                    (e & np.uint64(_PM_SWAPPED)) != 0)
+                if not own.any():
+                    return
+                idx = np.flatnonzero(own)
+                cut = np.flatnonzero(np.diff(idx) != 1)
+                starts = np.concatenate(([idx[0]], idx[cut + 1]))
+                ends = np.concatenate((idx[cut], [idx[-1]])) + 1
+                runs = list(zip(starts.tolist(), ends.tolist(), strict=True))
+        libc = _libc()
+        for i, j in runs:
+            if libc.madvise(ctypes.c_void_p(self._base + a + i * PAGE), ctypes.c_size_t((j - i) * PAGE),
+                            MADV_DONTNEED) != 0:  # fmt: skip
+                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) of a slot's private pages")
+            self.scrubbed_pages += j - i
+
+    def _shut(self) -> None:
+        for fd in (self._fd, self._pagemap):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._fd = self._pagemap = None
+        self._buf = None
+
+
+_LIBC: Any = None
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
 
 
 def claimed_pages(mapped: mmap.mmap) -> list[int]:
@@ -260,14 +479,17 @@ def _itemsize(dtype: str) -> int:
 
 
 class Arena:
-    """One process's shared mapping of the arena file. The sidecar :meth:`create` s it; the
-    connector and same-host trainers :meth:`open` it (read-write: the connector writes, the
-    trainer's tensors are views, and torch wants writable memory under a tensor)."""
+    """One process's mapping of the arena file. The sidecar :meth:`create` s it; the connector
+    :meth:`open` s it shared (it writes); same-host trainers open it ``private`` (copy-on-write:
+    their tensors are views, torch wants writable memory under a tensor, and what they write stays
+    theirs), reading each slot under its :attr:`reads` hold."""
 
-    def __init__(self, path: Path, fd: int, size: int, arena_id: str) -> None:
+    def __init__(self, path: Path, fd: int, size: int, arena_id: str, *, private: bool = False) -> None:
         self.path, self.size, self.id = path, size, arena_id
         self._fd = fd
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.private = private
+        flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+        self.map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.inode = os.fstat(fd).st_ino
         #: Bytes of the mapping :meth:`prefault` has put in the page tables so far, and why it
         #: stopped early (None: it did not, or has not run).
@@ -278,6 +500,8 @@ class Arena:
         self._pf_want = 0  # where the prefault runs to
         self._pf_thread: threading.Thread | None = None
         self._void_fd: int | None = None
+        #: A trainer's holds on the slots it reads (:class:`SlotReads`); None in a shared mapping.
+        self.reads: SlotReads | None = SlotReads(self) if private else None
 
     @classmethod
     def create(cls, spool: str | os.PathLike[str], size: int, mode: int = 0o600) -> Arena:
@@ -302,9 +526,10 @@ class Arena:
         return cls(spool / ARENA_NAME, fd, size, arena_id)
 
     @classmethod
-    def open(cls, spool: str | os.PathLike[str]) -> Arena:
+    def open(cls, spool: str | os.PathLike[str], *, private: bool = False) -> Arena:
         """The arena the sidecar made in ``spool``; :class:`ArenaError` if there is none or its
-        first page is not an arena's."""
+        first page is not an arena's. ``private``: a trainer's copy-on-write mapping (see the
+        class)."""
         path = Path(spool) / ARENA_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -316,7 +541,7 @@ class Arena:
             info = _parse_head(head)
             if info["size"] != size:
                 raise ArenaError(f"arena {path}: {size} bytes, its header says {info['size']}")
-            return cls(path, fd, size, info["id"])
+            return cls(path, fd, size, info["id"], private=private)
         except BaseException:
             os.close(fd)
             raise
@@ -373,18 +598,30 @@ class Arena:
             raise ArenaError(f"cannot lock slot {slot.offset}+{slot.length} to void it: {e.strerror or e}") from e
         return True
 
-    def writer_range(self, offset: int) -> tuple[int, int] | None:
-        """``(offset, length)`` of the lease a writer holds over the page at ``offset`` (None: no
-        writer there): the extent of a stale claim's writer, which a restarted sidecar keeps out
-        of its free list until it lets go."""
+    def held_ranges(self, start: int, end: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of the parts of ``[start, end)`` that another description holds a
+        lock on (``F_OFD_GETLK``): a writer's lease or a reader's hold, sorted, in whole pages. The
+        kernel's record of who still uses which bytes, whoever made them: what a restarted sidecar
+        keeps out of its free list until they let go. Empty when the locks cannot be asked for."""
+        out: list[tuple[int, int]] = []
+        todo = [(start, end)]
         try:
-            got = _lock_holder(self._lock_fd(), offset, PAGE)
+            fd = self._lock_fd()
+            while todo:
+                a, b = todo.pop()
+                if a >= b:
+                    continue
+                got = _lock_holder(fd, a, b - a)  # one conflicting lock, not always the lowest
+                if got is None:
+                    continue
+                at, n = got
+                lo = max(a, at - at % PAGE)
+                hi = min(b, round_up(self.size if n == 0 else at + n))
+                out.append((lo, hi - lo))
+                todo += [(a, lo), (hi, b)]
         except (OSError, ArenaError):
-            return None
-        if got is None:
-            return None
-        at, n = got
-        return at, (self.size - at if n == 0 else n)
+            return sorted(out)
+        return sorted(out)
 
     def lease(self, slot: Slot, wait_s: float = LEASE_WAIT_S) -> SlotLease:
         """The writer's hold on ``slot`` (:class:`SlotLease`): its bytes locked in a description
@@ -522,6 +759,8 @@ class Arena:
 
     def close(self) -> None:
         self._closed.set()
+        if self.reads is not None:
+            self.reads.close()  # its description goes with the last hold
         self._close_map()
         for fd in (self._fd, self._void_fd):
             try:

@@ -135,7 +135,7 @@ class Notice(_Model):
     #: Additive and optional: benchmarks measure notice-to-trainer latency on one host's clock.
     sent_at: float | None = None
     #: Seconds the connector spent on this sample, per stage (``gather`` on the engine's step,
-    #: ``copy_wait`` for the device-to-host copy, ``checksum``, ``write`` incl. rename): cheap
+    #: ``queue`` for a writer thread, ``copy_wait`` for the device-to-host copy, ``checksum``, ``write`` incl. rename): cheap
     #: counters that let a benchmark say where time goes without profiling vLLM. The sidecar
     #: adds its own (``TIMING_SIDECAR_IN``, ``TIMING_SIDECAR_QUEUE``) to the copy it delivers.
     timings: dict[str, float] = Field(default_factory=dict)

@@ -178,7 +178,15 @@ class JobCreated(BaseModel):
     num_failed_at_submission: int = 0
     warnings: list[str] = Field(
         default_factory=list, description="what was accepted but ignored (a sample key none of the fields), "
-        "each once with the number of samples",
+        "skipped (on_invalid: skip) or repaired, each once with the number of samples",
+    )  # fmt: skip
+    skipped: dict[str, int] = Field(
+        default_factory=dict, description="records not queued (on_invalid: skip), per reason; with num_samples / "
+        "epochs they add up to the records sent",
+    )  # fmt: skip
+    repaired: dict[str, int] = Field(
+        default_factory=dict, description="ShareGPT conversations queued after a repair, per repair "
+        "(docs/architecture.md, 'Rows as datasets ship them')",
     )  # fmt: skip
 
 
@@ -201,6 +209,8 @@ class JobStatus(BaseModel):
     errors_total: int
     errors_offset: int
     compacted: bool = False  # finished longer than HSSTREAM_JOB_RETENTION_S ago: counts kept, errors and data gone
+    skipped: dict[str, int] = Field(default_factory=dict, description="records skipped at submission, per reason")
+    warnings: list[str] = Field(default_factory=list, description="the submission's warnings (JobCreated's)")
 
 
 class TokenCounts(BaseModel):
@@ -329,6 +339,7 @@ class JobCancelled(BaseModel):
     aborted_requests: int = Field(description="requests to vLLM aborted")
     removed_files: int = Field(description="sample files removed from the spool")
     counts: dict[str, int]
+    purged: bool = Field(default=False, description="with ?purge=true: the job's samples were deleted now")
 
 
 class SampleSize(BaseModel):

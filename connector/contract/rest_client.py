@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -52,6 +53,38 @@ DEFAULT_TIMEOUT_S = 60.0
 ADMIT_TIMEOUT_S = 3600.0
 
 Options = JobOptions | Mapping[str, Any] | None
+
+
+class HttpClient(Protocol):
+    """What :class:`SidecarClient` needs of the client it sends through: httpx's ``Client`` has it,
+    and so has any client on the same API — Starlette's ``TestClient`` is an ``httpx2.Client`` as of
+    Starlette 1.10. So nothing here may hand it one library's own types (an ``httpx.Timeout``,
+    which httpx2 refuses): timeouts go as plain numbers, errors are caught by the client's own
+    library's ``HTTPError`` (:func:`transport_errors`)."""
+
+    base_url: Any
+
+    def request(self, method: str, url: str, **kw: Any) -> Any: ...  # noqa: ANN401
+
+    def close(self) -> None: ...
+
+
+def transport_errors(http: object) -> tuple[type[BaseException], ...]:
+    """The ``HTTPError`` classes of the libraries ``http``'s class comes from (its MRO), beside
+    httpx's: a failure to reach the sidecar is a :class:`SidecarError` whichever library sent."""
+    errors: list[type[BaseException]] = [httpx.HTTPError]
+    for cls in type(http).__mro__:
+        lib = sys.modules.get(cls.__module__.partition(".")[0])
+        err = getattr(lib, "HTTPError", None)
+        if isinstance(err, type) and issubclass(err, BaseException) and err not in errors:
+            errors.append(err)
+    return tuple(errors)
+
+
+def timeouts(default_s: float, *, read_s: float | None = None) -> tuple[float, float, float, float]:
+    """A per-request timeout as (connect, read, write, pool) seconds: the one form httpx and
+    httpx2 both take without importing either's ``Timeout``."""
+    return (default_s, default_s if read_s is None else read_s, default_s, default_s)
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -141,15 +174,16 @@ class SidecarClient:
 
     ``base_url``: e.g. ``http://127.0.0.1:8100``. ``token``: the bearer token; None reads
     ``HSSTREAM_API_TOKEN``, ``""`` sends none. ``timeout``: seconds per call (an upload waits
-    ``admit_timeout_s`` for its answer). ``http``: an ``httpx.Client`` to send through (a
-    FastAPI ``TestClient``, say); it is the caller's to close."""
+    ``admit_timeout_s`` for its answer). ``http``: a client to send through (an ``httpx.Client``,
+    or a FastAPI ``TestClient``, which is an ``httpx2.Client`` on Starlette ≥ 1.10: anything with
+    httpx's API, :class:`HttpClient`); it is the caller's to close."""
 
     #: Makes the ``httpx.Client`` when none is given (tests point it at an in-process app).
     http_factory = httpx.Client
 
     def __init__(
         self, base_url: str | None = None, *, token: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
-        http: httpx.Client | None = None,
+        http: HttpClient | None = None,
     ) -> None:  # fmt: skip
         if http is None and not base_url:
             raise ValueError("SidecarClient needs the sidecar's URL (base_url) or an httpx client (http)")
@@ -159,6 +193,7 @@ class SidecarClient:
         if http is None:
             http = type(self).http_factory(base_url=str(base_url).rstrip("/"), timeout=timeout)
         self._http = http
+        self._errors = transport_errors(http)
 
     @property
     def base_url(self) -> str:
@@ -211,7 +246,7 @@ class SidecarClient:
         try:
             r = self._send("POST", "/v1/jobs/upload", content=body,
                            headers={"content-type": f"multipart/form-data; boundary={boundary}"},
-                           timeout=httpx.Timeout(self.timeout, read=admit_timeout_s))  # fmt: skip
+                           timeout=timeouts(self.timeout, read_s=admit_timeout_s))  # fmt: skip
         except Exception:
             if failed:
                 raise failed[0] from None
@@ -264,8 +299,10 @@ class SidecarClient:
             yield from page.samples
             offset = page.next_offset
 
-    def cancel(self, job_id: str) -> JobCancelled:
-        return self._call("DELETE", f"/v1/jobs/{job_id}", JobCancelled)
+    def cancel(self, job_id: str, *, purge: bool = False) -> JobCancelled:
+        """``DELETE /v1/jobs/{id}``; ``purge``: also delete its samples now (not after the retention)."""
+        params = {"purge": "true"} if purge else None
+        return self._call("DELETE", f"/v1/jobs/{job_id}", JobCancelled, params=params)
 
     def stats(self) -> Stats:
         return self._call("GET", "/v1/stats", Stats)
@@ -290,7 +327,7 @@ class SidecarClient:
     ) -> httpx.Response:
         try:
             return self._http.request(method, path, headers={**self._headers, **(headers or {})}, **kw)
-        except httpx.HTTPError as e:
+        except self._errors as e:
             raise SidecarError(f"sidecar not reachable at {self.base_url}: {e}", status=None, detail=str(e),
                                method=method, path=path) from e  # fmt: skip
 

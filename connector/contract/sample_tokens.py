@@ -55,14 +55,21 @@ import json
 import re
 from typing import Any
 
-#: ShareGPT speakers → chat roles. ``function_call`` (the assistant calling a tool, its value the
-#: call as JSON ``{"name": …, "arguments": …}``, as glaive / LLaMA-Factory rows write it) becomes an
-#: assistant turn with ``tool_calls``; ``observation`` / ``tool`` / ``function_response`` (the
-#: tool's answer) a ``tool`` turn.
+#: ShareGPT speakers → chat roles. ``gpt`` and the other assistants ShareGPT V3 records
+#: (``chatgpt``, ``bing``, ``bard``) are the assistant. ``function_call`` (the assistant calling a
+#: tool, its value the call as JSON ``{"name": …, "arguments": …}``, as glaive / LLaMA-Factory rows
+#: write it) becomes an assistant turn with ``tool_calls``; ``observation`` / ``tool`` /
+#: ``function_response`` (the tool's answer) a ``tool`` turn.
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+    "bing": "assistant", "bard": "assistant", "system": "system",
     "function_call": "assistant", "tool": "tool", "observation": "tool", "function_response": "tool",
 }  # fmt: skip
+
+#: The repairs a ShareGPT conversation may get (:func:`sharegpt_messages`), as counted per job.
+REPAIR_EMPTY = "empty turns dropped"
+REPAIR_LEADING = "turns before the first user turn dropped"
+REPAIR_MERGED = "consecutive turns of one speaker merged"
 
 #: Content-part types whose text vLLM's chat rendering keeps (vllm/renderers/chat_utils.py
 #: ``TEXT_PART_TYPES``) and the key each keeps its text under.
@@ -80,7 +87,23 @@ _MARKERS = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
 
 
 class SampleRefused(ValueError):
-    """A sample that cannot become training data; the message says why, for the job's error list."""
+    """A sample that cannot become training data; the message says why, for the job's error list.
+    ``reason``: the short kind of refusal a job's skipped samples are counted by (default: the
+    message without its place in the sample and its figures, :func:`reason_of`)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or reason_of(message)
+
+
+_PLACE = re.compile(r"^(message \d+( \([a-z_]+\))?|conversations\[\d+\]( \([a-z_]+\))?): ")
+
+
+def reason_of(message: str) -> str:
+    """A refusal's kind from its message: without the place (``message 3: ``), cut at its first
+    ``:`` or ``(``, figures as ``N`` (``"sample has N tokens, more than the limit of N"``)."""
+    m = re.split(r"[:(]", _PLACE.sub("", message), maxsplit=1)[0].strip()
+    return re.sub(r"\d[\d,.]*", "N", m)[:100] or "refused"
 
 
 def load_tokenizer(model: str) -> Any:
@@ -90,24 +113,71 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
-def sample_messages(sample: dict) -> list[dict]:
-    """The chat messages of a sample given as ``messages`` or ShareGPT ``conversations``, as
-    the sample wrote them (see :func:`chat_messages` for what the template gets)."""
+def sample_messages(sample: dict, notes: list[str] | None = None) -> list[dict]:
+    """The chat messages of a sample given as ``messages`` (as written: vLLM takes them so) or
+    ShareGPT ``conversations`` (mapped and repaired: :func:`sharegpt_messages`, whose repairs are
+    appended to ``notes``); see :func:`chat_messages` for what the template gets."""
     if sample.get("messages") is not None:
         msgs = [dict(m) for m in sample["messages"]]
     else:
-        msgs = []
-        for k, t in enumerate(sample.get("conversations") or []):
-            role = SHAREGPT_ROLES.get(t.get("from"))
-            if role is None:
-                raise SampleRefused(f"unknown ShareGPT speaker {t.get('from')!r} (known: {', '.join(SHAREGPT_ROLES)})")
-            if t.get("from") == "function_call":
-                msgs.append({"role": "assistant", "content": None, "tool_calls": _sharegpt_calls(k, t.get("value"))})
-            else:
-                msgs.append({"role": role, "content": t.get("value")})
+        msgs = sharegpt_messages(sample.get("conversations") or [], notes)
     if not msgs:
         raise SampleRefused("empty conversation")
     return msgs
+
+
+def sharegpt_messages(turns: list[dict], notes: list[str] | None = None) -> list[dict]:
+    """A ShareGPT conversation as chat messages, repaired as ShareGPT's own cleaning (FastChat,
+    the EAGLE recipes) repairs it, in this order, each repair named once in ``notes``:
+
+    1. every speaker mapped (:data:`SHAREGPT_ROLES`); an unknown one refuses the sample;
+    2. a user, assistant or system turn whose text is empty or blank is dropped (an empty reply
+       would train only its end-of-turn token);
+    3. turns before the first user turn are dropped, system turns aside (ShareGPT V3 splits
+       long conversations, so a third of its parts open with the assistant's reply to a question
+       in the previous part); a conversation without a user turn is refused ("no user turn");
+    4. consecutive text turns of one speaker are merged into one, joined with a blank line.
+
+    Tool turns (``function_call``, ``observation``) are kept as they are. The ``messages`` of an
+    OpenAI row get none of this: vLLM's chat completions take them as sent, and so does the sidecar."""
+    msgs: list[dict] = []
+    for k, t in enumerate(turns):
+        role = SHAREGPT_ROLES.get(t.get("from"))
+        if role is None:
+            raise SampleRefused(f"unknown ShareGPT speaker {t.get('from')!r} (known: {', '.join(SHAREGPT_ROLES)})")
+        if t.get("from") == "function_call":
+            msgs.append({"role": "assistant", "content": None, "tool_calls": _sharegpt_calls(k, t.get("value"))})
+        else:
+            msgs.append({"role": role, "content": t.get("value")})
+    if not msgs:
+        return msgs
+
+    def text(m: dict) -> bool:
+        return m["role"] in ("user", "assistant", "system") and "tool_calls" not in m and isinstance(m["content"], str)
+
+    def note(what: str) -> None:
+        if notes is not None and what not in notes:
+            notes.append(what)
+
+    kept = [m for m in msgs if not (text(m) and not m["content"].strip())]
+    if not kept:
+        raise SampleRefused("empty conversation: every turn is blank", reason="empty conversation")
+    if len(kept) < len(msgs):
+        note(REPAIR_EMPTY)
+    first = next((i for i, m in enumerate(kept) if m["role"] == "user"), None)
+    if first is None:
+        raise SampleRefused("no user turn: the conversation has no non-empty human/user turn", reason="no user turn")
+    lead = [m for m in kept[:first] if m["role"] == "system"]
+    if len(lead) < first:
+        note(REPAIR_LEADING)
+    out: list[dict] = []
+    for m in [*lead, *kept[first:]]:
+        if out and text(m) and text(out[-1]) and out[-1]["role"] == m["role"]:
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+            note(REPAIR_MERGED)
+        else:
+            out.append(m)
+    return out
 
 
 def _sharegpt_calls(k: int, value: Any) -> list[dict]:
@@ -119,8 +189,8 @@ def _sharegpt_calls(k: int, value: Any) -> list[dict]:
     if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         raise SampleRefused(
             f"conversations[{k}] (function_call): its value must be a JSON object "
-            '{"name": ..., "arguments": {...}} (or a list of them)'
-        )
+            '{"name": ..., "arguments": {...}} (or a list of them)', reason="malformed function_call turn",
+        )  # fmt: skip
     return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
 
 
@@ -272,13 +342,14 @@ def sample_tools(sample: dict) -> list[dict] | None:
 
 def encode_sample(
     tok: Any, sample: dict, *, loss_mask: str = "assistant", mode: str = "extract",
-    chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+    chat_template: str | None = None, chat_template_kwargs: dict | None = None, notes: list[str] | None = None,
 ) -> tuple[list[int], list[int]]:  # fmt: skip
     """(token ids, loss mask) of one REST sample (a dict with ``prompt``, ``messages``,
     ``conversations`` or ``token_ids``, and for a conversation optionally ``tools``); raises
     :class:`SampleRefused` with the reason. ``chat_template`` (the job's own, else the
     tokenizer's) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``) go to
-    every ``apply_chat_template`` call, as vLLM passes them.
+    every ``apply_chat_template`` call, as vLLM passes them. The repairs a ShareGPT conversation
+    got (:func:`sharegpt_messages`) are appended to ``notes``.
 
     ``mode="regenerate"``: vLLM writes the reply, so the data's trailing assistant turns are
     dropped, the prompt ends with the generation prompt, and nothing of it carries loss.
@@ -292,7 +363,7 @@ def encode_sample(
             raise SampleRefused("empty prompt")
         ids = list(tok(sample["prompt"], add_special_tokens=True)["input_ids"])  # as vLLM encodes a prompt
         return ids, [train] * len(ids)
-    raw = sample_messages(sample)
+    raw = sample_messages(sample, notes)
     _prompt_repeats_first_user_turn(sample, raw)
     bad = sorted(set(chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
     if bad:
@@ -332,8 +403,8 @@ def assistant_mask(tok: Any, messages: list[dict], *, extra: dict | None = None)
         roles = ", ".join(sorted({m["role"] for m in messages}))
         raise SampleRefused(
             f"no assistant tokens to train on (roles in the conversation: {roles}): a loss mask of all "
-            "zeros teaches nothing; send at least one assistant turn, or loss_mask='all'"
-        )
+            "zeros teaches nothing; send at least one assistant turn, or loss_mask='all'", reason="no assistant turn",
+        )  # fmt: skip
     return ids, mask
 
 

@@ -8,6 +8,7 @@ stops a process.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from stat import S_ISREG
 
 
@@ -27,16 +28,37 @@ def shm_snapshot() -> dict[str, int]:
     return out
 
 
-def _maps_of(pid: str) -> list[tuple[int, str]]:
-    """(inode, path) of each /dev/shm file mapped by process ``pid`` (empty if unreadable)."""
-    out = []
+def _shm_dev() -> int | None:
+    try:
+        return os.stat("/dev/shm").st_dev
+    except OSError:
+        return None
+
+
+def _maps_of(pid: str, shm_dev: int | None = None) -> list[tuple[int, str]]:
+    """(inode, path) of each /dev/shm file mapped by process ``pid`` (empty if unreadable).
+
+    Only files on this /dev/shm's filesystem (``shm_dev``, default: looked up): an inode number
+    is unique within one filesystem only, and a process in another mount namespace (a
+    container, a test's private tmpfs) maps its own /dev/shm, whose inodes collide with ours."""
     with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            i = line.find("/dev/shm/")
-            if i >= 0:
-                path = line[i:].strip().removesuffix(" (deleted)")
-                if os.path.dirname(path) == "/dev/shm":
-                    out.append((int(line.split()[4]), path))
+        return parse_maps(f, _shm_dev() if shm_dev is None else shm_dev)
+
+
+def parse_maps(lines: Iterable[str], shm_dev: int | None) -> list[tuple[int, str]]:
+    """(inode, path) of the /dev/shm files in /proc/PID/maps ``lines`` on device ``shm_dev``."""
+    out = []
+    for line in lines:
+        i = line.find("/dev/shm/")
+        if i >= 0:
+            path = line[i:].strip().removesuffix(" (deleted)")
+            if os.path.dirname(path) != "/dev/shm":
+                continue
+            fields = line.split()
+            major, minor = (int(x, 16) for x in fields[3].split(":"))
+            if shm_dev is not None and os.makedev(major, minor) != shm_dev:
+                continue
+            out.append((int(fields[4]), path))
     return out
 
 
@@ -58,6 +80,7 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
     # context, which vLLM uses, names them ``sem.mp-*``) and the temporary unlinked, so /proc
     # shows ``sem.XXXXXX (deleted)``; only the inode leads to the file.
     names = {inode: path for path, inode in shm_snapshot().items()}
+    dev = _shm_dev()
     out: set[str] = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -67,7 +90,7 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
                 stat = f.read()
             if int(stat[stat.rindex(")") + 2 :].split()[2]) != pgid:  # fields after comm: state ppid pgrp
                 continue
-            for inode, _mapped_as in _maps_of(d):
+            for inode, _mapped_as in _maps_of(d, dev):
                 path = names.get(inode)
                 if path is None or existing.get(path) == inode or path in out:
                     continue
@@ -84,12 +107,13 @@ def group_shm_files(pgid: int, existing: dict[str, int] | None = None) -> set[st
 
 def live_shm_inodes() -> set[int]:
     """The inodes of the /dev/shm files some live process maps (by inode: /proc may show a
-    file under a name it no longer has, see ``group_shm_files``)."""
+    file under a name it no longer has, see ``group_shm_files``; on this /dev/shm only)."""
     live: set[int] = set()
+    dev = _shm_dev()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                live.update(inode for inode, _path in _maps_of(d))
+                live.update(inode for inode, _path in _maps_of(d, dev))
             except (OSError, ValueError, IndexError):
                 continue
     return live

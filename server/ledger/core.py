@@ -278,8 +278,10 @@ class LedgerCore:
     def recover(self, file_exists: Callable[[str], bool]) -> dict[str, int]:
         """Reload after a restart. SUBMITTED → QUEUED (the request may be lost; a late notice
         for it is discarded as an old attempt); LEASED → READY if its file is still there,
-        else QUEUED (the trainer may have used it without acking: it is produced again).
-        Only samples that were in flight are read; the rest stay in SQLite."""
+        else QUEUED (the trainer may have used it without acking: it is produced again). A
+        LEASED sample in an arena slot is produced again (see ``Leases.release_owner``): its
+        trainer had it unchecked in its hands. Only samples that were in flight are read; the
+        rest stay in SQLite."""
         stats = Counter()
         with self._lock:
             with self._tx():  # staged rows are a job's whose admission never ended: its client never got the id
@@ -335,7 +337,7 @@ class LedgerCore:
                         self._reset_prompt(s)
                         self._enqueue(s, front=True)
                         stats["resubmitted"] += 1
-                    elif self._has_bytes(s, file_exists):
+                    elif self._has_bytes(s, file_exists) and not (s.state == State.leased and s.slot is not None):
                         s.state = State.ready
                         self._ready.setdefault(s.key.job, deque()).append(s)
                         self.reserved_bytes += s.on_disk_bytes
@@ -352,5 +354,7 @@ class LedgerCore:
             self._n_ready = sum(1 for dq in self._ready.values() for x in dq if x.state == State.ready)
             if self._slots is not None and (n := self._slots.void_stale_claims()):
                 stats["stale_claims_voided"] = n
+            if self._slots is not None and self._slots.held_at_restart:
+                stats["held_ranges_kept"] = self._slots.held_at_restart
         return dict(stats)
 

@@ -171,6 +171,22 @@ class Jobs(LedgerCore):
         with self._lock:
             old = [j for j in self.jobs.values()
                    if j.done and j.finished is not None and now - j.finished > retention_s]  # fmt: skip
+        return self._compact(old, chunk)
+
+    def purge(self, job_id: str, chunk: int = 5000) -> bool:
+        """Compact a finished (e.g. cancelled) job now instead of after the retention: its rows,
+        token ids and labels are deleted, its counts kept (``DELETE /v1/jobs/{id}?purge=true``,
+        what ``hsstream proxy forget`` asks for the traffic it teed). False if it is not done."""
+        with self._lock:
+            j = self.jobs.get(job_id)
+            if j is None or not j.done:
+                return False
+        self._compact([j], chunk)
+        return True
+
+    def _compact(self, old: list[Job], chunk: int) -> list[str]:
+        with self._lock:
+            old = [j for j in old if self.jobs.get(j.job_id) is j]
             for j in old:
                 summary = {"num_samples": j.num_samples, "counts": j.counts(), "n_errors": j.n_errors}
                 self._db.execute("UPDATE jobs SET summary=? WHERE job_id=?", (json.dumps(summary), j.job_id))

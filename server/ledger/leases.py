@@ -234,7 +234,14 @@ class Leases(LedgerCore):
             return f
 
     def release_owner(self, owner: bytes, file_exists: Callable[[str], bool]) -> int:
-        """A trainer went away: its leases go back to READY if the file is there, else QUEUED."""
+        """A trainer went away: its leases go back to READY if the file is there, else QUEUED.
+
+        A sample in an arena slot is produced again (QUEUED, a new attempt, no error counted)
+        rather than offered to the next trainer: the trainer that held it may have had it
+        unchecked in its hands (a slot's bytes are trusted without a checksum), and a file's
+        bytes are checked by every reader, a slot's are not. Its slot is given back quarantined;
+        while the gone trainer, if it lives, still views it, the slot's hold keeps it out of the
+        free list (``server/arena.py``)."""
         n = 0
         with self._lock:
             for key in [k for k, (_, o, _) in self._consumed_slots.items() if o == owner]:
@@ -242,7 +249,7 @@ class Leases(LedgerCore):
             for s in [x for x in self._live.values() if x.state == State.leased and x.lease_owner == owner]:
                 n += 1
                 s.lease_owner = None
-                if self._has_bytes(s, file_exists):
+                if self._has_bytes(s, file_exists) and not s.notice.slot:  # type: ignore[union-attr]
                     self._make_ready(s, front=True)
                     continue
                 self.reserved_bytes -= s.on_disk_bytes

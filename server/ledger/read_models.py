@@ -72,6 +72,12 @@ class ReadModels(LedgerCore):
         return Job(job_id, sm["num_samples"], created, finished, tok, nb, state_counts=Counter(sm["counts"]),
                    n_errors=sm["n_errors"], compacted=True)  # fmt: skip
 
+    def job_meta(self, job_id: str) -> dict:
+        """What a job's admission recorded (its options, skipped and repaired counts, warnings)."""
+        with self._lock:
+            row = self._db.execute("SELECT meta FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        return json.loads(row[0] or "{}") if row else {}
+
     def jobs_done(self, jobs: Iterable[str] | None) -> bool:
         with self._lock:
             jobs = list(jobs) if jobs else None

@@ -106,7 +106,7 @@ def sidecar_without_vllm(model: str, token: str, spool_prefix: str, **settings: 
     child = launch.spawn("sidecar", [sys.executable, "-m", "hsstream", "serve"], env, run / "sidecar.log")
     url = f"http://127.0.0.1:{port}"
     try:
-        launch.wait_http(f"{url}/healthz", child, 60)
+        launch.wait_http(f"{url}/healthz", child, 180)  # its imports alone take a minute on a loaded 2-core host
         yield LoneSidecar(url, port, env, child, run / "sidecar.log")
     finally:
         child.stop()

@@ -15,6 +15,8 @@ norm. That is also what vLLM's ``eagle_aux_hidden_state_layer_ids`` and speculat
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,15 +24,19 @@ from typing import Any, ClassVar
 
 import torch
 
+from trainer_client.drafts.options import DraftConfigError, DraftOptions
 from trainer_client.stream import Sample
+
+log = logging.getLogger("hsstream.train")
+__all__ = ["DraftConfigError", "DraftOptions", "Draft", "MissingLayersError", "NotServable"]
 
 
 class MissingLayersError(ValueError):
     """The stream does not carry what a draft is trained from (layers, hidden size, tensors)."""
 
 
-class DraftConfigError(ValueError):
-    """A draft's settings cannot work (no mask token, a block size below 2, ...)."""
+class NotServable(ValueError):
+    """vLLM would not serve this draft's checkpoints (the message says which vLLM and what instead)."""
 
 
 def layer_hint(n: int, aux: list[int] | None = None) -> str:
@@ -228,10 +234,17 @@ class Draft:
     """One draft algorithm, as the generic trainer uses it. Subclasses set the class attributes
     and implement :meth:`build` and :meth:`forward`; the rest has defaults most drafts keep.
 
+    A draft owns its settings (``Options``: the flags and config keys ``hsstream train`` takes
+    for it) and how vLLM serves its checkpoints (:meth:`serve_config`, :meth:`refusal`), which
+    ``hsstream eval``, the launcher and the trainer's printed serve line all ask.
+
     An instance belongs to one run: it is made from the run's ``TrainConfig`` (``cfg``) and the
     verifier's ``text_config`` (``vcfg``), and may keep what :meth:`build` resolved (a mask
     token, a loss config).
     """
+
+    #: its settings (trainer_client/drafts/options.py), parsed from ``cfg.draft_options`` into ``self.opts``
+    Options: ClassVar[type[DraftOptions]] = DraftOptions
 
     name: ClassVar[str]
     #: how messages name it
@@ -250,6 +263,11 @@ class Draft:
     def __init__(self, cfg: Any, vcfg: dict) -> None:
         self.cfg = cfg
         self.vcfg = vcfg
+        given = dict(getattr(cfg, "draft_options", None) or {})
+        self.opts: Any = self.Options.parse(given, self.label)
+        others = sorted(set(given) - {o.name for o in self.Options.specs()})
+        if others:
+            log.warning("%s takes no %s (another draft's setting): ignored", self.label, ", ".join(others))
         self.num_hidden_layers = int(vcfg["num_hidden_layers"])
         self.hidden_size = int(vcfg["hidden_size"])
         self.vocab_size = int(vcfg["vocab_size"])
@@ -308,12 +326,50 @@ class Draft:
         load_draft_weights(self.label, model, draft_dir)
 
     # -- serving ----------------------------------------------------------------------------------
+    @classmethod
+    def holds(cls, config: dict) -> bool:
+        """Whether a checkpoint's ``config.json`` is one of this draft's."""
+        return config.get("speculators_model_type") == cls.speculators_type
+
+    @classmethod
+    def checkpoint_positions(cls, config: dict) -> int:
+        """The draft tokens a step a checkpoint of this draft is served with (its config's
+        ``speculators_config.proposal_methods[0].speculative_tokens``, which speculators writes)."""
+        props = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        return int(props[0].get("speculative_tokens") or 3)
+
+    @classmethod
+    def refusal(cls, *, here: bool) -> str | None:
+        """Why vLLM would not serve this draft's checkpoints, or None. ``here``: also what only
+        this host's vLLM build lacks (``hsstream eval`` and the launcher serve here; the trainer's
+        serve line may be run on another host). Decided by asking the installed vLLM (a feature
+        check), never by its version string."""
+        return None
+
+    @classmethod
+    def serve_config(cls, draft_dir: str | Path, num_speculative_tokens: int, *, here: bool = True) -> dict:
+        """What ``vllm serve --speculative-config`` takes for a checkpoint of this draft in
+        ``draft_dir``; :class:`NotServable` where vLLM would refuse it (:meth:`refusal`)."""
+        why = cls.refusal(here=here)
+        if why is not None:
+            raise NotServable(why)
+        return {"method": cls.method, "model": str(Path(draft_dir).resolve()),
+                "num_speculative_tokens": int(num_speculative_tokens)}  # fmt: skip
+
+    @classmethod
+    def serve_checkpoint(cls, draft_dir: str | Path, num_speculative_tokens: int | None = None) -> dict:
+        """:meth:`serve_config` for a saved checkpoint, its draft tokens a step from its config
+        unless given (``hsstream eval``, ``hsstream vllm``: they serve here)."""
+        n = num_speculative_tokens
+        if n is None:
+            n = cls.checkpoint_positions(json.loads((Path(draft_dir) / "config.json").read_text()))
+        return cls.serve_config(draft_dir, n, here=True)
+
     def speculative_config(self, draft_dir: str | Path) -> dict:
-        """What ``vllm serve --speculative-config`` takes for a checkpoint of this draft."""
-        return {"method": self.method, "model": str(Path(draft_dir).resolve()),
-                "num_speculative_tokens": self.positions()}  # fmt: skip
+        """The trainer's serve line for this run's checkpoint (wherever it is served: ``here`` False)."""
+        return self.serve_config(draft_dir, self.positions(), here=False)
 
     def describe(self) -> dict:
         """What this run's draft is, for ``run.json`` and the checkpoint state."""
         return {"draft": self.name, "method": self.method, "positions": self.positions(),
-                "mask_token_id": self.mask_token_id}  # fmt: skip
+                "mask_token_id": self.mask_token_id, "options": self.opts.as_dict()}  # fmt: skip

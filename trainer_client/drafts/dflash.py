@@ -26,15 +26,17 @@ What is ours here is only glue:
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from trainer_client.drafts.base import Draft, DraftConfigError
+from trainer_client.drafts.options import ATTN_IMPLS, ParallelOptions, option
 
 log = logging.getLogger("hsstream.train")
 
-ATTN_IMPLS = ("sdpa", "eager", "simple_flex_attention")
+__all__ = ["ATTN_IMPLS", "DFlash", "DFlashOptions", "check_mask_embedding", "finish_block_draft", "mask_token",
+           "vllm_target_layer_ids"]  # fmt: skip
 
 
 def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
@@ -95,6 +97,13 @@ def finish_block_draft(label: str, model, mask_token_id: int, frozen) -> object:
             p.requires_grad_(False)
     return model
 
+@dataclass(frozen=True)
+class DFlashOptions(ParallelOptions):
+    block_size: int = option(4, min=2, help="tokens per block: the anchor and block_size - 1 drafted a step",
+                             why="a block is the anchor and at least one token")  # fmt: skip
+    num_draft_layers: int = option(1, min=1, flags=("--num-layers",), keys=("num_layers",), help="draft decoder layers")
+
+
 class DFlash(Draft):
     label = "DFlash"
     name = "dflash"
@@ -103,26 +112,29 @@ class DFlash(Draft):
     aux_count = None  # any number (at least one)
     needs_mask_token = True
     shifted = False
+    Options = DFlashOptions
 
     def __init__(self, cfg, vcfg) -> None:  # noqa: ANN001
         super().__init__(cfg, vcfg)
-        if int(cfg.block_size) < 2:
-            raise DraftConfigError(f"DFlash: block_size {cfg.block_size}: a block is the anchor and at least one token")
-        if cfg.draft_attn_impl not in ATTN_IMPLS:
-            raise DraftConfigError(f"DFlash: draft_attn_impl {cfg.draft_attn_impl!r}: use one of {ATTN_IMPLS}")
+        if self.opts.draft_attn_impl not in ATTN_IMPLS:
+            raise DraftConfigError(f"{self.label}: draft_attn_impl {self.opts.draft_attn_impl!r}: use one of {ATTN_IMPLS}")
         # resolved now, when the trainer is made: a run without one stops before anything is submitted
-        self.mask_token_id = mask_token(self.label, cfg.verifier, self.vocab_size, cfg.mask_token_id)
+        self.mask_token_id = mask_token(self.label, cfg.verifier, self.vocab_size, self.opts.mask_token_id)
 
     def positions(self) -> int:
-        return int(self.cfg.block_size) - 1
+        return int(self.opts.block_size) - 1
+
+    @classmethod
+    def checkpoint_positions(cls, config: dict) -> int:
+        return int(config.get("block_size", 8)) - (0 if config.get("sample_from_anchor") else 1)
 
     def build(self, aux_layer_ids, *, draft_vocab_size, t2d, d2t, seed=0):  # noqa: ANN001, ANN201
         from speculators.losses import resolve_loss_config
         from speculators.models.dflash import DFlashDraftModel
         from speculators.train.cli import create_transformer_layer_config
 
-        cfg = self.cfg
-        n = int(cfg.num_draft_layers)
+        cfg, o = self.cfg, self.opts
+        n = int(o.num_draft_layers)
         layer_cfg = create_transformer_layer_config(cfg.verifier, num_layers=n, draft_arch="qwen3", hidden_act=None,
                                                     sliding_window=4096, full_attention_indices=list(range(n)))  # fmt: skip
         self.loss_config = resolve_loss_config("kl_div", "eager")
@@ -130,17 +142,14 @@ class DFlash(Draft):
             torch.manual_seed(seed)
             model = DFlashDraftModel.from_training_args(
                 layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=cfg.verifier, target_layer_ids=list(aux_layer_ids),
-                draft_vocab_size=draft_vocab_size, block_size=int(cfg.block_size), mask_token_id=self.mask_token_id,
-                draft_attn_impl=cfg.draft_attn_impl,
+                draft_vocab_size=draft_vocab_size, block_size=int(o.block_size), mask_token_id=self.mask_token_id,
+                draft_attn_impl=o.draft_attn_impl,
             )  # fmt: skip
         return finish_block_draft(self.label, model, self.mask_token_id, self.frozen)
 
     def forward(self, model, batch):  # noqa: ANN001, ANN201
-        _, loss, m = model(**batch, loss_config=self.loss_config, max_anchors=int(self.cfg.max_anchors),
+        _, loss, m = model(**batch, loss_config=self.loss_config, max_anchors=int(self.opts.max_anchors),
                            per_position_loss_weight="fixed-exp-decay")  # fmt: skip
         k = self.positions()
         return loss, [m[f"position_{i}_acc_sum"] for i in range(1, k + 1)], \
             [m[f"position_{i}_acc_total"] for i in range(1, k + 1)]
-
-    def speculative_config(self, draft_dir: str | Path) -> dict:
-        return {"method": "dflash", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": self.positions()}

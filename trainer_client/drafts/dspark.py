@@ -26,16 +26,22 @@ What is ours is the glue; the model, its loss and metrics are speculators':
   against that function. It names the architecture ``Qwen3DSparkModel`` and prefixes every weight
   but ``lm_head`` with ``model.``, which matches speculators' names (``markov_head.markov_w1``,
   ``confidence_head.proj``, the DFlash backbone's).
+* Serving here: :meth:`DSpark.refusal` refuses, before any engine starts, where the installed
+  vLLM would pick its V1 runner (it has one, and cannot run V2 here: the CPU build), naming
+  the GPU it needs. vLLM 0.34 has no V1 runner: there vLLM's own start-up decides.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-from trainer_client.drafts.base import Draft, DraftConfigError
-from trainer_client.drafts.dflash import ATTN_IMPLS, finish_block_draft, mask_token
+from trainer_client.drafts.dflash import DFlash, DFlashOptions, finish_block_draft
+from trainer_client.drafts.options import option
+
+#: How the V1 model runner of vLLM ≤ 0.33 refuses a dspark draft (``VllmConfig``, vllm/config/vllm.py)
+V1_REFUSAL = "Model Runner V1 does not support: dspark speculative decoding"
 
 
 def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
@@ -43,7 +49,44 @@ def vllm_target_layer_ids(aux_layer_ids: list[int]) -> list[int]:
     return [i - 1 for i in aux_layer_ids]
 
 
-class DSpark(Draft):
+def v2_runner_available() -> bool:
+    """Whether this vLLM build can run its V2 model runner: a CUDA-like platform with Triton
+    (vLLM's own test in ``VllmConfig.use_v2_model_runner``; the CPU build of 0.32 has neither)."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return False
+    return bool(current_platform.is_cuda_alike() and HAS_TRITON)
+
+
+def vllm_refusal() -> str | None:
+    """Why the installed vLLM cannot serve a DSpark draft on this host, or None (it can, or
+    there is no vLLM to ask, or it has no V1 runner to fall back to and decides at start-up)."""
+    try:
+        import vllm
+        from vllm.config import VllmConfig
+    except ImportError:
+        return None
+    if not hasattr(VllmConfig, "_get_v1_model_runner_unsupported_features") or v2_runner_available():
+        return None
+    return (f"a dspark draft needs a GPU: vLLM {vllm.__version__} serves dspark only with its V2 model runner (a CUDA "
+            f"GPU and Triton); this vLLM (its CPU build) would run the V1 runner, which refuses it: \"{V1_REFUSAL}\". "
+            f"Serve it on a GPU host (--speculative-config '{{\"method\": \"dspark\", ...}}')")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DSparkOptions(DFlashOptions):
+    block_size: int = option(4, min=2, help="tokens per block, each drafted a step (the anchor's slot too)",
+                             why="a block is the anchor and at least one token")  # fmt: skip
+    markov_rank: int = option(256, min=1, help="rank of the Markov logit-bias head",
+                              why="vLLM's DSpark always has the Markov head, its rank must be at least 1 "
+                                  "(0 would be DFlash: --draft dflash)")  # fmt: skip
+    confidence_head_alpha: float = option(1.0, min=0.0, help="weight of the confidence head's loss",
+                                          why="a loss weight must be >= 0")  # fmt: skip
+
+
+class DSpark(DFlash):
     label = "DSpark"
     name = "dspark"
     method = "dspark"
@@ -51,30 +94,22 @@ class DSpark(Draft):
     aux_count = None  # any number (at least one), as DFlash
     needs_mask_token = True
     shifted = False
-
-    def __init__(self, cfg, vcfg) -> None:  # noqa: ANN001
-        super().__init__(cfg, vcfg)
-        if int(cfg.block_size) < 2:
-            raise DraftConfigError(f"DSpark: block_size {cfg.block_size}: a block is the anchor and at least one token")
-        if cfg.draft_attn_impl not in ATTN_IMPLS:
-            raise DraftConfigError(f"DSpark: draft_attn_impl {cfg.draft_attn_impl!r}: use one of {ATTN_IMPLS}")
-        if int(cfg.markov_rank) < 1:
-            raise DraftConfigError(f"DSpark: markov_rank {cfg.markov_rank}: vLLM's DSpark always has the Markov head, "
-                                   f"its rank must be at least 1 (0 would be DFlash: --draft dflash)")  # fmt: skip
-        if not float(cfg.confidence_head_alpha) >= 0:
-            raise DraftConfigError(f"DSpark: confidence_head_alpha {cfg.confidence_head_alpha} must be >= 0")
-        self.mask_token_id = mask_token(self.label, cfg.verifier, self.vocab_size, cfg.mask_token_id)
+    Options = DSparkOptions
 
     def positions(self) -> int:
-        return int(self.cfg.block_size)  # sample_from_anchor: the anchor's slot drafts too
+        return int(self.opts.block_size)  # sample_from_anchor: the anchor's slot drafts too
+
+    @classmethod
+    def refusal(cls, *, here: bool) -> str | None:
+        return vllm_refusal() if here else None  # the trainer's line is for a GPU host
 
     def build(self, aux_layer_ids, *, draft_vocab_size, t2d, d2t, seed=0):  # noqa: ANN001, ANN201
         from speculators.losses import resolve_loss_config
         from speculators.models.dspark import DSparkDraftModel
         from speculators.train.cli import create_transformer_layer_config
 
-        cfg = self.cfg
-        n = int(cfg.num_draft_layers)
+        cfg, o = self.cfg, self.opts
+        n = int(o.num_draft_layers)
         layer_cfg = create_transformer_layer_config(cfg.verifier, num_layers=n, draft_arch="qwen3", hidden_act=None,
                                                     sliding_window=4096, full_attention_indices=list(range(n)))  # fmt: skip
         self.loss_config = resolve_loss_config("kl_div", "eager")
@@ -83,22 +118,19 @@ class DSpark(Draft):
             torch.manual_seed(seed)
             model = DSparkDraftModel.from_training_args(
                 layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=cfg.verifier, target_layer_ids=list(aux_layer_ids),
-                draft_vocab_size=draft_vocab_size, block_size=int(cfg.block_size), mask_token_id=self.mask_token_id,
-                draft_attn_impl=cfg.draft_attn_impl, sample_from_anchor=True, markov_rank=int(cfg.markov_rank),
+                draft_vocab_size=draft_vocab_size, block_size=int(o.block_size), mask_token_id=self.mask_token_id,
+                draft_attn_impl=o.draft_attn_impl, sample_from_anchor=True, markov_rank=int(o.markov_rank),
                 markov_head_type="vanilla", enable_confidence_head=True, confidence_head_with_markov=True,
             )  # fmt: skip
         return finish_block_draft(self.label, model, self.mask_token_id, self.frozen)
 
     def forward(self, model, batch):  # noqa: ANN001, ANN201
         _, loss, m = model(**batch, loss_config=self.loss_config, tv_loss_fn=self.tv_loss_fn,
-                           max_anchors=int(self.cfg.max_anchors), per_position_loss_weight="fixed-exp-decay",
-                           confidence_head_alpha=float(self.cfg.confidence_head_alpha))  # fmt: skip
+                           max_anchors=int(self.opts.max_anchors), per_position_loss_weight="fixed-exp-decay",
+                           confidence_head_alpha=float(self.opts.confidence_head_alpha))  # fmt: skip
         k = self.positions()
         return loss, [m[f"position_{i}_acc_sum"] for i in range(k)], [m[f"position_{i}_acc_total"] for i in range(k)]
 
-    def speculative_config(self, draft_dir: str | Path) -> dict:
-        return {"method": "dspark", "model": str(Path(draft_dir).resolve()), "num_speculative_tokens": self.positions()}
-
     def describe(self) -> dict:
-        return {**super().describe(), "markov_rank": int(self.cfg.markov_rank),
-                "confidence_head_alpha": float(self.cfg.confidence_head_alpha)}  # fmt: skip
+        return {**super().describe(), "markov_rank": int(self.opts.markov_rank),
+                "confidence_head_alpha": float(self.opts.confidence_head_alpha)}  # fmt: skip

@@ -9,6 +9,8 @@ divergence masked by the loss mask, summed over the TTT steps.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from trainer_client.drafts.base import (
     pack,
     swap_aux,
 )
+from trainer_client.drafts.options import AttentionOptions, option
 from trainer_client.stream import Sample
 
 __all__ = ["Eagle3", "Features", "MissingLayersError", "build_draft", "eagle3_layers", "features", "load_weights",
@@ -96,26 +99,39 @@ def load_weights(model, ckpt: Path) -> None:  # noqa: ANN001
     load_draft_weights("eagle3", model, Path(ckpt) / "draft")
 
 
+@dataclass(frozen=True)
+class Eagle3Options(AttentionOptions):
+    ttt_steps: int = option(3, min=1, help="test-time-training steps (draft tokens unrolled)")
+    ttt_step_loss_decay: float = option(1.0, help="loss weight of each TTT step relative to the one before")
+    train_lm_head: bool = option(False, help="train the draft's lm_head (frozen by default, as speculators)")
+
+
 class Eagle3(Draft):
     label = "Eagle-3"
     name = "eagle3"
     method = "eagle3"
     speculators_type = "eagle3"
     aux_count = 3
+    Options = Eagle3Options
+
+    @classmethod
+    def holds(cls, config: dict) -> bool:
+        # older Eagle-3 checkpoints name only their architecture (the registry asks this last)
+        return super().holds(config) or "eagle3" in json.dumps(config.get("architectures", "")).lower()
 
     def positions(self) -> int:
-        return int(self.cfg.ttt_steps)
+        return int(self.opts.ttt_steps)
 
     def build(self, aux_layer_ids, *, draft_vocab_size, t2d, d2t, seed=0):  # noqa: ANN001, ANN201
         from speculators.losses import resolve_loss_config
 
         self.loss_config = resolve_loss_config("kl_div", "eager")
         return build_draft(self.cfg.verifier, aux_layer_ids, draft_vocab_size=draft_vocab_size, t2d=t2d, d2t=d2t,
-                           ttt_steps=self.cfg.ttt_steps, seed=seed, train_lm_head=self.cfg.train_lm_head,
-                           attn_impl=self.cfg.draft_attn_impl)  # fmt: skip
+                           ttt_steps=self.opts.ttt_steps, seed=seed, train_lm_head=self.opts.train_lm_head,
+                           attn_impl=self.opts.draft_attn_impl)  # fmt: skip
 
     def forward(self, model, batch):  # noqa: ANN001, ANN201
         k = self.positions()
-        _, loss, m = model(**batch, ttt_steps=k, ttt_step_loss_decay=self.cfg.ttt_step_loss_decay,
+        _, loss, m = model(**batch, ttt_steps=k, ttt_step_loss_decay=self.opts.ttt_step_loss_decay,
                            loss_config=self.loss_config)  # fmt: skip
         return loss, [m[f"full_acc_{i}_sum"] for i in range(k)], [m[f"full_acc_{i}_total"] for i in range(k)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,8 +23,6 @@ class TrainConfig:
     draft: str = "eagle3"
     aux_layer_ids: list[int] | None = None  # None: the draft's default (Eagle-3's usual [2, N//2, N-3])
     draft_vocab_size: int | None = None  # None: min(32000, verifier vocabulary)
-    ttt_steps: int = 3
-    ttt_step_loss_decay: float = 1.0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -57,7 +56,6 @@ class TrainConfig:
     eval_seed: int = 0
     log_every: int = 10
     seed: int = 0
-    train_lm_head: bool = False
     control: str = "none"  # "swap-hidden": negative control, aux states from another sample
     tensorboard: bool = True  # with logger None: TensorBoard if its package is installed
     # "tensorboard", "wandb", comma-separated, or "none"; a named one must be installed (loggers.py)
@@ -75,16 +73,13 @@ class TrainConfig:
     # The stream yields None after this long without a sample, so the loop can checkpoint at a
     # job's tail and ranks keep joining collectives (HiddenStateStream(idle_s=...)).
     idle_s: float = 0.2
-    draft_attn_impl: str = "sdpa"  # speculators' "simple_flex_attention" is faster on GPU, no backward on CPU
-    # Parallel drafts (P-EAGLE, DFlash): the token id their mask positions carry. None: the
-    # verifier tokenizer's mask token, else an error naming the draft (trainer_client/drafts/).
-    mask_token_id: int | None = None
-    block_size: int = 4  # DFlash: tokens per block (the anchor + block_size - 1 drafted); DSpark drafts block_size
-    num_depths: int = 4  # P-EAGLE: tokens drafted in parallel per verifier step
-    max_anchors: int = 256  # DFlash / DSpark / P-EAGLE: anchors sampled per packed row
-    num_draft_layers: int = 1  # DFlash, DSpark: decoder layers of the draft
-    markov_rank: int = 256  # DSpark: rank of the Markov logit-bias head (speculators' default)
-    confidence_head_alpha: float = 1.0  # DSpark: weight of the confidence head's loss
+    # The draft's own settings by name (ttt_steps, mask_token_id, block_size, ...): each draft
+    # declares them in its plug-in (``Draft.Options``, trainer_client/drafts/) and reads them back
+    # typed; a setting another draft takes is ignored with a warning.
+    draft_options: dict[str, Any] = field(default_factory=dict)
+    # Warm start (trainer_client/train/warm_start.py): a trained draft dir (the serving one) whose
+    # weights, aux layers and vocabulary the run starts from, instead of a fresh draft.
+    init_draft: str | None = None
     extra: dict = field(default_factory=dict)  # recorded in run.json (job ids, command line, ...)
 
 
@@ -113,6 +108,8 @@ class TrainResult:
     serve: str | None = None  # the `vllm serve` line that serves the verifier with final_dir
     draft: str = "eagle3"
     speculative_config: dict | None = None  # what vLLM's --speculative-config takes for final_dir
+    skipped_no_loss: int = 0  # this rank: samples with no loss-carrying position, acknowledged untrained
+    serve_refused: str | None = None  # why the installed vLLM would not serve final_dir (then no serve line)
 
     def summary(self) -> dict:
         d = asdict(self)

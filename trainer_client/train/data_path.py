@@ -40,6 +40,7 @@ class HostBatch:
     yielded: list[P.SampleKey] = field(default_factory=list)  # every key the stream gave for it, in order
     settled: list[str] = field(default_factory=list)  # yielded, not trained: in the weights already / first donor
     skipped: int = 0  # of ``settled``: already in the weights
+    no_loss: int = 0  # of ``settled``: no position carries loss (nothing to learn, a loss of 0)
     tokens: int = 0
     loss_tokens: int = 0
 
@@ -88,6 +89,12 @@ class BatchSource:
                 continue
             if self.hold_out is not None and self.hold_out(smp):  # acknowledged with the next checkpoint
                 b.settled.append(key)
+                continue
+            if self.count_loss(smp) == 0:
+                # Nothing to learn (the sidecar refuses such samples at admission; a job queued
+                # before it did, or a one-token reply, still may bring one): never a step of loss 0.
+                b.settled.append(key)
+                b.no_loss += 1
                 continue
             donor = None
             if self.control == "swap-hidden":

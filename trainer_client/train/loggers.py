@@ -63,7 +63,10 @@ class MetricLoggers:
 
             self._tb = SummaryWriter(str(out / "tensorboard"))
         if "wandb" in which:
-            import wandb
+            try:
+                import wandb
+            except ImportError as e:  # checked by choose(), but an install can break between
+                raise LoggerError(f"logger 'wandb': {e}: pip install 'hidden-state-stream[loggers]'") from e
 
             # one W&B run per run dir: a resumed run continues the same one
             id_file = out / WANDB_ID_FILE

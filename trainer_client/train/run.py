@@ -27,6 +27,8 @@ log = logging.getLogger("hsstream.train")
 
 JOBS_FILE = "jobs.json"
 COUNTS_FILE = "token_counts.json"
+#: ``--follow``: an open-ended stream waits for traffic however long it is quiet.
+FOLLOW_TIMEOUT_S = 10.0**9
 
 
 def read_samples(path: str | Path, **source: Any) -> Iterator[dict]:
@@ -186,13 +188,43 @@ def resolve_jobs_and_counts(
     else:
         if api:
             counts = V.token_counts_from_sidecar(api, jobs, api_token)
-        if counts is None and samples is not None:
+        # None: no such endpoint; empty: nothing masked yet (a regenerate job: vLLM writes the
+        # replies while it trains): then the data's own replies, tokenised here, stand in
+        if not counts and samples is not None:
+            if counts is not None:
+                log.info("the sidecar counts no trained token yet (regenerate mode?): the draft vocabulary comes "
+                         "from the data's own replies")  # fmt: skip
             opts = job_options or {}
             job = {k: opts[k] for k in ("chat_template", "chat_template_kwargs") if opts.get(k) is not None}
             counts = V.token_counts_from_samples(cfg.verifier, samples(), opts.get("loss_mask", "assistant"), **job)
     if counts is not None:
         V.save_token_counts(counts, counts_path)
     return jobs, counts
+
+
+def follow_setup(cfg: TrainConfig, *, jobs: list[str] | None, submit_file: str | None,
+                 token_counts_file: str | None) -> dict[int, int] | None:  # fmt: skip
+    """``--follow``: train on every job of the sidecar as it comes (the proxy's traffic jobs, and
+    the ``--mix`` share), with no end. Nothing to submit and no total: the LR stays constant
+    after its warm-up (a decay needs a horizon an open stream has not), and the draft's
+    vocabulary comes from ``--init-draft`` or ``--token-counts`` (the jobs it will see are not
+    there yet). Recorded in ``OUT/jobs.json``."""
+    if jobs or submit_file:
+        raise ValueError("--follow trains on every job of the sidecar as it comes: not with --job or --submit")
+    if cfg.schedule != "constant" and cfg.schedule_steps is None and cfg.max_steps is None:
+        log.info("--follow: an open-ended stream, the LR stays constant after %d warm-up steps", cfg.warmup_steps)
+        cfg.schedule = "constant"
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / JOBS_FILE).write_text(json.dumps({"jobs": None, "follow": True}) + "\n")
+    counts_path = out / COUNTS_FILE
+    if counts_path.exists():
+        return V.token_counts_from_file(counts_path)
+    if token_counts_file:
+        counts = V.token_counts_from_file(token_counts_file)
+        V.save_token_counts(counts, counts_path)
+        return counts
+    return None
 
 
 def run_train(
@@ -210,7 +242,12 @@ def run_train(
     timeout_s: float = 600.0,
     credit: int = 8,
     submit_source: dict | None = None,
+    follow: bool = False,
+    mix: dict | None = None,
 ) -> TrainResult:
+    """Train a draft on the stream. ``follow``: on every job as it comes, with no end
+    (:func:`follow_setup`); ``mix``: ``{"file", "share", **source options}``, a share of an
+    original dataset kept beside the traffic (``mixing.py``)."""
     from trainer_client.train.loggers import names as logger_names
     from trainer_client.stream import HiddenStateStream
 
@@ -230,11 +267,15 @@ def run_train(
     try:
         if world.is_writer:
             try:
-                jobs, counts = resolve_jobs_and_counts(
-                    cfg, api=api, jobs=jobs, submit_file=submit_file, epochs=epochs, job_options=job_options,
-                    token_counts_file=token_counts_file, api_token=api_token, submit_source=submit_source,
-                )  # fmt: skip
-                total = recorded_samples_total(cfg, api, jobs, api_token)
+                if follow:
+                    jobs, total = None, None
+                    counts = follow_setup(cfg, jobs=jobs, submit_file=submit_file, token_counts_file=token_counts_file)
+                else:
+                    jobs, counts = resolve_jobs_and_counts(
+                        cfg, api=api, jobs=jobs, submit_file=submit_file, epochs=epochs, job_options=job_options,
+                        token_counts_file=token_counts_file, api_token=api_token, submit_source=submit_source,
+                    )  # fmt: skip
+                    total = recorded_samples_total(cfg, api, jobs, api_token)
                 got: object = {"jobs": jobs, "counts": counts, "samples_total": total}
             except (ValueError, RuntimeError, OSError, SidecarError) as e:
                 world.broadcast(("error", f"{type(e).__name__}: {e}"))  # the other ranks stop with it
@@ -245,16 +286,43 @@ def run_train(
             if isinstance(got, tuple):
                 raise ValueError(f"rank 0 could not start the run: {got[1]}")
         jobs, counts = got["jobs"], got["counts"]  # type: ignore[index]
-        plan_schedule(cfg, got["samples_total"], world.size)  # type: ignore[index]
-        cfg.extra = {**cfg.extra, "jobs": jobs}
-        probe = drained_probe(api, jobs, api_token) if api and world.is_writer else None
+        if not follow:
+            plan_schedule(cfg, got["samples_total"], world.size)  # type: ignore[index]
+        cfg.extra = {**cfg.extra, "jobs": jobs, **({"follow": True} if follow else {})}
+        probe = drained_probe(api, jobs, api_token) if api and world.is_writer and not follow else None
         trainer = OnlineTrainer(cfg, counts, drained=probe, world=world, draft=draft)
         trainer.prepare()  # before the stream: slow, and a silent stream would lose its leases
-        with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", timeout_s=timeout_s,
-                               credit=credit, **trainer.stream_options()) as s:  # fmt: skip
-            result = trainer.train(s)
+        mixer = None
+        if mix and world.is_writer:
+            mixer = start_mixer(cfg, api, api_token, mix)
+        try:
+            with HiddenStateStream(endpoint, jobs=jobs, spool_dir=spool_dir, ack="manual", follow=follow,
+                                   timeout_s=FOLLOW_TIMEOUT_S if follow else timeout_s, credit=credit,
+                                   **trainer.stream_options()) as s:  # fmt: skip
+                result = trainer.train(s)
+        finally:
+            if mixer is not None:
+                mixer.stop()
         if world.is_writer:
             (Path(cfg.out_dir) / "result.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
         return result
     finally:
         world.close()
+
+
+def start_mixer(cfg: TrainConfig, api: str | None, token: str | None, mix: dict):  # noqa: ANN201
+    """The ``--mix`` thread (``mixing.py``), started; its rows read from the file as needed."""
+    from trainer_client.train.mixing import Mixer
+
+    if not api:
+        raise ValueError("--mix needs the sidecar's REST address (--api)")
+    mix = dict(mix)
+    path, share = mix.pop("file"), float(mix.pop("share"))
+    read_samples(path, **mix)  # checked now: a bad file is an error before training, not a log line later
+
+    def rows(n_pass: int) -> Iterator[dict]:
+        return read_samples(path, **{**mix, "shuffle": True, "seed": cfg.seed + n_pass})
+
+    m = Mixer(lambda: SidecarClient(api, token=token, timeout=60), rows, share, cfg.out_dir)
+    m.start()
+    return m

@@ -131,6 +131,8 @@ class OnlineTrainer:
         self.aux_layer_ids: list[int] | None = None
         self._metrics: L.MetricLoggers | None = None  # TensorBoard, W&B (rank 0)
         self.resumed_from: Path | None = None
+        self.resumed_step: int | None = None
+        self.stop_report: list[str] | None = None  # what a stop (Ctrl-C, SIGTERM) left behind: stop_lines()
         self.data_stats: dict = {}  # of the last train(): batches copied through the side stream, ...
         self.heldout_ids: set[str] = set()  # with cfg.eval_ids: the ids held out so far
         self.heldout: list[Features] = []  # in memory only; bounded by cfg.eval_samples (rank 0)
@@ -187,10 +189,22 @@ class OnlineTrainer:
             self.draft_vocab_size = int(state["draft_vocab_size"])
             t2d, d2t = maps.get("t2d"), maps.get("d2t")
         else:
-            self.aux_layer_ids = self.draft.layers(cfg.aux_layer_ids)
             from trainer_client.train.vocab import build_vocab_maps, coverage
 
-            d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
+            init = None
+            if cfg.init_draft:  # warm start: the serving draft decides layers and vocabulary (warm_start.py)
+                from trainer_client.train.warm_start import read_init_draft
+
+                init = read_init_draft(cfg.init_draft, self.vocab_size)
+                if init.speculators_type not in (None, self.draft.speculators_type):
+                    raise ValueError(f"--init-draft {cfg.init_draft} is a {init.speculators_type} draft, not "
+                                     f"{self.draft.speculators_type}: pass --draft to match it")  # fmt: skip
+            self.aux_layer_ids = self.draft.layers(init.aux_layer_ids if init and init.aux_layer_ids else cfg.aux_layer_ids)
+            if init is not None:
+                self.draft_vocab_size = min(init.draft_vocab_size or self.vocab_size, self.vocab_size)
+                d2t, t2d = init.d2t, init.t2d
+            else:
+                d2t, t2d = build_vocab_maps(self.token_counts, self.draft_vocab_size, self.vocab_size)
             cov = coverage(self.token_counts or {}, t2d)
             if world.is_writer:
                 torch.save({"t2d": t2d, "d2t": d2t, "draft_vocab_size": self.draft_vocab_size}, self.out / VOCAB_FILE)
@@ -214,6 +228,9 @@ class OnlineTrainer:
                                       seed=cfg.seed)  # fmt: skip
         if state is not None:
             self.draft.load_weights(self.model, ckpt / M.DRAFT_DIR)
+        elif cfg.init_draft:
+            self.draft.load_weights(self.model, init.path)  # type: ignore[union-attr]
+            log.info("warm start: the draft's weights from %s", init.path)  # type: ignore[union-attr]
         # the draft and the verifier's frozen parts (embeddings, norm, lm_head rows) on the device
         self.model.to(self.device)
         world.broadcast_module_(self.model)
@@ -229,7 +246,7 @@ class OnlineTrainer:
             skip = set(state["unacked_keys"])
             self.heldout_digests = set(state.get("heldout_digests", []))
             self.heldout_ids = set(state.get("heldout_ids", []))
-            self.resumed_from = ckpt
+            self.resumed_from, self.resumed_step = ckpt, self.step
             log.info("resumed from %s at step %d (%d samples); %d keys possibly unacknowledged", ckpt, self.step,
                      self.samples_trained, len(skip))  # fmt: skip
         self.policy = CheckpointPolicy(self.out, cfg.checkpoint_every, world, skip)
@@ -389,7 +406,7 @@ class OnlineTrainer:
         step0, report = self.step, getattr(stream, "report", None)  # HiddenStateStream.report, if the stream has it
         wait_s = 0.0
         history: list[dict] = []
-        skipped = 0
+        skipped = no_loss = 0
         global_pending = 0
         run = {"samples": 0, "tokens": 0}  # this rank
         g_run = {"samples": 0, "tokens": 0}  # all ranks
@@ -433,6 +450,7 @@ class OnlineTrainer:
                 if hb is not None:
                     policy.used(hb)
                     skipped += hb.skipped
+                    no_loss += hb.no_loss
                 stepped = g_samples > 0
                 if stepped:
                     batch = copier.ready(st) if st is not None and st.tensors is not None else None
@@ -485,6 +503,11 @@ class OnlineTrainer:
                                     wait_s, self.resumed_from, last_eval)  # fmt: skip
             if policy.last_path is None or g_pending or policy.last_step != self.step:
                 self._checkpoint(stream)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM under `hsstream train` (exit_0_on_stop)
+            self.stop_report = self.stop_lines(stream)
+            for line in self.stop_report:
+                log.warning("%s", line)
+            raise
         finally:
             self.data_stats = {"staged": copier.staged, "prefetch": pre.depth, "samples_seen": source.seen}
             if bar is not None:
@@ -495,7 +518,7 @@ class OnlineTrainer:
                 self._metrics.close()  # W&B's run ends with the training
                 self._metrics = None
         return self._result(history, g_run, run, skipped, time.perf_counter() - t_start, wait_s, policy.last_path,
-                            last_eval)  # fmt: skip
+                            last_eval, no_loss=no_loss)  # fmt: skip
 
     def _log_step(self, m: dict, metrics_log, bar) -> None:  # noqa: ANN001
         cfg = self.cfg
@@ -513,7 +536,35 @@ class OnlineTrainer:
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m['top1_0']:.2f}", sps=f"{m['samples_per_s']:.1f}",
                             wait=f"{m['wait_frac']:.0%}")  # fmt: skip
 
-    def _result(self, history, g_run, run, skipped, wall, wait, ckpt, last_eval=None, window: int = 50) -> TrainResult:  # noqa: ANN001
+    def stop_lines(self, stream=None) -> list[str]:  # noqa: ANN001
+        """Two lines on a run stopped mid-way: what is saved (the newest checkpoint and its step,
+        which a run on the same out dir resumes from) and what comes back (every sample delivered
+        since that checkpoint is unacknowledged -- acks follow checkpoints -- so the sidecar
+        produces it again once this trainer's lease lapses; its jobs stay open meanwhile)."""
+        p = self.policy
+        path, at = (p.last_path, p.last_step) if p is not None and p.last_path is not None else (
+            self.resumed_from, self.resumed_step)  # fmt: skip
+        if path is not None:
+            first = (f"stopped at step {self.step}: saved {path} (step {at}); a run with the same out dir "
+                     f"({self.out}) resumes from it, on the same jobs")  # fmt: skip
+        else:
+            first = (f"stopped at step {self.step}, before the first checkpoint: nothing saved; a run with the same "
+                     f"out dir ({self.out}) starts over, on the same jobs")  # fmt: skip
+        n = getattr(stream, "unacked", None)
+        if n is None:
+            n = len(p.pending) if p is not None else 0
+        lease = getattr(stream, "lease_s", None)
+        when = (f"after {lease:.0f} s without word from this trainer (its lease)" if lease
+                else "once this trainer's lease lapses")  # fmt: skip
+        since = (f", and the {self.step - at} step(s) trained since are not saved" if at is not None and self.step > at
+                 else "")  # fmt: skip
+        second = (f"{n} sample(s) delivered {'since then' if path is not None else 'to this run'} are not "
+                  f"acknowledged{since}: the sidecar hands them out again {when}; the jobs stay open on the sidecar "
+                  "until every sample is acknowledged")  # fmt: skip
+        return [first, second]
+
+    def _result(self, history, g_run, run, skipped, wall, wait, ckpt, last_eval=None, window: int = 50,  # noqa: ANN001
+                no_loss: int = 0) -> TrainResult:
         k = self.k
         tail = [h for h in history if "loss" in h][-window:]
         top1 = []
@@ -521,12 +572,17 @@ class OnlineTrainer:
             n = sum(h[f"n_{i}"] for h in tail)
             top1.append(sum(h[f"top1_{i}"] * h[f"n_{i}"] for h in tail) / n if n else 0.0)
         loss = sum(h["loss"] for h in tail) / len(tail) if tail else float("nan")
-        final = serve = spec = None
+        final = serve = spec = refused = None
         if ckpt is not None and self.world.is_writer:
             final = M.publish_final(self.out, Path(ckpt))
-            spec = self.draft.speculative_config(final)
-            serve = M.serve_command(self.cfg.verifier, final, spec=spec)
-            log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
+            try:
+                spec = self.draft.speculative_config(final)
+            except D.NotServable as e:  # the installed vLLM would refuse it (the draft's plug-in says why)
+                refused = str(e)
+                log.warning("the trained draft is in %s; %s", final, refused)
+            else:
+                serve = M.serve_command(self.cfg.verifier, final, spec=spec)
+                log.info("the trained draft is in %s; serve it with:\n%s", final, serve)
         ranks = self.world.gather({"rank": self.world.rank, "device": str(self.device), "samples": run["samples"],
                                    "tokens": run["tokens"], "wait_s": round(wait, 2), "pid": os.getpid()})  # fmt: skip
         return TrainResult(
@@ -537,5 +593,5 @@ class OnlineTrainer:
             world_size=self.world.size, ranks=ranks, history=history,  # type: ignore[arg-type]
             eval_top1=[last_eval[f"eval_top1_{i}"] for i in range(k)] if last_eval else None,
             held_out=len(self.heldout), held_out_by_fraction=self.held_out_by_fraction, final_dir=str(final) if final else None, serve=serve,
-            draft=self.draft.name, speculative_config=spec,
+            draft=self.draft.name, speculative_config=spec, skipped_no_loss=no_loss, serve_refused=refused,
         )  # fmt: skip

@@ -14,7 +14,7 @@ import itertools
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,37 +78,47 @@ def token_counts_from_sidecar(api: str, job_ids: list[str], token: str | None = 
     return dict(total)
 
 
-def tokenize_samples(
-    verifier_dir: str, samples: list[dict], loss_mask: str = "assistant", mode: str = "extract",
+def iter_tokenized(
+    verifier_dir: str, samples: Iterable[dict], loss_mask: str = "assistant", mode: str = "extract",
     *, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-) -> list[tuple[list[int], list[int]]]:  # fmt: skip
-    """(token ids, loss mask) per REST sample, computed by the code the sidecar runs
-    (``connector/sample_tokens.py``). Samples the sidecar refuses (no assistant tokens, a
-    template that cannot be masked, ...) are left out, as a job with ``on_invalid="skip"``
-    leaves them out; with ``"reject"`` the sidecar refused the whole job already.
-    ``chat_template`` / ``chat_template_kwargs``: the job's options of those names.
+) -> Iterator[tuple[list[int], list[int]]]:  # fmt: skip
+    """(token ids, loss mask) per REST sample, one at a time, computed by the code the sidecar
+    runs (``connector/contract/sample_tokens.py``). Samples the sidecar refuses (no assistant
+    tokens, a template that cannot be masked, ...) are left out, as a job with
+    ``on_invalid="skip"`` leaves them out; with ``"reject"`` the sidecar refused the whole job
+    already. ``chat_template`` / ``chat_template_kwargs``: the job's options of those names.
     """
     from connector.contract.sample_tokens import SampleRefused, encode_sample, load_tokenizer
 
     tok = None
-    out = []
     for i, s in enumerate(samples):
         if tok is None and s.get("token_ids") is None:
             tok = load_tokenizer(verifier_dir)
         try:
-            out.append(encode_sample(tok, s, loss_mask=loss_mask, mode=mode, chat_template=chat_template,
-                                     chat_template_kwargs=chat_template_kwargs))  # fmt: skip
+            yield encode_sample(tok, s, loss_mask=loss_mask, mode=mode, chat_template=chat_template,
+                                chat_template_kwargs=chat_template_kwargs)  # fmt: skip
         except SampleRefused as e:
             log.info("token counts leave out sample %d (%s): %s", i, s.get("id"), e)
-    return out
+
+
+def tokenize_samples(
+    verifier_dir: str, samples: Iterable[dict], loss_mask: str = "assistant", mode: str = "extract",
+    *, chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+    """:func:`iter_tokenized` as a list (a few samples; counts stream through the iterator)."""
+    return list(iter_tokenized(verifier_dir, samples, loss_mask, mode, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs))  # fmt: skip
 
 
 def token_counts_from_samples(
-    verifier_dir: str, samples: list[dict], loss_mask: str = "assistant", **job: Any
+    verifier_dir: str, samples: Iterable[dict], loss_mask: str = "assistant", **job: Any
 ) -> dict[int, int]:
-    """Token counts of the loss-masked positions; ``job``: chat_template, chat_template_kwargs."""
-    enc = tokenize_samples(verifier_dir, samples, loss_mask, **job)
-    return count_tokens([i for i, _ in enc], [m for _, m in enc])
+    """Token counts of the loss-masked positions (the data's own replies: extract mode), a sample
+    at a time, so a whole dataset is never held; ``job``: chat_template, chat_template_kwargs."""
+    c: Counter[int] = Counter()
+    for ids, mask in iter_tokenized(verifier_dir, samples, loss_mask, **job):
+        c.update(count_tokens([ids], [mask]))
+    return dict(c)
 
 
 def build_vocab_maps(

@@ -144,4 +144,4 @@ def test_eval_refuses_a_directory_that_is_not_a_draft(verifier, draft, tmp_path)
     p = hsstream("eval", "--model", verifier, "--draft", str(run_dir), timeout=120)
     assert p.returncode == 2 and "its draft is in final/" in p.stderr, p.stderr
     p = hsstream("eval", "--model", verifier, "--draft", verifier, timeout=120)  # the verifier itself
-    assert p.returncode == 2 and "not an Eagle-3 draft" in p.stderr, p.stderr
+    assert p.returncode == 2 and "is not a draft of a kind trained here" in p.stderr, p.stderr

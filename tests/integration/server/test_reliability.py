@@ -316,12 +316,14 @@ def test_process_killed_mid_job_and_restarted(layout_stack, tmp_path, victim):
     """SIGKILL the sidecar (ledger recovery, trainer resumes by heartbeat) or vLLM (in-flight
     samples resubmitted); either way the running trainer completes the job exactly once. With the
     arena the restarted sidecar keeps the arena and its READY slots; a killed engine's slots go
-    into quarantine."""
+    into quarantine. The trainer keeps its first two samples' tensors as yielded (an arena slot's
+    views) through it all: their values never change (issue 40: a restarted sidecar reused the
+    slots a heart-beating trainer still viewed)."""
     stack = layout_stack
     n = 12
     job = submit(stack, token_samples(n, 30, seed=3 if victim == "sidecar" else 4))
     log = tmp_path / "t.jsonl"
-    tr = start_trainer(stack, log, job, "--sleep-per-sample", "0.4")
+    tr = start_trainer(stack, log, job, "--sleep-per-sample", "0.4", "--hold-views", "2")
     t0 = time.time()
     while sum("acked" in x for x in read_log(log)) < 3:
         assert time.time() - t0 < 120 and tr.poll() is None
@@ -331,6 +333,7 @@ def test_process_killed_mid_job_and_restarted(layout_stack, tmp_path, victim):
     assert tr.wait(300) == 0, read_log(log)
     acked = [x["acked"] for x in read_log(log) if "acked" in x]
     check_invariant(stack, job, n, [acked])
+    assert [x["held_views_unchanged"] for x in read_log(log) if "held_views_unchanged" in x] == [True]
 
 
 def test_trainer_messages_reaching_a_restarted_sidecar_late_leave_no_file(stack):

@@ -106,3 +106,17 @@ def test_the_stand_in_writes_what_the_stream_accepts_with_the_connectors_own_cod
         si.close()
         t.join(10)
         pull.close(linger=0)
+
+
+def test_latency_is_named_over_every_sample_over_each_jobs_window_and_over_its_start():
+    """A job whose first 3 samples stall (yielded at once at 1 s): the window (10-90 % of the
+    job's yield times) leaves them out, every sample and the first 32 keep them."""
+    lat = [1000.0, 990.0, 980.0] + [5.0] * 37
+    ys = [1.0, 1.0, 1.0] + [1.0 + 0.1 * i for i in range(1, 38)]
+    rnd = {**a_round([1.0]), "latency_ms": lat, "yield_s": ys}
+    rnd["saturated"] = {**rnd["saturated"], "latency_ms": lat, "yield_s": ys}
+    s = B.summarize_arm([rnd, {**rnd}])
+    assert s["all"] == {"p50_ms": 5.0, "p99_ms": 1000.0, "max_ms": 1000.0, "n": 80}
+    assert s["window"]["max_ms"] == 5.0 and s["window"]["n"] < 80
+    assert s["first_32_p99_ms"] == [1000.0, 1000.0] and s["saturated"]["all"]["max_ms"] == 1000.0
+    assert s["p50_ms"] == 5.0 and s["p99_ms"] == 1000.0  # the keys the docs quote: every paced sample

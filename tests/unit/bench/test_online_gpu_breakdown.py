@@ -79,3 +79,47 @@ def test_the_device_fp8_arm_needs_an_fp8_payload(capsys):
         resolve(ap, ap.parse_args(["--configs", "stream_fp8_device", "--dry-run"]))
     assert "needs --payload-dtype fp8_e4m3" in capsys.readouterr().err
     resolve(ap, ap.parse_args(["--configs", "stream_fp8_device", "--payload-dtype", "fp8_e4m3", "--dry-run"]))
+
+
+def test_latency_is_given_over_the_window_over_every_sample_and_over_the_jobs_start():
+    """A job whose first 30 samples wait until 0.3 s after the first notice (a start-up stall):
+    delivered first, they fall before the window (10-90 % of deliveries), so its p99 hides them;
+    the figures over every sample and over the first 32 show them, each named."""
+    recs = []
+    for i in range(400):
+        sent = 100.0 + 0.01 * i
+        g = 100.3 + 0.0001 * i if i < 30 else sent + 0.005
+        recs.append({"sent": sent, "g": g, "y": g})
+    lat = O.latency(recs)
+    assert lat["window"] == [0.1, 0.9] and lat["p99"] == pytest.approx(5.0) and lat["n"] < 400
+    assert lat["all"]["n"] == 400 and lat["all"]["max"] == pytest.approx(300.0) and lat["all"]["p99"] > 200
+    assert lat["first_32"]["n"] == 32 and lat["first_32"]["p99"] == pytest.approx(300.0)
+    assert len(lat["samples_ms"]) == 400 and lat["samples_ms"][0] == pytest.approx(300.0)
+
+
+def test_the_summary_names_the_window_and_every_sample_figures(capsys):
+    recs_ok = [{"sent": 1.0 + i, "g": 1.01 + i, "y": 1.01 + i} for i in range(100)]
+    recs_stall = [{**x, "g": x["g"] + (2.0 if i < 5 else 0.0)} for i, x in enumerate(recs_ok)]
+    runs = [{"config": "plain", "rate": {"tok_per_s": 1100.0}, "kv_cache_tokens": [1]}]
+    for cfg, lay, recs in (("stream", "files", recs_ok), ("stream_arena", "arena", recs_stall)):
+        r = _stream_run(cfg, lay, 0.0, 0.0, 1.0)
+        r["latency_notice_to_gpu_ms"] = O.latency(recs)
+        runs.append(r)
+    doc = {"runs": runs}
+    O.summarize(doc)
+    s, a = doc["summary"], doc["summary"]["by_spool_layout"]["arena"]
+    assert s["latency_all_p99_ms"] == pytest.approx(10.0) and s["latency_all_max_ms"] == pytest.approx(10.0)
+    assert a["latency_all_p99_ms"] == pytest.approx(2010.0) and a["first_p99_ms"] == pytest.approx(2010.0)
+    assert s["arena_vs_files_all_p99"] == pytest.approx(201.0)
+    out = capsys.readouterr().out
+    assert "arena: notice -> trainer GPU, steady-state window" in out and "arena: notice -> trainer GPU, every sample" in out
+    assert "each job's first 32: p99 2010.0 ms" in out
+
+
+def test_forward_end_to_gpu_adds_the_connectors_stages_to_notice_to_gpu():
+    conn = {"gather": 0.001, "queue": 0.002, "copy_wait": 0.003, "checksum": 0.004, "write": 0.005}
+    rec = {"sent": 100.0, "g": 100.010, "y": 100.010, "conn": conn, "stream": {}}
+    b = O.breakdown([rec])
+    assert b["forward_end_to_gpu"]["p50_ms"] == pytest.approx(25.0) and b["connector_queue"]["p50_ms"] == pytest.approx(2.0)
+    old = {**rec, "conn": {k: v for k, v in conn.items() if k != "queue"}}  # a notice from before the queue stamp
+    assert "forward_end_to_gpu" not in O.breakdown([old])

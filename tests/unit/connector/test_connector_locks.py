@@ -196,8 +196,8 @@ def test_lock_held_by_someone_else_fails_the_request_cleanly(engine, spool):
     try:
         req = _request("cmpl-8")
         engine.schedule(req)  # must not block the engine's step
-        engine.side.request_finished(req, [1, 2])
-        engine.step({"cmpl-8"})
+        assert engine.side.request_finished(req, [1, 2])[0] is True  # the scheduler keeps the blocks for us
+        assert engine.step({"cmpl-8"}) == {"cmpl-8"}  # and gets them back at once: nothing to copy
         assert engine.writer.flush(5)
         assert os.listdir(spool) == ["hs-cmpl-8.safetensors.lock"]  # not ours to delete; no data file
         with pytest.raises(LockError, match="held by another process"):

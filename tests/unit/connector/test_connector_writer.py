@@ -97,7 +97,7 @@ def test_ok_notice_arrives_after_file_is_complete(writer, spool, pull):
     assert P.Notice.decode(meta[P.HEADER_NOTICE_KEY]) == n.model_copy(update={"sent_at": None, "timings": {}})
     assert json.loads(meta[P.HEADER_NOTICE_KEY])["v"] == P.PROTOCOL_VERSION
     assert n.sent_at is not None and t_before <= n.sent_at <= t_after
-    assert set(n.timings) == {"gather", "copy_wait", "checksum", "write"}
+    assert set(n.timings) == {"gather", "queue", "copy_wait", "checksum", "write"} and n.timings["queue"] >= 0
     assert all(v >= 0 for v in n.timings.values()) and n.timings["write"] > 0
 
     assert n.checksum == P.checksum(got_hs.view(torch.uint8).numpy(), got_ids.numpy())

@@ -108,8 +108,8 @@ def test_chunked_encode_at_gather_gives_the_host_paths_bytes(dtype, layout, chun
     want = _host_path(kv, perm)
     g = HiddenStateGatherer(kv, BS, K, perm, _writer(None), chunk_tokens=chunk_tokens, encode_at_gather=True)
     assert g.encode_at_gather and not g.cuda
-    out = g._empty_host(N, pin_memory=False)
-    g._gather_into(BLOCKS, N, out)  # the loop the CUDA path runs on its side stream
+    out = g.empty_host(N, pin_memory=False)
+    g.gather_into(BLOCKS, N, out)  # the loop the CUDA path runs on its side stream
     assert len(list(block_chunks(BLOCKS, N, BS, chunk_tokens))) == {4: 6, 9: 3, 8192: 1}[chunk_tokens]
     assert _same_bytes(out, want)
     assert float(out[PL.SCALES_KEY][0]) == pytest.approx(PL.MIN_SCALE)  # the all-zero token
@@ -123,8 +123,8 @@ def test_the_check_tells_a_per_chunk_scale_from_a_per_token_one(dtype):
     want = _host_path(kv, perm)
     g = HiddenStateGatherer(kv, BS, K, perm, _writer(None), chunk_tokens=4, encode_at_gather=True)
     g.codec = _PerChunkScale()
-    out = g._empty_host(N, pin_memory=False)
-    g._gather_into(BLOCKS, N, out)
+    out = g.empty_host(N, pin_memory=False)
+    g.gather_into(BLOCKS, N, out)
     assert not _same_bytes(out, want)
 
 
@@ -195,7 +195,7 @@ def test_file_written_from_the_gatherers_encoding_is_todays_file(tmp_path, dtype
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_on_cuda_fp8_is_encoded_on_the_side_stream_with_the_host_paths_bytes(tmp_path, dtype):
-    """The real _copy_async: quantised on the GPU, per chunk, copied as fp8 + scales into
+    """The real copy_async: quantised on the GPU, per chunk, copied as fp8 + scales into
     pinned memory (half the bytes), written; the file is the host path's, byte for byte."""
     kv_cpu, _ = _cache(dtype, "new")
     perm = storage_permutation(LAYERS)

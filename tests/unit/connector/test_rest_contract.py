@@ -114,7 +114,13 @@ def test_every_client_call_parses_what_the_server_sends(app_client, tmp_path):
     assert ov.trainers[0].jobs == [created.job_id] and ov.jobs_total == 4 and ov.jobs[0].job_id == big.job_id
 
     cancelled = agrees(tc, c.cancel(created.job_id))
-    assert cancelled.cancelled and cancelled.counts["cancelled"] == 3
+    assert cancelled.cancelled and cancelled.counts["cancelled"] == 3 and not cancelled.purged
+    purged = agrees(tc, c.cancel(skipped.job_id, purge=True))  # what `hsstream proxy forget` asks for
+    assert purged.purged and purged.counts["cancelled"] == 1 and c.job(skipped.job_id).compacted
+    with pytest.raises(SidecarError) as e:
+        c.job_samples(skipped.job_id)
+    assert e.value.status == 410  # its token ids are gone now, not after the retention
+    assert agrees(tc, c.cancel(skipped.job_id, purge=True)).purged  # purging twice: done already
     assert "hsstream_" in c.metrics()
     assert "/v1/jobs/{job_id}" in c.openapi()["paths"]
 
@@ -219,3 +225,63 @@ def test_the_contract_and_its_client_import_nothing_of_ours_but_the_contract():
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.replace("'", '"')) == ["connector", "connector.contract", "connector.contract.rest",
                                                       "connector.contract.rest_client"]  # fmt: skip
+
+
+@pytest.fixture
+def live_sidecar(tmp_path, tiny_model):
+    """The real app under real uvicorn on a free loopback port (in a thread), for a plain httpx client."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from hsstream.devstack import free_port
+
+    s = Settings(run_dir=tmp_path / "run-live", spool_dir=tmp_path / "spool-live", vllm_url="http://127.0.0.1:9",
+                 model=tiny_model, api_token=TOKEN)  # fmt: skip
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(s), host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and t.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    t.join(10)
+
+
+@pytest.mark.parametrize("library", ["httpx", "testclient"])
+def test_the_client_works_over_whichever_http_library_sends(library, app_client, live_sidecar):
+    """``SidecarClient`` hands its client only what httpx and httpx2 both take (issue 38): over
+    httpx against real uvicorn, and over Starlette's ``TestClient`` — an ``httpx2.Client`` as of
+    Starlette 1.10, which refused the ``httpx.Timeout`` an upload used to pass."""
+    if library == "httpx":
+        c = SidecarClient(live_sidecar, token=TOKEN)
+        assert isinstance(c._http, httpx.Client)
+    else:
+        c = SidecarClient(http=app_client, token=TOKEN)
+        import starlette
+
+        if tuple(int(x) for x in starlette.__version__.split(".")[:2]) >= (1, 10):
+            import httpx2
+
+            assert isinstance(app_client, httpx2.Client)  # the case the fix is for, really exercised
+    created = c.upload(iter([{"prompt": "a"}, {"prompt": "b"}]), {"epochs": 2})  # the per-call read timeout
+    assert created.num_samples == 4 and c.job(created.job_id).num_samples == 4
+    with pytest.raises(SidecarError) as e:
+        c.job("nope")
+    assert e.value.status == 404
+
+
+def test_a_failure_to_reach_the_sidecar_is_one_error_whichever_library_sent():
+    """The client's own library's ``HTTPError`` is caught (httpx2's is not httpx's)."""
+    from connector.contract.rest_client import transport_errors
+
+    httpx2 = pytest.importorskip("httpx2")
+    with httpx2.Client(base_url="http://127.0.0.1:9", timeout=5) as h:
+        assert httpx2.HTTPError in transport_errors(h)
+        with pytest.raises(SidecarError) as e:
+            SidecarClient(http=h, token="").healthz()
+    assert e.value.unreachable

@@ -84,3 +84,25 @@ def test_ids_are_vllms_own_rendering(model_config, tiny_model, name, msgs, tools
     want = vllm_ids(model_config, tok, want_msgs, tools=tools, chat_template=template, kwargs=kwargs,
                     generation_prompt=mode == "regenerate")  # fmt: skip
     assert ids == want
+
+
+SHAREGPT_MESS = [  # as ShareGPT V3 ships them: assistant first, other assistants' names, blank and repeated turns
+    {"from": "gpt", "value": "...the end of the last part."}, {"from": "human", "value": "Go on."},
+    {"from": "chatgpt", "value": "First."}, {"from": "bing", "value": "Second."}, {"from": "human", "value": " "},
+    {"from": "user", "value": "And?"}, {"from": "bard", "value": "Done."},
+]  # fmt: skip
+#: The rule of sample_tokens.sharegpt_messages, spelled out: the leading reply dropped, the blank
+#: turn dropped, consecutive turns of one speaker joined with a blank line.
+SHAREGPT_REPAIRED = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": "First.\n\nSecond."},
+                     {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Done."}]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["tiny", "chatml", "qwen3"])
+@pytest.mark.parametrize("mode", ["extract", "regenerate"])
+def test_a_repaired_sharegpt_row_is_vllms_rendering_of_the_repaired_messages(model_config, tiny_model, name, mode):
+    tok = tokenizers(tiny_model)[name]
+    notes: list[str] = []
+    ids, _ = encode_sample(tok, {"conversations": copy.deepcopy(SHAREGPT_MESS)}, mode=mode, notes=notes)
+    want_msgs = SHAREGPT_REPAIRED if mode == "extract" else SHAREGPT_REPAIRED[:3]
+    assert ids == vllm_ids(model_config, tok, want_msgs, generation_prompt=mode == "regenerate")
+    assert len(notes) == 3

@@ -9,6 +9,7 @@ same name stands in where the machine has no real one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
@@ -54,23 +55,40 @@ def _fake_wheel(folder: Path) -> Path:
     return whl
 
 
-@pytest.fixture(scope="module")
-def indexes(tmp_path_factory):
-    """Two PEP 503 indexes on one stand-in server: /empty/ (no torch) and /cpu/ (torch's CPU wheel)."""
-    root = tmp_path_factory.mktemp("index")
+@contextlib.contextmanager
+def _index_server(root: Path, whl: Path):
+    """Two PEP 503 indexes on one stand-in server: /empty/ (no torch) and /cpu/ (holding ``whl``)."""
     (root / "empty").mkdir()
     (root / "empty" / "index.html").write_text("<html><body></body></html>")
     pkg = root / "cpu" / "torch"
     pkg.mkdir(parents=True)
-    whl = _real_wheel() or _fake_wheel(root)
     (pkg / whl.name).symlink_to(whl)
     (pkg / "index.html").write_text(f'<html><body><a href="{whl.name.replace("+", "%2B")}">{whl.name}</a></body></html>')
     handler = functools.partial(_Quiet, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
-    yield base, whl
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def indexes(tmp_path_factory):
+    """The stand-in indexes with torch's real CPU wheel where this machine has one."""
+    root = tmp_path_factory.mktemp("index")
+    whl = _real_wheel() or _fake_wheel(root)
+    with _index_server(root, whl) as base:
+        yield base, whl
+
+
+@pytest.fixture(scope="module")
+def small_indexes(tmp_path_factory):
+    """The same with a small stand-in wheel (the hash checks need no 200 MB download)."""
+    root = tmp_path_factory.mktemp("small-index")
+    whl = _fake_wheel(root)
+    with _index_server(root, whl) as base:
+        yield base, whl
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -130,3 +148,34 @@ def test_the_makefile_and_the_cpu_image_install_torch_through_the_script():
     assert "deploy/install_torch.py" in make and "install_torch.py" in docker
     assert "pip install -q --disable-pip-version-check torch==" not in make
     assert "download.pytorch.org" not in make
+
+
+def _lock_for(path: Path, whl: Path, sha: str) -> Path:
+    version = install_torch.wanted_spec().split("==")[1]
+    path.write_text(f"# a lock\nfilelock==3.12.0 \\\n    --hash=sha256:{'0' * 64}\ntorch=={version} \\\n"
+                    f"    --hash=sha256:{sha}\n    # via x\n")
+    return path
+
+
+def test_with_the_lock_the_wheel_must_have_the_locked_hash(small_indexes, tmp_path):
+    """``--lock``: the CPU index's wheel is taken only if its sha256 is the lock's (a stock
+    machine's install path: here against a stand-in index, PyTorch's cannot be reached)."""
+    import hashlib
+
+    base, whl = small_indexes
+    sha = hashlib.sha256(whl.read_bytes()).hexdigest()
+    assert install_torch.locked_torch(str(_lock_for(tmp_path / "good.txt", whl, sha)))[1] == [sha]
+    p, _ = _run(_stock_env(f"{base}/empty/"), "--index", f"{base}/cpu/", "--lock", str(tmp_path / "good.txt"))
+    assert p.returncode == 0 and f"from {base}/cpu/" in p.stdout, p.stdout + p.stderr
+    p, _ = _run(_stock_env(f"{base}/empty/"), "--index", f"{base}/cpu/", "--lock",
+                str(_lock_for(tmp_path / "bad.txt", whl, "f" * 64)))  # fmt: skip
+    assert p.returncode == 4, p.stdout + p.stderr
+    first = p.stderr.splitlines()[0]
+    assert "is not the file the lock names" in first and "f" * 64 in first, p.stderr
+
+
+def test_a_lock_without_torch_is_one_clear_error(tmp_path):
+    lock = tmp_path / "l.txt"
+    lock.write_text("numpy==2.0 \\\n    --hash=sha256:" + "0" * 64 + "\n")
+    with pytest.raises(SystemExit, match="pins no torch with a hash"):
+        install_torch.locked_torch(str(lock))

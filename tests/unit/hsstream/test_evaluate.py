@@ -61,7 +61,7 @@ def test_check_draft_dir_names_what_is_missing(tmp_path):
         E.check_draft_dir(tmp_path)
     d = tmp_path / "final"
     (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
-    with pytest.raises(E.DraftError, match="not an Eagle-3 draft"):
+    with pytest.raises(E.DraftError, match="not a draft of a kind trained here"):
         E.check_draft_dir(d)
     (d / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     with pytest.raises(E.DraftError, match="no weights"):
@@ -72,24 +72,75 @@ def test_check_draft_dir_names_what_is_missing(tmp_path):
 
 def test_a_dspark_draft_is_refused_on_the_cpu_build_naming_the_gpu_it_needs(tmp_path, monkeypatch):
     """vLLM serves DSpark with its V2 model runner only; this CPU build runs V1, which refuses it
-    (tests/unit/trainer_client/test_drafts.py sees vLLM's own refusal say GPU_ONLY's words)."""
+    (tests/unit/trainer_client/test_drafts.py sees vLLM's own refusal say V1_REFUSAL's words)."""
     from typer.testing import CliRunner
 
     from hsstream.cli import app
+    from trainer_client.drafts import dspark as DS
 
     d = tmp_path / "final"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"speculators_model_type": "dspark", "block_size": 4, "sample_from_anchor": True}))
     (d / "model.safetensors").write_bytes(b"")
-    assert not E.v2_runner_available()  # the CPU build
-    want = r"a dspark draft needs a GPU: .*V2 model runner.*\"Model Runner V1 does not support: dspark speculative decoding\""
+    assert not DS.v2_runner_available()  # the CPU build
+    want = r"a dspark draft needs a GPU: vLLM 0\.32.*V2 model runner.*\"Model Runner V1 does not support: dspark speculative decoding\""
     with pytest.raises(E.DraftError, match=want):
         E.check_draft_dir(d)
     r = CliRunner().invoke(app, ["eval", "--draft", str(d), "--model", str(tmp_path)])
     assert r.exit_code == 2 and "needs a GPU" in r.output and "Traceback" not in r.output, r.output
     # where the V2 runner runs (a GPU host): served as method dspark, block_size tokens (the anchor drafts too)
-    monkeypatch.setattr(E, "v2_runner_available", lambda: True)
+    monkeypatch.setattr(DS, "v2_runner_available", lambda: True)
     assert E.speculative_config(d) == {"method": "dspark", "model": str(d.resolve()), "num_speculative_tokens": 4}
+
+
+def _peagle_dir(tmp_path):
+    d = tmp_path / "peagle"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"speculators_model_type": "peagle", "mask_token_id": 1,
+                                               "speculators_config": {"proposal_methods": [{"speculative_tokens": 4}]}}))
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+#: How vLLM 0.34's speculators loader answers a P-EAGLE checkpoint (bench/vllm_conformance.py
+#: runs the same check against 0.34's own algos.py).
+def _loader_034(config_dict, pre_trained_config):  # noqa: ANN001, ANN202
+    raise ValueError("P-EAGLE (parallel drafting EAGLE-3) is not supported.")
+
+
+def test_p_eagle_is_served_as_eagle3_with_parallel_drafting_where_vllm_takes_it(tmp_path):
+    from trainer_client.drafts import peagle
+
+    assert peagle.vllm_refusal() is None  # vLLM 0.32 (this venv) serves it
+    d = _peagle_dir(tmp_path)
+    assert E.speculative_config(d) == {"method": "eagle3", "model": str(d.resolve()), "num_speculative_tokens": 4,
+                                       "parallel_drafting": True}  # fmt: skip
+
+
+def test_p_eagle_is_refused_where_vllms_loader_refuses_it_naming_the_version_and_what_instead(tmp_path, monkeypatch):
+    """vLLM 0.34 does not serve P-EAGLE: hsstream eval, the launcher and the trainer's serve line
+    say so, with the version and what to use instead, before any engine starts."""
+    import vllm
+    from typer.testing import CliRunner
+    from vllm.transformers_utils.configs.speculators import algos
+
+    from hsstream import launch
+    from hsstream.cli import app
+    from trainer_client.drafts.base import NotServable
+    from trainer_client.drafts.peagle import PEagle
+
+    monkeypatch.setitem(algos.SUPPORTED_SPECULATORS_TYPES, "peagle", _loader_034)
+    d = _peagle_dir(tmp_path)
+    want = rf"vLLM {vllm.__version__} does not serve P-EAGLE drafts \(it says: P-EAGLE .* is not supported\.\).*--draft dflash"
+    with pytest.raises(E.DraftError, match=want):
+        E.check_draft_dir(d)
+    with pytest.raises(E.DraftError, match=want):
+        launch.vllm_args(launch.VllmOptions(model=str(tmp_path), layer_ids=[], spool_dir="", notice_endpoint="",
+                                            extraction=False, draft=str(d)))  # fmt: skip
+    r = CliRunner().invoke(app, ["eval", "--draft", str(d), "--model", str(tmp_path)])
+    assert r.exit_code == 2 and "does not serve P-EAGLE" in r.output and "Traceback" not in r.output, r.output
+    with pytest.raises(NotServable, match=want):  # the trainer's serve line (here or not: vLLM refuses it)
+        PEagle.serve_config(d, 4, here=False)
 
 
 def test_read_prompts_jsonl_or_lines(tmp_path):

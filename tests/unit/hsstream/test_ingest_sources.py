@@ -270,10 +270,10 @@ def test_shuffle_is_seeded_a_permutation_and_bounded_by_its_buffer(tmp_path, cli
 def test_refused_rows_are_reported_skip_and_reject(tmp_path, client, cli_submit, capsys):
     rows = [{"id": "ok", "prompt": "fine"}, {"id": "bad", "token_ids": [10**9]}]
     p = write_jsonl(tmp_path / "r.jsonl", rows)
-    code, job = cli_submit(p, '{"on_invalid": "skip"}')
+    code, job = cli_submit(p)  # skip: hsstream submit's default (hsstream/job_options.py)
     assert code == 0 and job.num_failed_at_submission == 1
-    assert "refused 1" in capsys.readouterr().err
-    code, job = cli_submit(p)
+    assert "skipped 1" in capsys.readouterr().err
+    code, job = cli_submit(p, '{"on_invalid": "reject"}')
     assert code == 1 and job is None
     assert "nothing was queued" in capsys.readouterr().err
 

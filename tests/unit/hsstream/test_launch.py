@@ -86,7 +86,7 @@ def test_parallel_args_refuse_an_uneven_split():
 
 
 @pytest.mark.parametrize("kind, want", [
-    ("eagle3", {"method": "eagle3", "num_speculative_tokens": 3}),
+    ("eagle3", {"method": "eagle3", "num_speculative_tokens": 4}),  # its TTT steps, as speculators saved them
     ("peagle", {"method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": 4}),
     ("dflash", {"method": "dflash", "num_speculative_tokens": 5}),
 ])  # fmt: skip

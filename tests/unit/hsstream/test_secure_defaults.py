@@ -261,7 +261,7 @@ def test_compose_refuses_an_empty_token_and_keeps_vllm_on_loopback(tmp_path):
     assert p.returncode != 0 and "set HSSTREAM_API_TOKEN in deploy/.env" in p.stderr, p.stderr
     wide = tmp_path / "wide.env"
     wide.write_text(text.replace("BIND_ADDRESS=127.0.0.1", "BIND_ADDRESS=0.0.0.0"))
-    for profile in ([], ["--profile", "cpu"]):
+    for profile in ([], ["--profile", "cpu"], ["--profile", "cpu", "--profile", "live-cpu"]):
         p = subprocess.run([*compose_cmd(), "--env-file", str(wide), "-f", str(COMPOSE), *profile, "config"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
         assert p.returncode == 0, p.stderr
@@ -269,7 +269,8 @@ def test_compose_refuses_an_empty_token_and_keeps_vllm_on_loopback(tmp_path):
         for name, svc in services.items():
             for port in svc.get("ports", []):
                 ip = port.get("host_ip") if isinstance(port, dict) else str(port).rsplit(":", 2)[0]
-                want = "127.0.0.1" if name.startswith("vllm") else "0.0.0.0"
+                # vLLM and the proxy in front of it answer without a key of their own: host only
+                want = "127.0.0.1" if name.startswith(("vllm", "proxy")) else "0.0.0.0"
                 assert ip == want, f"{name} publishes {port}"
 
 

@@ -25,7 +25,7 @@ NON_DEFAULT = {
     "samples_per_step": 3, "max_tokens_per_step": 2048, "checkpoint_every": 11, "checkpoint_every_s": 30.0,
     "clock_origin": 1234.5, "keep_checkpoints": 5, "eval_every": 6, "eval_samples": 4, "eval_ids": ("a", "b c"), "eval_fraction": 0.25, "eval_seed": 9,
     "log_every": 3, "seed": 42, "train_lm_head": True, "control": "swap-hidden", "tensorboard": False, "logger": "none",
-    "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5,
+    "progress": False, "threads": 2, "device": "cpu", "autocast": "none", "prefetch": 2, "idle_s": 0.5, "init_draft": "/drafts/d0",
     "draft_attn_impl": "eager", "extra": {"note": "x"}, "draft": "dflash", "mask_token_id": 7, "block_size": 5,
     "num_depths": 3, "max_anchors": 17, "num_draft_layers": 2, "markov_rank": 32, "confidence_head_alpha": 0.5,
 }  # fmt: skip
@@ -42,7 +42,7 @@ def train(monkeypatch):
     got: dict = {}
 
     class Result:
-        serve = final_dir = None
+        serve = final_dir = serve_refused = None
 
         def summary(self) -> dict:
             return {}
@@ -77,10 +77,21 @@ def _write(path, data: dict) -> str:  # noqa: ANN001
     return str(path)
 
 
+def setting(cfg, name: str):  # noqa: ANN001, ANN201
+    """A setting of the run: a TrainConfig field, or a draft's own (in ``draft_options``)."""
+    return cfg.draft_options[name] if name in TC.draft_keys() else getattr(cfg, name)
+
+
 def test_the_table_covers_every_field_at_a_value_that_is_not_its_default():
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    assert set(NON_DEFAULT) | {"out_dir"} == set(fields), "a new TrainConfig field needs a value here (and a key)"
+    from trainer_client import drafts
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "draft_options"}
+    assert set(NON_DEFAULT) | {"out_dir"} == set(fields) | set(TC.draft_keys()), \
+        "a new TrainConfig field or draft setting needs a value here (and a key)"  # fmt: skip
     for name, v in NON_DEFAULT.items():
+        if name in TC.draft_keys():
+            assert all(v != spec.default for _, spec in drafts.option_table()[name]), name
+            continue
         f = fields[name]
         if f.default is not dataclasses.MISSING:
             assert v != f.default, name
@@ -96,13 +107,13 @@ def test_config_file_round_trips_every_field(train, tmp_path, suffix):
     assert code == 0, output
     cfg = got["cfg"]
     for name, want in {**NON_DEFAULT, "out_dir": out}.items():
-        have = getattr(cfg, name)
+        have = setting(cfg, name)
         if name == "extra":
             assert have["note"] == "x" and have["config"] == path and "argv" in have
         else:
             assert have == want and type(have) is type(want), name
     assert got["jobs"] == ["j1", "j2"] and got["submit_file"] == "data.jsonl" and got["epochs"] == 3
-    assert got["job_options"] == {"loss_mask": "all"} and got["api"] == "http://h:1" and got["endpoint"] == "tcp://h:2"
+    assert got["job_options"] == {"loss_mask": "all", "on_invalid": "skip"} and got["api"] == "http://h:1" and got["endpoint"] == "tcp://h:2"
     assert got["spool_dir"] == "/s" and got["token_counts_file"] == "tc.json" and got["timeout_s"] == 9.0
 
 
@@ -115,7 +126,9 @@ def test_dump_config_writes_a_file_that_reads_back_the_same(train, tmp_path):
     again.write_text(dumped)
     code, output, got = train("--config", str(again))
     assert code == 0, output
-    want = dataclasses.replace(TrainConfig(**{**NON_DEFAULT, "out_dir": str(tmp_path / "run")}), lr=0.3)
+    run = {k: v for k, v in NON_DEFAULT.items() if k not in TC.draft_keys()}
+    want = TrainConfig(**{**run, "out_dir": str(tmp_path / "run"), "lr": 0.3},
+                       draft_options={k: v for k, v in NON_DEFAULT.items() if k in TC.draft_keys()})  # fmt: skip
     assert {k: v for k, v in dataclasses.asdict(got["cfg"]).items() if k != "extra"} == \
         {k: v for k, v in dataclasses.asdict(want).items() if k != "extra"}  # fmt: skip
 
@@ -179,7 +192,7 @@ def test_speculators_names_and_run_yaml_layout_are_understood(train, tmp_path):
     assert code == 0, output
     c = got["cfg"]
     assert (c.verifier, c.aux_layer_ids, c.draft_vocab_size, c.max_tokens_per_step) == ("/m", [2, 4, 6], 100, 1024)
-    assert (c.ttt_steps, c.ttt_step_loss_decay, c.lr, c.weight_decay) == (2, 0.9, 3e-4, 0.05)
+    assert (setting(c, "ttt_steps"), setting(c, "ttt_step_loss_decay"), c.lr, c.weight_decay) == (2, 0.9, 3e-4, 0.05)
     assert (c.schedule, c.warmup_steps, c.schedule_steps) == ("constant", 5, 500)
     assert (c.out_dir, c.max_steps, c.log_every, c.seed, got["epochs"]) == (str(tmp_path / "r"), 600, 2, 7, 4)
 
@@ -188,7 +201,7 @@ def test_the_draft_and_its_settings_in_our_layout_and_in_speculators(train, tmp_
     code, output, got = train("--config", _write(tmp_path / "a.yaml", {"verifier": "/m", "out_dir": str(tmp_path / "a"),
                                                                        "draft": "peagle", "mask_token_id": 5}))  # fmt: skip
     assert code == 0, output
-    assert (got["cfg"].draft, got["cfg"].mask_token_id) == ("peagle", 5)
+    assert (got["cfg"].draft, got["cfg"].draft_options) == ("peagle", {"mask_token_id": 5})
     run_yaml = {"train": {
         "speculator_type": "dflash", "verifier": {"verifier_name_or_path": "/m"},
         "draft": {"mask_token_id": 7, "num_layers": 2}, "data": {"max_anchors": 9},
@@ -197,15 +210,15 @@ def test_the_draft_and_its_settings_in_our_layout_and_in_speculators(train, tmp_
     code, output, got = train("--config", _write(tmp_path / "run.yaml", run_yaml), "--block-size", "5")
     assert code == 0, output
     c = got["cfg"]
-    assert (c.draft, c.mask_token_id, c.num_draft_layers, c.max_anchors, c.block_size, c.num_depths) == \
-        ("dflash", 7, 2, 9, 5, 2)  # fmt: skip
+    assert (c.draft, c.draft_options) == ("dflash", {"mask_token_id": 7, "num_draft_layers": 2, "max_anchors": 9,
+                                                     "block_size": 5, "num_depths": 2})  # fmt: skip
     dspark = {"train": {"speculator_type": "dspark", "verifier": {"verifier_name_or_path": "/m"},
                         "dspark": {"markov_rank": 64, "confidence_head_alpha": 0.25},
                         "trainer": {"save_path": str(tmp_path / "s")}}}  # fmt: skip
     code, output, got = train("--config", _write(tmp_path / "dspark.yaml", dspark), "--markov-rank", "16")
     assert code == 0, output
     c = got["cfg"]
-    assert (c.draft, c.markov_rank, c.confidence_head_alpha) == ("dspark", 16, 0.25)
+    assert (c.draft, c.draft_options) == ("dspark", {"markov_rank": 16, "confidence_head_alpha": 0.25})
 
 
 def test_speculators_flag_names_work_beside_ours(train, tmp_path):

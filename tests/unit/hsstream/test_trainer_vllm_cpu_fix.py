@@ -66,3 +66,22 @@ def test_registered_as_a_vllm_general_plugin():
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert eps.get("hsstream_cpu_fix") == "hsstream.vllm_cpu_fix:register"
+
+
+def test_where_vllm_has_no_rejection_sampler_the_patch_does_nothing_and_says_so_once(monkeypatch, caplog):
+    """vLLM 0.34 removed vllm/v1/sample/rejection_sampler.py and calls every general plugin
+    unguarded: the plugin must neither import it nor fail there (a future CPU build ≥ 0.34)."""
+    import logging
+    import sys
+
+    monkeypatch.setattr(F, "is_cpu_build", lambda: True)  # the CPU build, whatever this one is
+    monkeypatch.setattr(F, "_said_missing", False)
+    monkeypatch.setitem(sys.modules, F.TARGET_MODULE, None)  # import of it raises, as where it is gone
+    assert not F.target_present()
+    with caplog.at_level(logging.INFO, logger=F.log.name):
+        F.register()
+        F.register()  # vLLM may call plugins more than once per process
+    said = [r.getMessage() for r in caplog.records if F.TARGET_MODULE in r.getMessage()]
+    assert len(said) == 1 and "nothing to patch" in said[0], said
+    monkeypatch.delitem(sys.modules, F.TARGET_MODULE)
+    assert F.target_present()  # this build has it

@@ -131,3 +131,17 @@ def test_a_semaphore_the_dead_engine_made_is_recorded_under_its_name_and_removed
     assert os.path.exists(path)
     removed, kept = remove_shm_files(got)
     assert path in removed and not os.path.exists(path)
+
+
+def test_a_mapping_on_another_tmpfs_is_not_ours_whatever_its_inode():
+    """An inode number is unique within one filesystem: a process in another mount namespace
+    (a container, a test's private /dev/shm) maps files whose inodes collide with ours, and
+    such a file must neither keep one of ours alive nor be taken for one."""
+    from hsstream.up.shm_cleanup import parse_maps
+
+    ours = os.makedev(0, 0x1A)
+    lines = ["7f00-7f10 rw-s 00000000 00:1a 12 /dev/shm/sem.mp-ours\n",
+             "7f10-7f20 rw-s 00000000 00:2b 13 /dev/shm/sem.mp-theirs (deleted)\n",
+             "7f20-7f30 r--p 00000000 fd:01 14 /usr/lib/libc.so.6\n"]  # fmt: skip
+    assert parse_maps(lines, ours) == [(12, "/dev/shm/sem.mp-ours")]
+    assert parse_maps(lines, None) == [(12, "/dev/shm/sem.mp-ours"), (13, "/dev/shm/sem.mp-theirs")]

@@ -138,18 +138,31 @@ def test_an_abandoned_request_and_a_busy_notice_both_quarantine_their_slots(monk
     assert st.slots == 0 and st.quarantined_bytes == 2 * A.PAGE
 
 
-def test_a_lost_trainer_leaves_its_slots_to_the_next_one():
+def test_a_lost_trainers_slot_samples_are_produced_again_not_handed_to_the_next_one():
+    """A trainer gone (silent past its timeout, killed) had its slots' bytes in its hands, read
+    without a checksum: what it did to them is unknown, so the next trainer gets the sample
+    produced again, never that slot (issue 40: trainer A add_(1.0)'d its view and went quiet, B
+    was yielded A's bytes). A file's sample still goes to the next trainer: every reader checks
+    a file's checksum."""
     led, slots = _ledger(q=60.0)
-    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE)])
-    s = led.next_to_submit(10**9)
+    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE), NewSample([4, 5, 6], None, None, 0)])
+    s, f = led.next_to_submit(10**9), led.next_to_submit(10**9)
+    assert s.slot is not None and f.slot is None  # the second has no known size: a file
     led.on_notice(_ok(s), A.PAGE)
-    first = led.lease_next(b"t1", None)
-    led.release_owner(b"t1", lambda f: False)  # killed while holding views: the bytes are still there
+    led.on_notice(P.Notice(status=P.NoticeStatus.ok, request_id="r", key=f.key, attempt=f.attempt,
+                           file="hs-f.safetensors", num_tokens=3, nbytes=30), 30)  # fmt: skip
+    first, file_one = led.lease_next(b"t1", None), led.lease_next(b"t1", None)
+    attempt, slot = first.attempt, first.notice.slot
+    assert led.release_owner(b"t1", lambda name: True) == 2  # gone with both in its hands
     again = led.get(first.key)
-    assert again.state == State.ready and again.slot == first.notice.slot
-    second = led.lease_next(b"t2", None)
-    assert led.ack(b"t2", second.key, second.lease_token)  # no RECEIVED: it may still read
-    assert slots.stats().slots == 1 and slots.stats().quarantined_bytes == 0
+    assert again.state == State.queued and again.attempt == attempt + 1 and again.slot is None
+    assert not again.errors  # not the sample's fault: no attempt spent
+    assert slots.stats().slots == 0 and slots.stats().quarantined_bytes == A.PAGE  # not reused at once
+    assert led.get(file_one.key).state == State.ready  # a file: the next reader checks it
+    nxt = led.lease_next(b"t2", None)
+    assert nxt.key == file_one.key and led.lease_next(b"t2", None) is None  # the slot's is never handed on
+    resub = led.next_to_submit(10**9)
+    assert resub.key == first.key and resub.slot is not None and resub.slot.generation > slot.generation
 
 
 def test_regenerate_jobs_unknown_sizes_and_samples_larger_than_the_arena_get_files():
@@ -178,15 +191,18 @@ def test_a_restart_rebuilds_the_slot_table_and_drops_slots_of_another_arena(tmp_
     ready, leased, submitted = (led.next_to_submit(10**9) for _ in range(3))
     led.on_notice(_ok(ready), A.PAGE)
     led.on_notice(_ok(leased), A.PAGE)
-    led.lease_next(b"t", None)
+    held = led.lease_next(b"t", None)
     led.close()
     led2 = Ledger(path)
     slots2 = SlotAllocator(ARENA_ID, 64 * A.PAGE, quarantine_s=60.0)
     led2.attach_slots(slots2)
     rec = led2.recover(lambda f: False)
-    assert rec == {"ready": 2, "resubmitted": 1}
+    # the leased one is produced again: its trainer had the slot's unchecked bytes in its hands
+    assert rec == {"ready": 1, "regenerate": 1, "resubmitted": 1}
+    others = [k for k in (ready.key, leased.key) if k != held.key]
+    assert led2.get(held.key).state == State.queued and led2.get(others[0]).state == State.ready
     st = slots2.stats()
-    assert st.slots == 2 and st.quarantined_bytes == A.PAGE  # the submitted one's writer may still write
+    assert st.slots == 1 and st.quarantined_bytes == 2 * A.PAGE  # the submitted one's writer may still write
     nxt = led2.next_to_submit(10**9)
     assert nxt.key == submitted.key and nxt.slot.generation > max(ready.slot.generation, leased.slot.generation)
     led2.close()
@@ -194,7 +210,7 @@ def test_a_restart_rebuilds_the_slot_table_and_drops_slots_of_another_arena(tmp_
     led3 = Ledger(path)
     slots3 = SlotAllocator("cd" * 16, 64 * A.PAGE)
     led3.attach_slots(slots3)
-    assert led3.recover(lambda f: False) == {"regenerate": 2, "resubmitted": 1}
+    assert led3.recover(lambda f: False) == {"regenerate": 1, "resubmitted": 1}  # (the leased one is queued already)
     assert slots3.stats().slots == 0
 
 
@@ -292,7 +308,7 @@ def test_a_slot_given_back_in_an_ack_list_that_rolls_back_stays_its_samples(tmp_
     s = led.next_to_submit(10**9)
     led.on_notice(_ok(s), A.PAGE)
     t = led.lease_next(b"t", None)
-    led.release_owner(b"t", lambda f: False)  # READY again, bytes in its slot
+    led.unlease(b"t", [t.key], lambda f: False)  # READY again (its DELIVER never left), bytes in its slot
     real = led._db
     led._db = _FailingJobsDb(real)
     with pytest.raises(sqlite3.OperationalError):

@@ -384,3 +384,22 @@ def test_the_transition_table_names_every_state_and_ends_in_the_terminal_ones():
     assert set(TRANSITIONS) == set(State)
     for st, nxt in TRANSITIONS.items():
         assert (not nxt) if st in TERMINAL else TERMINAL <= nxt, st
+
+
+def test_a_cancelled_job_is_purged_at_once_and_an_unfinished_one_never(tmp_path):
+    """``DELETE /v1/jobs/{id}?purge=true`` (``hsstream proxy forget``): the rows of a cancelled
+    job go now, not after the retention; its counts stay; a job still running is not touched."""
+    db = tmp_path / "l.sqlite"
+    led = Ledger(db)
+    gone, live = led.add_job(new(3)), led.add_job(new(2))
+    a = led.next_to_submit(10**9)
+    led.on_notice(ok_notice(a, "a.safetensors"), 100)
+    assert not led.purge(gone.job_id)  # not finished: refused, nothing deleted
+    assert len(led.job_samples(gone.job_id)) == 3
+    led.cancel_job(gone.job_id)
+    assert led.purge(gone.job_id)
+    assert led.job_samples(gone.job_id) == [] and gone.job_id not in led.jobs
+    assert led.job_view(gone.job_id).compacted and led.job_view(gone.job_id).counts()["cancelled"] == 3
+    assert led._db.execute("SELECT count(*) FROM samples WHERE job_id=?", (gone.job_id,)).fetchone()[0] == 0  # noqa: SLF001
+    assert not led.purge(live.job_id) and len(led.job_samples(live.job_id)) == 2
+    assert not led.purge("no-such-job")

@@ -53,13 +53,13 @@ def test_a_slot_reads_back_in_place_identical_to_the_file_layout(spool, dtype):
     as_file = SFX.write_sample(spool, "hs-f.safetensors", key=P.SampleKey(job="j", index=0), seed=0, tokens=T,
                                layer_ids=LAYERS, hidden=HID, dtype=dtype)  # fmt: skip
     tm: dict = {}
-    kept = []
+    released = []
     maps = ArenaMaps(spool)
-    s = load_and_check(spool, sf.deliver, arenas=maps, keep=kept.append, timings=tm)
+    s = load_and_check(spool, sf.deliver, arenas=maps, on_release=lambda: released.append(1), timings=tm)
     arena = maps._arena  # the reader's own mapping
     assert torch.equal(s.hidden_states.view(torch.uint8), as_file.hidden_states.view(torch.uint8))  # the same bytes
     assert torch.equal(s.token_ids, as_file.token_ids)
-    assert _in_arena(s.hidden_states, arena) and len(kept) == 1  # zero-copy: a view of the slot
+    assert _in_arena(s.hidden_states, arena) and not released  # zero-copy: a view of the slot, held
     assert tm["bytes_copied"] == 0
     if dtype == "float8_e4m3fn":
         assert s.scales is not None and _in_arena(s.scales, arena)
@@ -142,7 +142,7 @@ def test_pinned_reads_copy_the_slot_out_and_release_it_at_once(spool):
     maps = ArenaMaps(spool)
     s = load_and_check(spool, sf.deliver, arenas=maps, pin_memory=True,
                        alloc=lambda n: torch.empty(n, dtype=torch.uint8),
-                       keep=lambda arr: weakref.finalize(arr, released.append, "gone"), timings=tm)  # fmt: skip
+                       on_release=lambda: released.append("gone"), timings=tm)  # fmt: skip
     assert not _in_arena(s.hidden_states, maps._arena)
     assert tm["bytes_copied"] == A.written_size(arena.map[A.PAGE : 2 * A.PAGE], sf.notice.slot.length)
     assert released == ["gone"]  # while the sample lives: nothing of it is in the slot
@@ -329,10 +329,11 @@ def test_close_copies_out_the_last_sample_a_loop_still_holds_and_sends_its_recei
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU host: see docs/benchmarks.md)")
-def test_on_cuda_a_slot_goes_to_the_device_from_the_registered_arena_and_is_released(tmp_path):
-    """With ``device="cuda"`` the stream page-locks the arena once (its slot views are pinned, so
-    the copy is one DMA), yields the hidden states on the device equal to the slot's, and the
-    slot's RECEIVED goes at once (no view of it is kept)."""
+def test_on_cuda_a_slot_goes_to_the_device_from_a_pinned_copy_and_is_released(tmp_path):
+    """With ``device="cuda"`` the stream copies the slot into a pinned buffer (its copy-on-write
+    mapping of the arena is never page-locked: that would make every page its own), yields the
+    hidden states on the device equal to the slot's, and the slot's RECEIVED goes at once (no
+    view of it is kept)."""
     with SFX.shm_spool() as spool:
         _slot_to_device(tmp_path, spool)
 
@@ -346,7 +347,36 @@ def _slot_to_device(tmp_path, spool):
             x = next(v for v in s if v is not None)
             assert x.hidden_states.is_cuda
             assert torch.equal(x.hidden_states.cpu(), SFX.read_slot_tensors(spool, w.deliver.notice.slot)[SF.HIDDEN_STATES_KEY])
-            assert all(s._arenas._registered.values()) and s._arenas._registered  # noqa: SLF001
+            assert s.stats["bytes_copied"] >= x.hidden_states.numel() * x.hidden_states.element_size()  # copied out
+            assert s._arenas._arena.reads.holds() == 0  # noqa: SLF001  # let go at once
             _until(lambda: ("Received", x.key) in _said(sc), iter(s))
+    finally:
+        sc.stop()
+
+
+def test_a_cuda_stream_never_page_locks_the_arena(tmp_path, spool, monkeypatch):
+    """The arena's start-up stall on the H200 (docs/benchmarks.md) was the trainer page-locking
+    the whole arena for CUDA at its first slot (cudaHostRegister of 8 GiB, about a second with the
+    GIL held). Trainers map the arena copy-on-write now and copy a CUDA-bound slot into a pinned
+    buffer, so nothing registers the arena at all: not when the stream connects, not after."""
+    SFX.make_arena(spool)
+    calls: list = []
+
+    class Cudart:  # torch.cuda.cudart() on a CUDA build: records any registration
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802, ANN001, ANN201
+            calls.append(size)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    sc = FakeSidecar(tmp_path, [], end=False)
+    try:
+        with _stream(sc, spool, device="cuda") as s:
+            s._connect()  # noqa: SLF001 - what the first iteration does
+            t0 = time.monotonic()
+            while not any(isinstance(m, P.Hello) for m in list(sc.got)) and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            assert any(isinstance(m, P.Hello) for m in list(sc.got))
+        assert calls == []
+        assert not hasattr(s._arenas, "register_cuda")  # noqa: SLF001
     finally:
         sc.stop()

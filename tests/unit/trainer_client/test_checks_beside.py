@@ -41,7 +41,7 @@ def _write(spool, *, where: int | None, value: float = float("nan"), slot: bool 
 def _check(spool, d, **kw):
     maps = ArenaMaps(spool)
     try:
-        got = C.load_and_check(spool, d, arenas=maps, keep=lambda _a: None, **kw)
+        got = C.load_and_check(spool, d, arenas=maps, **kw)
         del got
     finally:
         maps.close()
@@ -57,7 +57,7 @@ def test_without_the_writers_verdict_a_non_finite_value_is_found_anywhere(tmp_pa
     """No verdict in the notice (an older writer): the scan, on 1 core in the checksum's pass
     (xxh3-128) or after it (blake3), on several beside it, finds a NaN or an inf at the start,
     either side of a chunk's end, inside, at the end; a clean sample passes."""
-    monkeypatch.setattr(C, "_CPUS", cpus)
+    monkeypatch.setattr(C, "CPUS", cpus)
     for i, where in enumerate((*WHERE, None)):
         spool = tmp_path / f"s{i}"
         spool.mkdir()
@@ -79,7 +79,7 @@ def test_the_writers_verdict_stands_once_the_checksum_matches(tmp_path, monkeypa
     scans = []
     real = C.scan_of
     monkeypatch.setattr(C, "scan_of", lambda hs: scans.append(1) or real(hs))
-    monkeypatch.setattr(C, "_CPUS", 2)
+    monkeypatch.setattr(C, "CPUS", 2)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
     clean = _write(tmp_path / "a", where=None, slot=slot)
     assert clean.deliver.notice.finite is True
@@ -104,7 +104,7 @@ def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, m
     """Refused by the checksum, or by a NaN in a chunk the hashing thread takes: the pool's
     helper, slowed past the hashing thread's whole work, has finished before the refusal (a
     slot is handed back on it), and the refusal is the sample's own."""
-    monkeypatch.setattr(C, "_CPUS", 2)
+    monkeypatch.setattr(C, "CPUS", 2)
     state = {"running": 0, "ran": 0}
     lock = threading.Lock()
     real_run = F.ChunkedScan.run

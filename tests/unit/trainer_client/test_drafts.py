@@ -44,10 +44,12 @@ def samples(tiny_model) -> list[Sample]:
 
 
 def cfg(tiny_model, out, **kw) -> TrainConfig:
+    """The run's settings; the drafts' own (mask_token_id, block_size, ...) go into draft_options."""
     base = dict(verifier=tiny_model, out_dir=str(out), draft_vocab_size=128, checkpoint_every=12, progress=False,
                 tensorboard=False, lr=3e-3, warmup_steps=2, threads=1, mask_token_id=MASK, schedule="constant")  # fmt: skip
     base.update(kw)
-    return TrainConfig(**base)
+    opts = {k: base.pop(k) for k in list(base) if k in D.option_table()}
+    return TrainConfig(**base, draft_options=opts)
 
 
 def test_the_registry_names_every_draft_and_refuses_others():
@@ -111,12 +113,10 @@ def test_dspark_checkpoint_reloads_in_speculators_and_passes_vllms_own_parsing(t
     """The saved DSpark draft: speculators' from_pretrained gives back exactly its weights; vLLM's
     speculators loader (update_dspark) reads what its DSpark runtime needs; vLLM's engine config
     accepts the draft up to the model runner, where the CPU build's V1 runner refuses it with the
-    words hsstream eval quotes."""
+    words hsstream eval quotes (DSpark's plug-in, V1_REFUSAL)."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file
     from speculators.models.dspark import DSparkDraftModel
-
-    from hsstream import evaluate as E
 
     out = tmp_path / "ds"
     res = OnlineTrainer(cfg(tiny_model, out, draft="dspark", max_steps=3, markov_rank=16),
@@ -146,7 +146,7 @@ def test_dspark_checkpoint_reloads_in_speculators_and_passes_vllms_own_parsing(t
 
     spec = res.speculative_config
     assert spec == {"method": "dspark", "model": str(final.resolve()), "num_speculative_tokens": 4}
-    with pytest.raises(Exception, match=re.escape(E.GPU_ONLY["dspark"])):
+    with pytest.raises(Exception, match=re.escape(DS.V1_REFUSAL)):
         EngineArgs(model=tiny_model, speculative_config=spec, max_model_len=256).create_engine_config()
 
 
@@ -211,7 +211,7 @@ def test_a_wrong_layer_order_is_read_in_ascending_order_for_every_draft(tiny_mod
     from trainer_client.train.checkpoints import verifier_text_config
 
     for name in D.names():
-        d = D.get(name)(TrainConfig(verifier=tiny_model, out_dir="/nonexistent", mask_token_id=MASK),
+        d = D.get(name)(TrainConfig(verifier=tiny_model, out_dir="/nonexistent", draft_options={"mask_token_id": MASK}),
                         verifier_text_config(tiny_model))  # fmt: skip
         a, b = d.features(s, [2, 6, 9]), d.features(shuffled, [2, 6, 9])
         assert torch.equal(a.aux, b.aux) and torch.equal(a.last, b.last), name
@@ -222,3 +222,41 @@ def test_resuming_a_run_with_another_draft_is_refused(tiny_model, samples, tmp_p
     OnlineTrainer(cfg(tiny_model, out, draft="dflash", max_steps=2), counts_of(samples)).train(ListStream(samples[:2]))
     with pytest.raises(ValueError, match="holds a dflash run, not peagle"):
         OnlineTrainer(cfg(tiny_model, out, draft="peagle"), {}).prepare()
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "dflash", "dspark", "peagle"])
+def test_every_draft_trains_unchanged_on_samples_read_in_place_from_arena_slots(tiny_model, samples, tmp_path, draft):
+    """Issue 40: the stream yields an arena slot's tensors as views of the trainer's copy-on-write
+    mapping. Each draft (with the data path's prefetch: the device copy's path) trains on them
+    exactly as on private copies of the same samples, and leaves the shared slots as written."""
+    import dataclasses
+
+    from connector.contract import arena as A
+    from connector.contract import sample_file as SF
+    from tests.support import sample_files as SFX
+    from trainer_client.sample_checks import load_and_check
+    from trainer_client.sample_reader import ArenaMaps
+
+    picks = samples[:2]
+    longest = max(s.token_ids.numel() for s in picks)
+    length = SFX.slot_bytes(longest, len(LAYERS), picks[0].hidden_states.shape[-1])
+    with SFX.shm_spool() as spool:
+        arena = SFX.make_arena(spool, A.PAGE + len(picks) * length)
+        maps, written, views = ArenaMaps(spool), [], []
+        for i, s in enumerate(picks):
+            slot = SFX.slot_for(arena, A.PAGE + i * length, length, generation=i + 1)
+            written.append(SFX.write_sample(spool, key=s.key, slot=slot, hidden_states=s.hidden_states,
+                                            token_ids=s.token_ids, layer_ids=LAYERS, num_hidden_layers=12))  # fmt: skip
+            views.append(load_and_check(spool, written[-1].deliver, arenas=maps))
+        copies = [dataclasses.replace(x, hidden_states=x.hidden_states.clone(), token_ids=x.token_ids.clone())
+                  for x in views]  # fmt: skip
+        runs = []
+        for name, got in (("views", views), ("copies", copies)):
+            torch.manual_seed(0)  # P-EAGLE draws its anchors from the global generator
+            res = OnlineTrainer(cfg(tiny_model, tmp_path / name, draft=draft, prefetch=1, checkpoint_every=100),
+                                counts_of(got)).train(ListStream(got))  # fmt: skip
+            runs.append([(h["loss"], h["grad_norm"]) for h in res.history])
+        assert runs[0] == runs[1] and len(runs[0]) == len(picks)
+        for w in written:
+            assert torch.equal(SFX.read_slot_tensors(spool, w.notice.slot)[SF.HIDDEN_STATES_KEY], w.hidden_states)
+        del views, copies

@@ -42,7 +42,7 @@ def _samples(verifier: str) -> list[Sample]:
 def _cfg(verifier: str, out: str, **kw):  # noqa: ANN202
     from trainer_client.eagle3 import TrainConfig
 
-    base = dict(verifier=verifier, out_dir=out, draft_vocab_size=128, ttt_steps=1, grad_clip=1e9, max_steps=1,
+    base = dict(verifier=verifier, out_dir=out, draft_vocab_size=128, draft_options={"ttt_steps": 1}, grad_clip=1e9, max_steps=1,
                 progress=False, tensorboard=False, threads=1, device="cpu", warmup_steps=1)  # fmt: skip
     base.update(kw)
     return TrainConfig(**base)

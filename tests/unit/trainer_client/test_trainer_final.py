@@ -68,7 +68,8 @@ def test_training_ends_with_a_final_draft_in_speculators_format_and_the_line_to_
         hs = hf_hidden_states(tiny_model, ids, LAYERS).to(torch.bfloat16)
         samples.append(Sample(P.SampleKey(job="unit", index=i), torch.tensor(ids), hs, LAYERS, 12, None))
     cfg = TrainConfig(verifier=tiny_model, out_dir=str(tmp_path), draft_vocab_size=128, checkpoint_every=3,
-                      keep_checkpoints=1, progress=False, tensorboard=False, warmup_steps=1, threads=1, ttt_steps=2)  # fmt: skip
+                      keep_checkpoints=1, progress=False, tensorboard=False, warmup_steps=1, threads=1,
+                      draft_options={"ttt_steps": 2})  # fmt: skip
     r = Eagle3OnlineTrainer(cfg, {t: 1 for t in range(64)}).train(ListStream(samples))
     final = tmp_path / M.FINAL_DIR
     assert r.final_dir == str(final) and r.steps == 10
