@@ -302,3 +302,23 @@ def test_speculators_vllm_command_is_launch_vllm_s():
     with pytest.raises(ValueError):
         T.cpu_safe({"kv_connector": "Other"})
     assert cmd[2:5] == ["vllm.entrypoints.openai.api_server", "--model", "/v"] and "--no-enable-prefix-caching" in cmd
+
+
+def test_our_settings_come_from_the_trainers_run_json_draft_options_included():
+    """run.json keeps Eagle-3's own settings under ``draft_options``: the settings compared are
+    read from there, so a draft trained with other TTT steps fails ``same_settings``."""
+    from bench.vs_speculators.run import ours_settings
+
+    cfg = {"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.999], "schedule": "cosine", "min_lr_ratio": 0.0,
+           "warmup_steps": 0, "grad_clip": 1.0, "seed": 0, "threads": 1,
+           "draft_options": {"draft_attn_impl": "sdpa", "ttt_steps": 3, "ttt_step_loss_decay": 1.0}}  # fmt: skip
+    o = {"run": {"config": cfg, "draft_vocab_size": 4096, "aux_layer_ids": [2, 15, 27], "autocast": None},
+         "steps": 8, "trained_keys": 8, "job_options": {}}  # fmt: skip
+    got = ours_settings(o, 8)
+    assert {k: got[k] for k in SETTINGS} == SETTINGS
+    r = result()
+    r["arms"]["ours"]["settings"] = got
+    assert R.checks(r)["same_settings"]
+    cfg["draft_options"]["ttt_steps"] = 2
+    r["arms"]["ours"]["settings"] = ours_settings(o, 8)
+    assert not R.checks(r)["same_settings"]
