@@ -136,7 +136,7 @@ arena-bench: $(STAMP)
 # Not CI: the headline study (issue 39): SmolLM2-135M-Instruct on ShareGPT as shipped, our online
 # training beside speculators' own offline pipeline (prepare-data, vLLM + Example connector,
 # generate-offline-data, train), the same conversations, draft, recipe and cores; vLLM serves each
-# arm's checkpoints (~55 min on 2 quiet cores; run it alone). Needs `hsstream models get smollm2` and
+# arm's checkpoints (~60 min on 2 quiet cores; run it alone). Needs `hsstream models get smollm2` and
 # `hsstream data get sharegpt` (or VERIFIER=DIR SHAREGPT=FILE). Writes bench/results/vs_speculators_cpu.{json,png},
 # then docs/benchmarks.md's table from it, whatever the outcome. VS_ARGS=--reduced: every stage, small (~12 min, /tmp).
 VS_ARGS ?=

@@ -91,7 +91,8 @@ RECIPE = Recipe()
 #: study's reduced runs): tokens a second trained by one core, prefilled by vLLM on one core,
 #: generated while serving on two; seconds to start vLLM, a trainer, the data-generation client.
 DEFAULT_RATES = {"train_tok_s": 200.0, "extract_tok_s": 650.0, "serve_tok_s": 120.0, "vllm_start_s": 45.0,
-                 "trainer_start_s": 30.0, "client_start_s": 15.0, "prepare_s": 150.0}  # fmt: skip
+                 "trainer_start_s": 30.0, "client_start_s": 15.0, "prepare_s": 150.0,
+                 "select_s_per_row": 0.1}  # fmt: skip
 #: A smaller draft vocabulary makes the step cheaper: its head is 2 × hidden × vocab FLOPs a
 #: token per TTT step and pass; the rest of the step does not change. Hidden 576 (SmolLM2): the
 #: decoder layer and fc cost about as much as a 4k-token head.
@@ -117,8 +118,10 @@ def estimate_s(z: Sizes, rates: dict | None = None, rate_vocab: int = 8192) -> d
               + z.val_rows * z.tokens / (3 * train_tok_s(r, z.draft_vocab, rate_vocab)))  # fmt: skip
     engines = 2 * z.points + 2  # each arm's points, the untrained draft, the verifier alone
     serve = engines * (r["vllm_start_s"] + 2 * z.prompts * z.max_tokens / r["serve_tok_s"])
-    total = r["prepare_s"] + ours + theirs + serve
-    return {"prepare": r["prepare_s"], "ours": ours, "theirs": theirs, "serve": serve, "total": total,
+    # the data selection reads and tokenises the file until it has enough rows (cached afterwards)
+    select = (rows + z.prompts) * r["select_s_per_row"]
+    total = select + r["prepare_s"] + ours + theirs + serve
+    return {"select": select, "prepare": r["prepare_s"], "ours": ours, "theirs": theirs, "serve": serve, "total": total,
             "train_per_arm": train, "extract": extract, "rates": r}  # fmt: skip
 
 

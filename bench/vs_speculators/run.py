@@ -1,7 +1,7 @@
 """The headline study: an Eagle-3 draft for SmolLM2-135M-Instruct trained online by this project
 beside speculators' own offline pipeline, on the same ShareGPT conversations, served by vLLM.
 
-    make vs-speculators                                   # the full run (~55 min on 2 quiet cores)
+    make vs-speculators                                   # the full run (~60 min on 2 quiet cores)
     python -m bench.vs_speculators --reduced              # every stage on the real model, small (~12 min)
     python -m bench.vs_speculators --quick                # the plumbing on the tiny verifier (a few minutes)
     python -m bench.vs_speculators --plan                 # the sizes and the time estimate, nothing run
@@ -386,6 +386,9 @@ def measured_rates(r: dict) -> dict:
     gen = 2 * z["prompts"] * z["max_tokens"]
     tps = [p["T0"]["tokens_per_s"] for a in R.ARMS for p in r["arms"][a]["curve"] if p["T0"].get("tokens_per_s")]
     out = {"vllm_start_s": (o["vllm_start_s"] + s["vllm_start_s"]) / 2}
+    d = r.get("data") or {}
+    if d.get("select_s") and not d.get("selection_cached"):
+        out["select_s_per_row"] = d["select_s"] / (rows + z["prompts"])
     if len(ck) >= 2 and ck[-1]["t_s"] > ck[0]["t_s"]:  # between its checkpoints: training only
         out["train_tok_s"] = (ck[-1]["step"] - ck[0]["step"]) * z["tokens"] / (ck[-1]["t_s"] - ck[0]["t_s"])
     if s.get("generate_s"):
