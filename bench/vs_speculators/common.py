@@ -96,6 +96,23 @@ def spawn_pinned(cmd: list[str], cores: list[int] | None, log_path: Path, env: d
     return p
 
 
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's children reaped so far."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return u.ru_utime + u.ru_stime
+
+
+def finish_cpu(p: subprocess.Popen, timeout: float | None = None) -> tuple[int, float]:
+    """:func:`finish`, and the CPU seconds the child used: what its work costs on a core of its
+    own, whatever else the machine ran meanwhile (the rates a loaded machine can still measure).
+    Only ``p`` may be reaped meanwhile (both arms' other children outlive their trainer)."""
+    before = children_cpu_s()
+    code = finish(p, timeout)
+    return code, round(children_cpu_s() - before, 2)
+
+
 def finish(p: subprocess.Popen, timeout: float | None = None) -> int:
     try:
         return p.wait(timeout)

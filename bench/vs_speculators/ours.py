@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.vs_speculators.common import ROOT, Sampler, finish, log, spawn_pinned, tail
+from bench.vs_speculators.common import ROOT, Sampler, finish_cpu, log, spawn_pinned, tail
 
 
 def cpus_of(pids: list[int]) -> list[int]:
@@ -81,7 +81,7 @@ def run(verifier: str, rows: list[dict], wd: Path, z, rc, split: dict, aux: list
             cmd = train_command(verifier, run_dir, job, stack, token_counts, z, rc, aux, len(rows))
             tr = spawn_pinned(cmd, split["trainer"], wd / "train.log")
             trainer_cpus = cpus_of([tr.pid])  # read from the kernel while it runs
-            code = finish(tr, 7200)
+            code, out["trainer_cpu_s"] = finish_cpu(tr, 7200)
             out["trainer_exit_s"] = round(time.time() - t0, 1)
         if code != 0:
             raise RuntimeError(f"hsstream train failed ({code}):\n{tail(wd / 'train.log')}")

@@ -391,6 +391,12 @@ def measured_rates(r: dict) -> dict:
         out["select_s_per_row"] = d["select_s"] / (rows + z["prompts"])
     if len(ck) >= 2 and ck[-1]["t_s"] > ck[0]["t_s"]:  # between its checkpoints: training only
         out["train_tok_s"] = (ck[-1]["step"] - ck[0]["step"]) * z["tokens"] / (ck[-1]["t_s"] - ck[0]["t_s"])
+    m = r.get("machine") or {}
+    loaded = (m.get("loadavg_at_end") or [0])[0] > (m.get("cpus") or 1)
+    if s.get("trainer_cpu_s") and (loaded or "train_tok_s" not in out):
+        # a loaded machine stretches the wall clock, not the trainer's CPU seconds (which include
+        # its start-up: the rate is a lower bound)
+        out["train_tok_s"] = s["steps"] * z["tokens"] / s["trainer_cpu_s"]
     if s.get("generate_s"):
         out["extract_tok_s"] = rows * z["tokens"] / s["generate_s"]
     if tps:

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.vs_speculators.common import Sampler, finish, log, pinned_env, spawn_pinned, stop, tail, wait_ready
+from bench.vs_speculators.common import Sampler, finish, finish_cpu, log, pinned_env, spawn_pinned, stop, tail, wait_ready
 
 SPEC = [sys.executable, "-m", "speculators"]
 
@@ -232,7 +232,7 @@ def run(verifier: str, prep: Path, wd: Path, z, rc, split: dict, aux: list[int],
         with Snapshots(save, snaps) as sn:
             tr = spawn_pinned([sys.executable, str(Path(__file__).with_name("spec_train.py")), "--report", str(report),
                                "--", *targs], trn, wd / "train.log")  # fmt: skip
-            rc_ = finish(tr, 7200)
+            rc_, out["trainer_cpu_s"] = finish_cpu(tr, 7200)
         out["trainer_exit_s"] = round(time.time() - t0, 1)
         if rc_ != 0:
             raise RuntimeError(f"speculators' trainer failed ({rc_}):\n{tail(wd / 'train.log')}")

@@ -322,3 +322,28 @@ def test_our_settings_come_from_the_trainers_run_json_draft_options_included():
     cfg["draft_options"]["ttt_steps"] = 2
     r["arms"]["ours"]["settings"] = ours_settings(o, 8)
     assert not R.checks(r)["same_settings"]
+
+
+def test_a_trainers_cpu_seconds_are_measured_and_used_on_a_loaded_machine(tmp_path):
+    """finish_cpu counts the child's own CPU seconds (a busy child ~its wall, a sleeping one ~0);
+    measured_rates takes the training rate from them when the run's machine was loaded."""
+    import sys
+
+    from bench.vs_speculators.common import finish_cpu, spawn_pinned
+    from bench.vs_speculators.run import measured_rates
+
+    busy = spawn_pinned([sys.executable, "-c", "import time\nt=time.process_time()\nwhile time.process_time()-t<0.6: pass"],
+                        None, tmp_path / "busy.log")  # fmt: skip
+    idle = spawn_pinned([sys.executable, "-c", "import time; time.sleep(0.6)"], None, tmp_path / "idle.log")
+    (c1, busy_s), (c2, idle_s) = finish_cpu(busy, 30), finish_cpu(idle, 30)
+    assert c1 == c2 == 0 and busy_s >= 0.55 and idle_s < 0.4
+
+    def run_result(load: float) -> dict:
+        spec = {"checkpoints": [{"step": 50, "t_s": 100.0}, {"step": 100, "t_s": 300.0}], "steps": 100,
+                "trainer_cpu_s": 40.0, "vllm_start_s": 60.0, "curve": []}  # fmt: skip
+        return {"sizes": {"conversations": 100, "val_rows": 4, "tokens": 96, "prompts": 8, "max_tokens": 32},
+                "machine": {"cpus": 2, "loadavg_at_end": [load, load, load]}, "untrained": {"engine_wall_s": 50.0},
+                "arms": {"speculators": spec, "ours": {"vllm_start_s": 60.0, "curve": []}}}  # fmt: skip
+
+    assert measured_rates(run_result(0.5))["train_tok_s"] == 50 * 96 / 200.0  # quiet: between checkpoints
+    assert measured_rates(run_result(15.0))["train_tok_s"] == 100 * 96 / 40.0  # loaded: CPU seconds
