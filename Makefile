@@ -16,7 +16,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 .PHONY: demo test test-unit test-integration soak install clean compat-matrix os-deps compose-tool online-vs-offline \
 	base-image compose-smoke fuzz arena-bench lock deps-drift deps-lowest deps-extras versions vllm-conformance \
-	real-acceptance test-real
+	real-acceptance test-real vs-speculators
 
 $(STAMP): pyproject.toml $(wildcard $(LOCK))
 	@test -f $(LOCK) || { echo "error: no dependency lock for $(ARCH) (deploy/lock/ has: $$(ls deploy/lock))." \
@@ -151,6 +151,17 @@ arena-bench: $(STAMP)
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena_pages.py
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena_holds.py
 	PYTHONPATH=$(CURDIR) $(PY) bench/arena.py $(ARENA_BENCH_ARGS)
+
+# Not CI: the headline study (issue 39): SmolLM2-135M-Instruct on ShareGPT as shipped, our online
+# training beside speculators' own offline pipeline (prepare-data, vLLM + Example connector,
+# generate-offline-data, train), the same conversations, draft, recipe and cores; vLLM serves each
+# arm's checkpoints (~60 min on 2 quiet cores; run it alone). Needs `hsstream models get smollm2` and
+# `hsstream data get sharegpt` (or VERIFIER=DIR SHAREGPT=FILE). Writes bench/results/vs_speculators_cpu.{json,png},
+# then docs/benchmarks.md's table from it, whatever the outcome. VS_ARGS=--reduced: every stage, small (~12 min, /tmp).
+VS_ARGS ?=
+vs-speculators: $(STAMP)
+	-PYTHONPATH=$(CURDIR) $(PY) -m bench.vs_speculators $(VS_ARGS) $(if $(VERIFIER),--verifier $(VERIFIER)) $(if $(SHAREGPT),--sharegpt $(SHAREGPT))
+	$(if $(VS_ARGS),,PYTHONPATH=$(CURDIR) $(PY) -m bench.vs_speculators --write-doc)
 
 # The images' base from Debian packages, for hosts that reach no image registry (needs root,
 # mmdebstrap and a running docker daemon). Elsewhere: BASE_IMAGE=python:3.11-slim.
