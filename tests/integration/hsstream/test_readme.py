@@ -138,7 +138,8 @@ def stack(smollm2, tmp_path_factory):
     shutil.copytree(ROOT / "deploy", work / "deploy")
     # the model and its layers are README's (--model smollm2, Eagle-3's default layers), not the test stack's
     up = Up(tmp, "smollm2", command=[str(work / shlex.split(STACK)[0]), *shlex.split(STACK)[1:]], cwd=work,
-            env_changes={"HSSTREAM_MODEL": None, "HSSTREAM_LAYER_IDS": None})  # fmt: skip
+            env_changes={"HSSTREAM_MODEL": None, "HSSTREAM_LAYER_IDS": None,  # as a user has them
+                         "HSSTREAM_NOTICE_TIMEOUT_S": None})  # fmt: skip
     try:
         up.wait_for("stack ready", START_TIMEOUT)
         yield up, work
