@@ -15,6 +15,7 @@ timeout and at most 2 bodies per client.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -63,12 +64,29 @@ def head(port: int, path: str, headers: dict[str, str], length: int) -> socket.s
 
 
 def answer(s: socket.socket, within: float) -> bytes:
-    """The start of the answer on ``s``, or b"" if none came within ``within`` seconds."""
-    s.settimeout(within)
-    try:
-        return s.recv(4096)
-    except TimeoutError:
-        return b""
+    """The answer on ``s`` (its head, and its body as far as content-length says), or what came of
+    it within ``within`` seconds (b"" if nothing): the head and the body may come in separate reads."""
+    deadline = time.monotonic() + within
+    got = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return got
+        s.settimeout(left)
+        try:
+            part = s.recv(65536)
+        except TimeoutError:
+            return got
+        except OSError:
+            return got
+        if not part:
+            return got
+        got += part
+        head, sep, body = got.partition(b"\r\n\r\n")
+        if sep:
+            m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            if m is None or len(body) >= int(m.group(1)):
+                return got
 
 
 def rss(sc) -> int:  # noqa: ANN001
