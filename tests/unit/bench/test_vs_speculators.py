@@ -253,11 +253,11 @@ def test_hsstream_train_flags_resolve_to_the_shared_recipe():
     from bench.vs_speculators import ours as O
     from hsstream.cli import app
 
-    class Stack:
+    class StackAddresses:  # the addresses a stack gives the trainer's command line; nothing started
         api, delivery_endpoint, spool = "http://127.0.0.1:1", "ipc:///tmp/x.sock", "/dev/shm/x"
 
     rc, z = P.RECIPE, P.FULL
-    cmd = O.train_command("/v", Path("/r"), "job1", Stack, Path("/p/token_freq.pt"), z, rc, [2, 15, 27], 2000)
+    cmd = O.train_command("/v", Path("/r"), "job1", StackAddresses, Path("/p/token_freq.pt"), z, rc, [2, 15, 27], 2000)
     res = CliRunner().invoke(app, [*cmd[3:], "--dump-config"])
     assert res.exit_code == 0, res.output
     c = yaml.safe_load(res.output)
