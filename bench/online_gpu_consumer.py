@@ -352,7 +352,7 @@ def consume_train(spec: dict) -> dict:
     res: dict = {"prepare_s": round(time.perf_counter() - t0, 1), "config_fields_not_supported": unsupported}
     job = _wait_for_job(spec)
     if writer:  # as hsstream train: rank 0 asks the sidecar, the ranks agree through their collectives
-        probe.append(drained_probe(spec["api"], [job]))
+        probe.append(drained_probe(spec["api"], [job], spec.get("token")))
     with open(spec["records"], "w", buffering=1) as rec, \
             HiddenStateStream(spec["endpoint"], jobs=[job], spool_dir=spec["spool"], credit=spec["credit"],
                               ack="manual", timeout_s=60, workers=spec.get("stream_workers"),

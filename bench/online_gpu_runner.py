@@ -200,6 +200,7 @@ class Orchestrator:
     def consumer_spec(self, mode: str, tag: str, n: int, ordered: bool | None = None) -> dict:
         a, st = self.args, self.stack
         return {"mode": mode, "endpoint": st.delivery_endpoint, "spool": str(st.spool), "api": st.api,
+                "token": st.token,
                 "device": "cpu" if self.cpu else "cuda", "layers": a.layers, "prompt_len": a.prompt_len,
                 "hidden_size": self.shape["hidden_size"], "n_samples": n, "time_limit_s": a.consumer_seconds,
                 "credit": a.credit, "records": str(self.work / f"{tag}.records.jsonl"),

@@ -210,7 +210,7 @@ def train_child(spec: dict) -> dict:
     else:
         from trainer_client.train.run import drained_probe
 
-        trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained_probe(spec["api"], spec["jobs"]))
+        trainer = Eagle3OnlineTrainer(cfg, counts, drained=drained_probe(spec["api"], spec["jobs"], spec.get("token")))
         with HiddenStateStream(spec["endpoint"], jobs=spec["jobs"], spool_dir=spec["spool"], ack="manual",
                                timeout_s=600, credit=8) as stream:  # fmt: skip
             res = trainer.train(Tap(stream, rows))
@@ -393,7 +393,8 @@ def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], count
             t0 = time.time()
             jobs = [submit(stack.api, smp, opts) for smp, opts in jobs_spec]
             spec = {"cfg": train_cfg(a, verifier, run_dir, t0, steps), "counts": str(counts), "files": None,
-                    "jobs": jobs, "api": stack.api, "endpoint": stack.delivery_endpoint, "spool": str(stack.spool),
+                    "jobs": jobs, "api": stack.api, "token": stack.token, "endpoint": stack.delivery_endpoint,
+                    "spool": str(stack.spool),
                     "cpus": split["trainer"] if split else None, "record_digests": record_digests}  # fmt: skip
             tr = run_trainer(spec, wd, name)
         left = stack.spool_files()

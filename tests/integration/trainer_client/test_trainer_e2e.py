@@ -64,9 +64,17 @@ def verifier(tiny_model) -> str:
 def stack(verifier):
     # a killed trainer's leases come back quickly
     st = start_stack(verifier, LAYERS, prefix="hsstream-test-trainer-", env={"HSSTREAM_TRAINER_TIMEOUT_S": "10"})
+    # The sidecar's token where a user's shell has it: our clients in this process (the trainer's
+    # drained probe) and the `hsstream train` commands the tests start find it there.
+    before = os.environ.get("HSSTREAM_API_TOKEN")
+    os.environ["HSSTREAM_API_TOKEN"] = st.token
     try:
         yield st
     finally:
+        if before is None:
+            os.environ.pop("HSSTREAM_API_TOKEN", None)
+        else:
+            os.environ["HSSTREAM_API_TOKEN"] = before
         stop_stack(st)
 
 
@@ -103,7 +111,7 @@ def test_negative_control_swapped_hidden_states_learn_less(stack, verifier, tmp_
     for control in ("none", "swap-hidden"):
         job = submit(stack, [{"token_ids": w} for w in wins])
         tr = Eagle3OnlineTrainer(cfg(verifier, tmp_path / control, control=control), counts)
-        tr.drained = drained_probe(stack.api, [job])
+        tr.drained = drained_probe(stack.api, [job], stack.token)
         with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, ack="manual",
                                timeout_s=300) as s:  # fmt: skip
             results[control] = tr.train(s)
