@@ -46,7 +46,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.acceptance import LAYERS, log, run_serving, submit  # noqa: E402
+from bench.disk_peaks import PeakSampler, tree_bytes  # noqa: E402
 
 ARMS = ("offline", "online", "online_regenerated")
 
@@ -62,50 +62,6 @@ ARMS = ("offline", "online", "online_regenerated")
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (0 if it does not exist)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
-class PeakSampler:
-    """Polls directory sizes twice a second, keeps the peak of each (and of their sum)."""
-
-    def __init__(self, dirs: dict[str, Path], period_s: float = 0.5) -> None:
-        self.dirs = dirs
-        self.period_s = period_s
-        self.peak = {k: 0 for k in dirs}
-        self.peak_sum = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.period_s)
-
-    def sample(self) -> None:
-        now = {k: tree_bytes(p) for k, p in self.dirs.items()}
-        for k, v in now.items():
-            self.peak[k] = max(self.peak[k], v)
-        self.peak_sum = max(self.peak_sum, sum(now.values()))
-
-    def __enter__(self) -> PeakSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.sample()
 
 
 def samples_hash(rows: list[tuple]) -> str:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from bench.disk_peaks import PeakSampler, tree_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
@@ -17,59 +18,29 @@ def log(*a: object) -> None:
     print(time.strftime("%H:%M:%S"), "[vs-speculators]", *a, file=sys.stderr, flush=True)
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (0 if it does not exist); files vanishing
-    while walked count as gone."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(root, f))
-            except FileNotFoundError:
-                continue
-            total += st.st_size
-    return total
-
-
-class Sampler:
+class Sampler(PeakSampler):
     """Polls every ``period_s``: bytes under each disk directory of an arm, and everything in
     /dev/shm above what was there when it started; keeps each peak and the time series."""
 
     def __init__(self, disk: dict[str, Path], period_s: float = 0.5) -> None:
-        self.disk = disk
-        self.period_s = period_s
-        self.peak = {k: 0 for k in disk}
-        self.peak_disk = 0
+        super().__init__(disk, period_s)
         self.peak_shm = 0
         self.series: list[tuple[float, int, int]] = []  # (t, disk bytes, shm bytes above baseline)
         self._base = tree_bytes(SHM)
         self._t0 = time.time()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True, name="vs-speculators-sampler")
 
-    def sample(self) -> None:
-        now = {k: tree_bytes(p) for k, p in self.disk.items()}
-        for k, v in now.items():
-            self.peak[k] = max(self.peak[k], v)
+    @property
+    def peak_disk(self) -> int:
+        return self.peak_sum
+
+    def sample(self) -> dict[str, int]:
+        now = super().sample()
         d = sum(now.values())
         s = max(0, tree_bytes(SHM) - self._base)
-        self.peak_disk, self.peak_shm = max(self.peak_disk, d), max(self.peak_shm, s)
-        if not self.series or len(self.series) < 4000:
+        self.peak_shm = max(self.peak_shm, s)
+        if len(self.series) < 4000:
             self.series.append((round(time.time() - self._t0, 1), d, s))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> Sampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._t.join()
-        self.sample()
+        return now
 
     def result(self) -> dict:
         return {"disk_peak_bytes": {**self.peak, "total": self.peak_disk}, "shm_peak_bytes": self.peak_shm,
