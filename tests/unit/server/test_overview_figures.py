@@ -3,7 +3,7 @@ window, and a trainer's wait share from its heartbeats."""
 
 from __future__ import annotations
 
-from server.delivery import Peer
+from server.peers import Peer
 from server.metrics import RateMeter
 
 

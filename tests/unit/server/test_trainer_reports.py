@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from connector import protocol as P
-from server.delivery import DeliveryService, Peer
+from server.delivery import DeliveryService
+from server.peers import Peer
 from server.ledger import Ledger
 from server.metrics import SidecarMetrics
 from trainer_client import HiddenStateStream
