@@ -103,6 +103,12 @@ class Stack:
 
         return auth_headers(self.token)
 
+    def client_env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with this stack's token in
+        ``HSSTREAM_API_TOKEN``: for a client command run as a child (``hsstream train --api ...``),
+        which would otherwise look for a token in the default run dir, not this stack's."""
+        return {**(os.environ if base is None else base), "HSSTREAM_API_TOKEN": self.token}
+
     def client(self, **kw):  # noqa: ANN003, ANN201 - a SidecarClient (imported here: httpx)
         """The typed REST client of this stack's sidecar, with its token."""
         from connector.contract.rest_client import SidecarClient

@@ -182,6 +182,8 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     with the log's tail if the child fails."""
     from hsstream import launch
 
+    if dtype == "auto":  # vLLM's CPU build on a CPU without bf16 instructions: float32 (launch.cpu_serving_dtype)
+        dtype = launch.cpu_serving_dtype(verifier) or "auto"
     workdir = Path(workdir)
     spec = {"verifier": verifier, "draft": draft, "prompts": prompts, "max_tokens": max_tokens, "temps": temps,
             "spec_tokens": spec_tokens, "per_request": per_request, "max_model_len": max_model_len,

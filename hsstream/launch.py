@@ -33,6 +33,47 @@ def num_hidden_layers(model_dir: str) -> int | None:
     return int(c["num_hidden_layers"])
 
 
+#: CPU flags with bf16 arithmetic in hardware (AVX512-BF16, AMX). Without them PyTorch's and
+#: vLLM's CPU kernels emulate bf16, tens of times slower than float32 (bench/cpu_dtype.py).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+HALF_DTYPES = ("bfloat16", "float16")
+#: Overrides the choice below for every vLLM we start: a vLLM ``--dtype`` value, or ``auto``.
+DTYPE_ENV = "HSSTREAM_VLLM_DTYPE"
+
+
+def model_dtype(model_dir: str) -> str | None:
+    """The checkpoint's own dtype (``torch_dtype``/``dtype`` of its config.json), if it says."""
+    cfg = Path(model_dir) / "config.json"
+    try:
+        c = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+    c = c.get("text_config", c) if isinstance(c.get("text_config"), dict) and not c.get("torch_dtype") else c
+    d = c.get("torch_dtype") or c.get("dtype")
+    return str(d) if d else None
+
+
+def cpu_serving_dtype(model_dir: str, extra: list[str] | tuple[str, ...] = (), *, cpu: bool | None = None,
+                      flags: set[str] | None = None) -> str | None:  # fmt: skip
+    """``"float32"`` where vLLM's CPU build would otherwise serve a half-precision checkpoint on a
+    CPU without bf16 instructions (tens of times slower: see ``BF16_FLAGS``), else None (vLLM's
+    own choice stands). A ``--dtype`` the user passed always wins, then ``HSSTREAM_VLLM_DTYPE``
+    (a vLLM dtype, or ``auto`` for vLLM's own choice: the test suite's setting, whose references
+    are computed in the checkpoint's dtype)."""
+    if any(x == "--dtype" or x.startswith("--dtype=") for x in extra):
+        return None
+    if env := os.environ.get(DTYPE_ENV, "").strip():
+        return None if env == "auto" else env
+    if not (is_cpu_build() if cpu is None else cpu):
+        return None
+    if model_dtype(model_dir) not in HALF_DTYPES:
+        return None
+    from hsstream.amx import cpu_flags
+
+    have = cpu_flags() if flags is None else flags
+    return None if any(f in have for f in BF16_FLAGS) else "float32"
+
+
 @dataclass
 class VllmOptions:
     model: str
@@ -109,6 +150,10 @@ def vllm_args(o: VllmOptions) -> list[str]:
         args.append("--enforce-eager")
     if o.served_model_name:
         args += ["--served-model-name", o.served_model_name]
+    if dtype := cpu_serving_dtype(o.model, o.extra):
+        print(f"hsstream: vLLM serves {o.model} in {dtype}: this CPU has no bf16 instructions ({', '.join(BF16_FLAGS)}), "
+              f"where bf16 runs tens of times slower; {DTYPE_ENV} or --dtype to choose", file=sys.stderr, flush=True)  # fmt: skip
+        args += ["--dtype", dtype]
     return args + list(o.extra)
 
 

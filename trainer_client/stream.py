@@ -38,13 +38,9 @@ no view: its slot is released as soon as it is decoded.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import logging
 import os
-import queue
 import time
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -73,6 +69,7 @@ from trainer_client.host_buffers import HostBuffers
 from trainer_client.sample import Sample
 from trainer_client.sample_checks import load_and_check, read_hidden_states
 from trainer_client.sample_reader import ArenaMaps, SlotNotReadable, read_into_buffer, read_parallel, read_sample_file
+from trainer_client.slot_holds import SlotHolds, is_slot
 
 #: The stream's public names, with those of the modules it is built from (the sample, its reading
 #: and checks), so ``from trainer_client.stream import …`` reaches them all.
@@ -85,20 +82,6 @@ log = logging.getLogger("hsstream.trainer")
 
 class StreamError(RuntimeError):
     pass
-
-
-@dataclass(eq=False)
-class _SlotHold:
-    """One delivered arena slot while this trainer may use its bytes: read by a worker, checked
-    (``settled``) or refused (``dead``), and ``released`` once no view is left (its hold let go).
-    Its RECEIVED (every token it was delivered with) goes when it is both settled and released."""
-
-    key: M.SampleKey
-    tokens: list[str]
-    settled: bool = False
-    released: bool = False
-    dead: bool = False
-    sample: Any = None  # a weak reference to the yielded Sample (close() copies what it still views)
 
 
 def _unlink(path: Path) -> None:
@@ -303,10 +286,7 @@ class HiddenStateStream:
         # slot delivered and not yet RECEIVED; the slots whose views are gone (from any thread);
         # ACKs waiting for their sample's RECEIVED.
         self._arenas = ArenaMaps(self.spool)
-        self._slot_holds: dict[int, _SlotHold] = {}
-        self._slot_of_key: dict[M.SampleKey, int] = {}
-        self._slot_released: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._hold_ids = itertools.count(1)
+        self._slots = SlotHolds(self._send)
         self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
         self.lease_s: float | None = None  # the sidecar's lease on what it delivers (from the DELIVERs)
 
@@ -319,7 +299,7 @@ class HiddenStateStream:
     @property
     def slots_held(self) -> int:
         """Arena slots of checked samples whose RECEIVED waits for their views to go."""
-        return sum(1 for h in self._slot_holds.values() if h.settled and not h.released)
+        return self._slots.waiting
 
     @property
     def pool_stats(self) -> dict[str, int]:
@@ -447,82 +427,11 @@ class HiddenStateStream:
             part = ready[lo : lo + ACK_KEYS]
             self._send(M.Ack(keys=[k for k, _ in part], tokens=[t for _, t in part]))
 
-    # -- the arena layout's slots ------------------------------------------------------------------
-    @staticmethod
-    def _is_slot(d: M.Deliver) -> bool:
-        return d.notice.slot is not None and d.notice.file is None
-
-    def _hold(self, d: M.Deliver) -> Any:
-        """A new hold for a slot delivery; returns the ``on_release`` its reader calls once no
-        view of the slot is left (it only queues the hold's id: it may run on any thread). The
-        reader calls it for every slot it read or refused; one it could not hold is settled here
-        (``_slot_settled``)."""
-        hid = next(self._hold_ids)
-        hold = _SlotHold(d.notice.key, [d.token])  # type: ignore[arg-type]
-        self._slot_holds[hid] = hold
-        self._slot_of_key[hold.key] = hid
-        return functools.partial(self._slot_released.put, hid)
-
+    # -- the arena layout's slots (slot_holds.py) ------------------------------------------------------
     def _drain_released(self) -> None:
-        """The slots whose views are gone (queued by their finalizers): RECEIVED for the checked
-        ones; a refused one's hold is dropped. On the iterating thread only."""
-        if self._sock is None:
-            return
-        while True:
-            try:
-                hid = self._slot_released.get_nowait()
-            except queue.Empty:
-                return
-            hold = self._slot_holds.get(hid)
-            if hold is None:
-                continue
-            hold.released = True
-            if hold.settled:
-                self._slot_received(hid)
-            elif hold.dead:
-                self._forget_hold(hid)
-
-    def _forget_hold(self, hid: int) -> _SlotHold:
-        hold = self._slot_holds.pop(hid)
-        if self._slot_of_key.get(hold.key) == hid:
-            del self._slot_of_key[hold.key]
-        return hold
-
-    def _slot_received(self, hid: int) -> None:
-        """A checked slot's bytes are no longer used: RECEIVED (every token it came with)."""
-        hold = self._forget_hold(hid)
-        self._send(M.Received(keys=[hold.key] * len(hold.tokens), tokens=hold.tokens))
-
-    def _copy_out_yielded(self) -> None:
-        """At close: the yielded samples that still view their slots get private copies of those
-        tensors (the Sample's fields replaced), so the loop may go on using them after the stream
-        is gone and their slots' RECEIVEDs still go now. Tensors the loop took out of a sample
-        itself (``h = x.hidden_states``) keep their slot until the sidecar drops this trainer."""
-        for hold in list(self._slot_holds.values()):
-            smp = hold.sample() if hold.sample is not None else None
-            if smp is None or not hold.settled or hold.released:
-                continue
-            for name in ("hidden_states", "token_ids", "scales"):
-                t = getattr(smp, name, None)
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                    object.__setattr__(smp, name, t.clone())  # (a view's set_ would keep its base)
-            del smp, t
-
-    def _slot_settled(self, d: M.Deliver, ok: bool) -> None:
-        """A slot delivery's check is over: ``ok``, its RECEIVED goes once its views are gone
-        (now, if it was copied out); else it was refused (FAIL) and its release sends nothing."""
-        hid = self._slot_of_key.get(d.notice.key)  # type: ignore[arg-type]
-        if hid is None:
-            return
-        self._drain_released()
-        hold = self._slot_holds[hid]
-        if ok:
-            hold.settled = True
-            if hold.released:
-                self._slot_received(hid)
-        else:
-            hold.dead = True
-            self._forget_hold(hid)  # a late finalizer finds no hold: nothing is sent
+        """The RECEIVEDs of the slots whose views are gone (on the iterating thread, connected)."""
+        if self._sock is not None:
+            self._slots.drain()
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Sample]:
@@ -645,7 +554,7 @@ class HiddenStateStream:
             # Redelivered while a worker still has it: that copy is yielded; this one's file is
             # freed unless it is the very file the worker reads (then that worker's settling does).
             self.stats["duplicates"] += 1
-            if d.notice.file != self._held[key] or self._is_slot(d):
+            if d.notice.file != self._held[key] or is_slot(d):
                 self._drop_copy(d)
             return False
         return True
@@ -668,7 +577,7 @@ class HiddenStateStream:
             return
         received = time.time()
         data = self._fetch(d, payload)
-        on_release = self._hold(d) if self._is_slot(d) and data is None else None
+        on_release = self._slots.hold(d) if is_slot(d) and data is None else None
         if self.pin_memory and not self.host_buffers.stats["warmed"]:
             # Before the first burst: one cached pinned block per sample the pool may hold.
             n = d.notice
@@ -680,7 +589,7 @@ class HiddenStateStream:
 
     def _load(self, d: M.Deliver, data: bytes | memoryview | None, received: float, on_release: Any = None) -> Sample:
         """Read and check one delivery (on a worker: touches no socket and no stream state;
-        ``on_release`` tells when a slot's views are gone, see :meth:`_hold`)."""
+        ``on_release`` tells when a slot's views are gone, see :meth:`SlotHolds.hold`)."""
         tm: dict[str, float] = {"received": received, "started": time.time()}
         reads_spool = self._receiver is not None and self._receiver.reads_spool
         spool = self.spool if reads_spool else None
@@ -708,7 +617,7 @@ class HiddenStateStream:
         try:
             sample = job.result()
         except SlotNotReadable as e:  # before ValueError's handler: not the sample's fault
-            self._slot_settled(d, False)
+            self._slots.settle(d, False)
             self._not_received(d, e)
             return None
         except OSError as e:
@@ -724,7 +633,7 @@ class HiddenStateStream:
             self._not_received(d, e)
             return None
         except (InvalidSample, M.ProtocolError, ValueError) as e:
-            self._slot_settled(d, False)
+            self._slots.settle(d, False)
             self._unread_run = 0
             self.stats["invalid"] += 1
             log.warning("sample %s rejected: %s", key, e)
@@ -737,9 +646,7 @@ class HiddenStateStream:
             self.stats["load_s"] += tm["checked"] - tm["started"]
         self.stats["bytes"] += d.notice.nbytes
         self.stats["bytes_copied"] += int(tm.get("bytes_copied", 0))
-        if self._is_slot(d) and (hid := self._slot_of_key.get(d.notice.key)) is not None:  # type: ignore[arg-type]
-            self._slot_holds[hid].sample = weakref.ref(sample)
-            self._slot_settled(d, True)  # its RECEIVED once no view of the slot is left
+        if is_slot(d) and self._slots.settle(d, True, sample):  # its RECEIVED once no view of the slot is left
             return sample
         # The tensors are in memory (read or copied out of the file): the file can go now.
         self._drop_copy(d, aside=True)
@@ -797,7 +704,7 @@ class HiddenStateStream:
         if not self._admit(d):
             return None
         data = self._fetch(d, payload)
-        on_release = self._hold(d) if self._is_slot(d) and data is None else None
+        on_release = self._slots.hold(d) if is_slot(d) and data is None else None
         job: Future = Future()
         try:
             job.set_result(self._load(d, data, time.time(), on_release))
@@ -812,10 +719,8 @@ class HiddenStateStream:
         deleter thread, unless that has no thread or is full. An arena slot is never touched:
         a copy delivered again while the first one's slot is in use has its RECEIVED go with
         that one's (the sidecar frees the slot on either)."""
-        if self._is_slot(d):
-            hid = self._slot_of_key.get(d.notice.key)  # type: ignore[arg-type]
-            if hid is not None:
-                self._slot_holds[hid].tokens.append(d.token)
+        if is_slot(d):
+            if self._slots.add_copy(d):
                 return
             if d.notice.key is not None:
                 self._send(M.Received(keys=[d.notice.key], tokens=[d.token]))
@@ -864,7 +769,7 @@ class HiddenStateStream:
         if self._sock is not None:
             self._collect_deletes(every=True)  # every RECEIVED before the acks
             self._drain_released()  # the slots of samples dropped (those settled just now too)
-            self._copy_out_yielded()  # e.g. the last sample of a `for x in stream` loop, still in x
+            self._slots.copy_out_yielded()  # e.g. the last sample of a `for x in stream` loop, still in x
             self._drain_released()
             if (held := self.slots_held):
                 log.info("closing: %d arena slot(s) still viewed by live tensors: no RECEIVED for them (the "

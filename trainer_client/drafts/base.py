@@ -203,6 +203,35 @@ def pack_unshifted(items: list[Features]) -> dict[str, torch.Tensor]:
     return _row(ids, aux, last, mask, doc, pos)
 
 
+#: The shortest row :func:`pad_to_bucket` makes: rows of 128 tokens and less are one shape.
+BUCKET_LEAST = 128
+
+
+def bucket_length(n: int, least: int = BUCKET_LEAST) -> int:
+    """The row length ``n`` tokens are padded to on CUDA: the next power of two (``least`` at least)."""
+    return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def pad_to_bucket(row: dict[str, torch.Tensor], least: int = BUCKET_LEAST) -> dict[str, torch.Tensor]:
+    """``row`` (one packed row, ``[1, n, ...]`` each) padded to :func:`bucket_length` tokens, as
+    speculators' own collate pads every batch to its ``total_seq_len``: document id -1, loss mask,
+    ids, positions and hidden states 0, so the padding attends to nothing and counts for nothing.
+
+    Why: on CUDA speculators compiles each draft's forward (``torch.compile``), which sees a new
+    shape as a new graph; rows of every length recompiled until dynamo's limit of 8 and then ran
+    uncompiled (an H100 run trained 1.3 samples/s, its first 30 steps taking 73 s). Powers of two
+    from 128 to 4,096 are six shapes. On CPU nothing is compiled and rows are left as they are."""
+    n = row["input_ids"].shape[1]
+    size = bucket_length(n, least)
+    if size == n:
+        return row
+    out = {}
+    for name, t in row.items():
+        fill = -1 if name == "document_ids" else 0
+        out[name] = torch.cat([t, t.new_full((t.shape[0], size - n, *t.shape[2:]), fill)], dim=1)
+    return out
+
+
 def _row(ids, aux, last, mask, doc, pos) -> dict[str, torch.Tensor]:  # noqa: ANN001
     if not ids:
         raise ValueError("no sample with at least two tokens to pack")
@@ -302,6 +331,16 @@ class Draft:
 
     def pack(self, items: list[Features]) -> dict[str, torch.Tensor]:
         return pack(items) if self.shifted else pack_unshifted(items)
+
+    #: On CUDA, rows padded to a few lengths (:func:`pad_to_bucket`) so speculators' compiled
+    #: forward is not recompiled per length. Only where padding leaves the loss and the counts
+    #: as they are (Eagle-3, P-EAGLE: tests/unit/trainer_client/test_bucket_rows.py); DFlash and
+    #: DSpark draw their blocks over the whole row, so padding would change what they train on.
+    bucket_rows: ClassVar[bool] = True
+
+    def device_row(self, row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``row`` as a step on a CUDA device takes it (:attr:`bucket_rows`)."""
+        return pad_to_bucket(row) if self.bucket_rows else row
 
     def loss_tokens(self, sample: Sample) -> int:
         return loss_tokens(sample) if self.shifted else loss_tokens_unshifted(sample)

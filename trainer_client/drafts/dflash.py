@@ -112,6 +112,7 @@ class DFlash(Draft):
     aux_count = None  # any number (at least one)
     needs_mask_token = True
     shifted = False
+    bucket_rows = False  # its blocks are drawn over the whole row: padding would move them
     Options = DFlashOptions
 
     def __init__(self, cfg, vcfg) -> None:  # noqa: ANN001

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connector import protocol as P
-from trainer_client.drafts.base import Features, features, loss_tokens, pack, swap_aux
+from trainer_client.drafts.base import Features, features, loss_tokens, pack, pad_to_bucket, swap_aux
 from trainer_client.stream import Sample
 
 
@@ -183,6 +183,8 @@ class DeviceCopier:
         """``draft``: the plug-in whose ``features`` and ``pack`` make the step's tensors (None: the
         shared shifted packing, as Eagle-3 and P-EAGLE take it)."""
         self._feat, self._pack = (features, pack) if draft is None else (draft.features, draft.pack)
+        # On CUDA the row is padded to one of a few lengths (Draft.device_row: compiled forwards)
+        self._device_row = pad_to_bucket if draft is None else draft.device_row
         self.device = device
         self.aux_layer_ids = aux_layer_ids
         self.ops = ops
@@ -205,7 +207,7 @@ class DeviceCopier:
             return Staged(b, self._pack(feats), sum(f.num_tokens for f in feats))
         with self.ops.side():
             feats = self._features(b, None, self.ops.to_device)
-            tensors = self._pack(feats)
+            tensors = self._device_row(self._pack(feats))
             ev = self.ops.record()
         self.staged += 1
         return Staged(b, tensors, sum(f.num_tokens for f in feats), ev)

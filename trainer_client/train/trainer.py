@@ -328,7 +328,10 @@ class OnlineTrainer:
                 for f in self.heldout:
                     if keepalive:
                         keepalive()
-                    batch = {name: t.to(self.device) for name, t in self.draft.pack([f]).items()}
+                    row = self.draft.pack([f])
+                    if self.device.type == "cuda":
+                        row = self.draft.device_row(row)  # the shapes the step compiled for
+                    batch = {name: t.to(self.device) for name, t in row.items()}
                     with self.stepper._autocast():
                         loss, correct, counted = self.draft.forward(self.model, batch)
                     loss_sum += float(loss)

@@ -103,3 +103,43 @@ def test_a_served_draft_gets_its_methods_speculative_config(model_dir, tmp_path,
     assert json.loads(args[args.index("--speculative-config") + 1]) == {**want, "model": str(d.resolve())}
     with pytest.raises(ValueError, match="pick one"):
         launch.vllm_args(opts(model_dir, [2, 6, 9]).__class__(**{**opts(model_dir, [2, 6, 9]).__dict__, "draft": str(d)}))
+
+
+# ---- the dtype vLLM's CPU build serves in (float32 where bf16 is emulated) ----
+
+
+def _half_model(tmp_path, dtype="bfloat16", key="dtype"):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 12, key: dtype}))
+    return str(tmp_path)
+
+
+def test_a_bf16_checkpoint_is_served_in_float32_on_a_cpu_without_bf16(tmp_path, monkeypatch):
+    monkeypatch.delenv(launch.DTYPE_ENV, raising=False)
+    m = _half_model(tmp_path)
+    assert launch.cpu_serving_dtype(m, cpu=True, flags={"avx2", "avx512f"}) == "float32"
+    assert launch.cpu_serving_dtype(_half_model(tmp_path, "float16", "torch_dtype"), cpu=True, flags=set()) == "float32"
+    # bf16 in hardware, a GPU build, a float32 checkpoint, or the user's own --dtype: vLLM's choice stands
+    assert launch.cpu_serving_dtype(m, cpu=True, flags={"avx512_bf16"}) is None
+    assert launch.cpu_serving_dtype(m, cpu=True, flags={"amx_bf16", "amx_tile"}) is None
+    assert launch.cpu_serving_dtype(m, cpu=False, flags=set()) is None
+    assert launch.cpu_serving_dtype(_half_model(tmp_path, "float32"), cpu=True, flags=set()) is None
+    assert launch.cpu_serving_dtype(m, ["--dtype", "bfloat16"], cpu=True, flags=set()) is None
+    assert launch.cpu_serving_dtype(m, ["--dtype=half"], cpu=True, flags=set()) is None
+
+
+def test_the_environment_overrides_the_choice(tmp_path, monkeypatch):
+    m = _half_model(tmp_path)
+    monkeypatch.setenv(launch.DTYPE_ENV, "auto")
+    assert launch.cpu_serving_dtype(m, cpu=True, flags=set()) is None
+    monkeypatch.setenv(launch.DTYPE_ENV, "float16")
+    assert launch.cpu_serving_dtype(m, cpu=True, flags={"avx512_bf16"}) == "float16"
+
+
+def test_the_vllm_command_carries_the_chosen_dtype(tmp_path, monkeypatch):
+    monkeypatch.delenv(launch.DTYPE_ENV, raising=False)
+    monkeypatch.setattr(launch, "is_cpu_build", lambda: True)
+    monkeypatch.setattr("hsstream.amx.cpu_flags", lambda cpuinfo=None: {"avx2"})
+    args = launch.vllm_args(opts(_half_model(tmp_path), [2, 5]))
+    assert args[args.index("--dtype") + 1] == "float32"
+    monkeypatch.setattr("hsstream.amx.cpu_flags", lambda cpuinfo=None: {"avx512_bf16"})
+    assert "--dtype" not in launch.vllm_args(opts(_half_model(tmp_path), [2, 5]))

@@ -17,6 +17,7 @@ from tests.unit.trainer_client.test_trainer_loop import ListStream, cfg, counts_
 from trainer_client.eagle3 import Eagle3OnlineTrainer
 from trainer_client.train.config import DeviceError, resolve_autocast, resolve_device
 from trainer_client.train.data_path import BatchSource, DeviceCopier, Prefetcher
+from trainer_client.drafts.base import bucket_length, pad_to_bucket
 from trainer_client.drafts.eagle3 import pack
 
 
@@ -114,8 +115,10 @@ def test_copies_and_packing_run_on_the_side_stream_and_are_handed_over_after_the
     assert ops.calls == ["wait", *["hand_over"] * len(tensors)]  # wait for the event before any use
     # what was staged is exactly pack() of the float32-free features (the file's dtype, bf16)
     assert tensors["hidden_states"].dtype == torch.bfloat16
-    assert tensors["input_ids"].shape[1] == sum(int(s.token_ids.shape[0]) - 1 for s in (samples[0], samples[2]))
-    ref = pack([f for f in copier._features(first.host, None, None)])
+    packed = sum(int(s.token_ids.shape[0]) - 1 for s in (samples[0], samples[2]))
+    # padded on the device to a length the compiled forward has seen (test_bucket_rows.py)
+    assert tensors["input_ids"].shape[1] == bucket_length(packed) and int((tensors["document_ids"] >= 0).sum()) == packed
+    ref = pad_to_bucket(pack([f for f in copier._features(first.host, None, None)]))
     for k, v in ref.items():
         assert torch.equal(v, tensors[k]), k
     second = pre.take()
