@@ -113,7 +113,7 @@ def train_draft(verifier: str, stack, jobs: list[str], workdir: Path, *, draft_v
     ]  # fmt: skip
     log("training: " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600)
+    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600, env=stack.client_env())
     wall = time.perf_counter() - t0
     (workdir / "train.log").write_text(p.stderr)
     return cmd, p, wall

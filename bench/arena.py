@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import secrets
@@ -69,6 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu_model  # noqa: E402
+from bench import pctl, window_bounds  # noqa: E402
 
 #: The arena arm trusts slots (the stream's default); ``arena_verified`` is the same layout with
 #: the stream's ``verify_slots`` on (a checksum of every slot, as files always take): what that
@@ -86,12 +86,6 @@ TINY_LAYER_IDS = [2, 6, 9, 12]
 
 
 # ---------------------------------------------------------------------------------- pure logic
-def pctl(xs: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of ``xs``, nearest rank on the (n - 1) scale; None if empty."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -117,10 +111,9 @@ def three(xs: list[float]) -> dict:
 
 def window_of(lat: list[float], yield_s: list[float]) -> list[float]:
     """The latencies of the samples yielded within the job's :data:`WINDOW` of yield times."""
-    ts = sorted(yield_s)
-    if not ts:
+    if not yield_s:
         return []
-    lo, hi = ts[math.floor(WINDOW[0] * (len(ts) - 1))], ts[math.ceil(WINDOW[1] * (len(ts) - 1))]
+    lo, hi = window_bounds(yield_s, *WINDOW)
     return [v for v, t in zip(lat, yield_s, strict=True) if lo <= t <= hi]
 
 

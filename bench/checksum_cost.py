@@ -51,6 +51,7 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from bench import cpu_model  # noqa: E402
+from bench import pctl  # noqa: E402
 from connector.contract import payload as PL, sample_file as SF  # noqa: E402
 
 
@@ -101,9 +102,6 @@ def burst(samples: list[dict[str, torch.Tensor]], algo: str, threads: int) -> li
     return walls
 
 
-def pctl(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
 def summary(walls: list[float], cpus_s: list[float], nbytes: int) -> dict:

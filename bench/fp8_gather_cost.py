@@ -43,15 +43,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import pctl as pct  # noqa: E402
 
 ARMS = ("host", "device")
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
 def fake_cache(num_blocks: int, block_size: int, layers: int, hidden: int, device, seed: int = 0):  # noqa: ANN001, ANN201

@@ -54,6 +54,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import rank_value  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError, auth_headers  # noqa: E402
 from hsstream import launch  # noqa: E402
 from hsstream.devstack import free_port  # noqa: E402
@@ -137,8 +138,7 @@ class Prober(threading.Thread):
         allw = sorted(w for _, w in self.waits)
 
         def q(xs: list[float], p: float) -> float:
-            xs = sorted(xs)
-            return round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1000, 1) if xs else 0.0
+            return round(rank_value(xs, p) * 1000, 1) if xs else 0.0
 
         return {
             "probes": len(allw), "failures": len(self.failures), "failure_examples": self.failures[:5],

@@ -14,6 +14,9 @@ import statistics
 import threading
 from pathlib import Path
 
+from bench import pctl as pct
+from bench import window_bounds
+
 WINDOW = (0.10, 0.90)
 #: A job's first samples, whose p99 shows what its start costs (the stall the window leaves out).
 FIRST = 32
@@ -35,11 +38,6 @@ def window_rate(times: list[float], tokens_each: int, lo: float = WINDOW[0], hi:
             "overall_tok_per_s": round(n * tokens_each / (t[-1] - t[0]), 1) if t[-1] > t[0] else None}  # fmt: skip
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
 def latency(recs: list[dict], first: int = FIRST) -> dict:
@@ -50,9 +48,7 @@ def latency(recs: list[dict], first: int = FIRST) -> dict:
     sample's latency in notice order, so any other cut can be taken from the JSON later."""
     xs = sorted((x for x in recs if x.get("sent") is not None), key=lambda x: x["sent"])
     lat_all = [1000 * (x["g"] - x["sent"]) for x in xs]
-    gs = sorted(x["g"] for x in recs)
-    lo_t = gs[int(math.floor(WINDOW[0] * (len(gs) - 1)))] if gs else 0.0
-    hi_t = gs[int(math.ceil(WINDOW[1] * (len(gs) - 1)))] if gs else 0.0
+    lo_t, hi_t = window_bounds([x["g"] for x in recs], *WINDOW) if recs else (0.0, 0.0)
     lat = [1000 * (x["g"] - x["sent"]) for x in xs if lo_t <= x["g"] <= hi_t]
     head = lat_all[:first]
 

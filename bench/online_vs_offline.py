@@ -347,7 +347,7 @@ def arm_online(a, verifier: str, jobs_spec: list[tuple[list[dict], dict]], count
         log(f"{name}: vLLM + sidecar up in {t_stack:.0f} s, spool {stack.spool}")
         with PeakSampler({"spool": stack.spool, "checkpoints": run_dir}) as peak:
             t0 = time.time()
-            jobs = [submit(stack.api, smp, opts) for smp, opts in jobs_spec]
+            jobs = [submit(stack, smp, opts) for smp, opts in jobs_spec]
             spec = {"cfg": train_cfg(a, verifier, run_dir, t0, steps), "counts": str(counts), "files": None,
                     "jobs": jobs, "api": stack.api, "token": stack.token, "endpoint": stack.delivery_endpoint,
                     "spool": str(stack.spool),

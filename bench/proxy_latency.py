@@ -33,7 +33,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import pctl  # noqa: E402
 
 
 def free_port() -> int:
@@ -103,10 +103,7 @@ def wait_up(url: str, timeout: float = 600) -> None:
 
 
 def q(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
+    return pctl(xs, p / 100)
 
 
 def summary(xs: list[float]) -> dict:

@@ -171,7 +171,7 @@ def train_online(verifier: str, stack, jobs: list[str], wd: Path, *, draft_vocab
     log("training: hsstream " + " ".join(cmd[3:]))
     t0 = time.perf_counter()
     with open(wd / "train.log", "w") as logf:
-        p = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        p = subprocess.Popen(cmd, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=stack.client_env(),
                              preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
         try:
             out: list[str] = []
@@ -246,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     import torch
     from transformers import AutoTokenizer
 
-    from connector.contract.rest_client import SidecarClient
     from hsstream import assets, launch
     from hsstream.devstack import Stack
     from hsstream.evaluate import agreement, print_table
@@ -279,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
     n = launch.num_hidden_layers(verifier)
     assert n is not None
     layers = launch.default_layer_ids(n)
-    dtype = a.dtype or ("bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32")
+    # the rule every vLLM we start follows (float32 where bf16 is emulated), else the checkpoint's own
+    dtype = a.dtype or launch.cpu_serving_dtype(verifier) or launch.model_dtype(verifier) or "auto"
     split_cores = R.split_cores(os.sched_getaffinity(0))  # vLLM + sidecar | trainer, while training
     log(f"vLLM serves the verifier in {dtype}; while training, vLLM and the sidecar on cores {split_cores['producer']}, "
         f"the trainer on {split_cores['trainer']}")  # fmt: skip
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
             os.sched_setaffinity(0, before)
         phases["stack_start"] = time.perf_counter() - t0
         log(f"stack up in {phases['stack_start']:.0f} s (vLLM CPU build + our connector + sidecar), layers {layers}")
-        with SidecarClient(stack.api, timeout=120) as c:
+        with stack.client(timeout=120) as c:
             for temp, part in parts:
                 if not part:
                     continue
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915
         if train_res is None:
             log(f"training failed ({rc}): see {wd / 'train.log'}")
             return 1
-        with SidecarClient(stack.api, timeout=30) as c:
+        with stack.client(timeout=30) as c:
             status = [c.job(j) for j in jobs]
         time.sleep(0.5)  # the trainer's last acks and deletions
         left, slots = stack.spool_files(), stack.held_slots()

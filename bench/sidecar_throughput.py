@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from connector import protocol as P  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
 from hsstream.devstack import free_port  # noqa: E402
+from bench import rank_value  # noqa: E402
 
 TOKENS, LAYERS, HIDDEN = 16, 4, 128  # a 16 KiB sample: the control plane's cost, not the bytes'
 
@@ -291,8 +292,8 @@ def run_once(a: argparse.Namespace) -> dict:
         "target_samples_per_s": 500, "cpu_s_during_job": cpu,
         "sidecar_cpu_ms_per_sample": round(1000 * cpu["sidecar"] / max(n, 1), 3),
         "sidecar_bound_samples_per_cpu_s": round(n / cpu["sidecar"], 1) if cpu["sidecar"] else None, "stream": {k: round(v, 3) if isinstance(v, float) else v for k, v in stream_stats.items()},
-        "notice_to_trainer_socket_ms": {k: {f"p{q}": round(1000 * v[min(len(v) - 1, int(q / 100 * len(v)))], 3)
-                                            for q in (50, 90, 99)} for k, v in ((k, sorted(v)) for k, v in hops.items())},
+        "notice_to_trainer_socket_ms": {k: {f"p{q}": round(1000 * rank_value(v, q / 100), 3)
+                                            for q in (50, 90, 99)} for k, v in hops.items()},
     }  # fmt: skip
     if len(successive) > 1:
         from bench.sidecar_overhead import slope_rel

@@ -28,6 +28,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import rank_value  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------- trainer
@@ -72,8 +73,7 @@ def growth(points: list[dict], key: str) -> dict:
     t0, t1 = points[0]["t"], points[-1]["t"]
 
     def med(lo: float, hi: float) -> float:
-        xs = sorted(p[key] for p in points if t0 + lo * (t1 - t0) <= p["t"] <= t0 + hi * (t1 - t0))
-        return xs[len(xs) // 2]
+        return rank_value([p[key] for p in points if t0 + lo * (t1 - t0) <= p["t"] <= t0 + hi * (t1 - t0)], 0.5)
 
     a, b = med(0.2, 0.3), med(0.9, 1.0)
     return {"samples": len(points), "at_20pct": a, "at_end": b, "growth": round((b - a) / a, 4) if a else None}

@@ -42,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import pctl  # noqa: E402
 
 import torch  # noqa: E402
 import zmq  # noqa: E402
@@ -156,9 +157,6 @@ def burst_latency(spool: Path, d: P.Deliver, workers: int, bursts: int, burst: i
     return rows
 
 
-def pctl(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
 
 
 def timed(fn, *a, **kw) -> float:  # noqa: ANN001

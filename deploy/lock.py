@@ -21,6 +21,7 @@ PyPI's builds break ``import torch`` beside the CPU build and nothing of ours im
     python deploy/lock.py versions       # one line: the versions that matter (make test prints it)
     python deploy/lock.py drift newest|lowest   # make deps-drift / deps-lowest: resolve, install
                                          #   into a throw-away venv, run the unit suite, record it
+    python deploy/lock.py drift lowest --venv /tmp/low -- tests/unit/x.py -x   # keep the venv, other tests
     python deploy/lock.py extras         # make deps-extras: each extra resolves on its own
 """
 
@@ -221,44 +222,75 @@ def install_venv(venv: Path, reqs: Path) -> None:
             raise RuntimeError(f"{' '.join(cmd[1:4])}… failed:\n{(p.stdout + p.stderr)[-3000:]}")
 
 
+def drift_resolve(kind: str, reqs: Path) -> list[dict]:
+    """Resolve ``kind``'s versions (newest, or lowest-direct) into ``reqs``; -> what differs from the lock."""
+    lock = read_lock(lock_path())
+    resolve(reqs, resolution="lowest-direct" if kind == "lowest" else "highest", upgrade=True)
+    got = read_lock(reqs)
+    return [{"package": n, "lock": lock.get(n, (None,))[0], kind: got.get(n, (None,))[0]}
+            for n in sorted(lock.keys() | got.keys()) if lock.get(n, (None,))[0] != got.get(n, (None,))[0]]  # fmt: skip
+
+
+def drift_install(reqs: Path, venv: Path) -> bool:
+    """``venv`` installed from ``reqs``; -> whether it was reused. A venv there from the same
+    requirements is reused as it is (``--venv`` keeps one so a failure can be rerun in it), one
+    from other requirements is rebuilt."""
+    built = venv / ".built-from"
+    if built.exists() and built.read_text() == reqs.read_text():
+        return True
+    shutil.rmtree(venv, ignore_errors=True)
+    install_venv(venv, reqs)
+    built.write_text(reqs.read_text())
+    return False
+
+
 def cmd_drift(args: argparse.Namespace) -> int:
     """Resolve the newest (or lowest-direct) versions pyproject allows, install them into a
-    throw-away venv and run the unit suite there: drift seen before users see it."""
+    throw-away venv and run the unit suite there: drift seen before users see it. The JSON holds
+    the summary; pytest's whole output goes to a ``.log`` beside it (a failure's traceback)."""
     started = time.monotonic()
-    lock = read_lock(lock_path())
+    out = Path(args.out) if args.out else RESULTS / f"deps_{args.kind}.json"
+    log = out.with_suffix(".log")
+    log.unlink(missing_ok=True)
     result: dict = {"kind": args.kind, "date": dt.date.today().isoformat(), "python": PYTHON,
                     "machine": machine(), "extras": list(LOCK_EXTRAS)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix=f"hsstream-deps-{args.kind}-") as tmp:
-        reqs = Path(tmp) / "requirements.txt"
-        resolve(reqs, resolution="lowest-direct" if args.kind == "lowest" else "highest", upgrade=True)
-        got = read_lock(reqs)
-        result["differs_from_lock"] = [
-            {"package": n, "lock": lock.get(n, (None,))[0], args.kind: got.get(n, (None,))[0]}
-            for n in sorted(lock.keys() | got.keys()) if lock.get(n, (None,))[0] != got.get(n, (None,))[0]]  # fmt: skip
+        where = Path(args.venv).resolve() if args.venv else Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        reqs, venv = where / "requirements.txt", where / "venv"
+        result["differs_from_lock"] = drift_resolve(args.kind, reqs)
         print(f"deps {args.kind}: {len(result['differs_from_lock'])} packages differ from the lock", flush=True)
-        venv = Path(tmp) / "venv"
         try:
-            install_venv(venv, reqs)
+            if drift_install(reqs, venv):
+                print(f"deps {args.kind}: {venv} reused (installed from the same resolution)", flush=True)
         except RuntimeError as e:
             result.update(installed=False, passed=False, error=str(e)[-2000:])
         else:
             cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.pytest]
             print(f"deps {args.kind}: {' '.join(cmd[1:])}", flush=True)
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+            p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+            log.write_text(p.stdout)
             tail = [ln for ln in p.stdout.splitlines() if ln.strip()][-40:]
             summary = next((ln for ln in reversed(tail) if re.search(r"\d+ (passed|failed|error)", ln)), "")
             failed = [ln.split(" ", 1)[1].split(" - ")[0] for ln in tail if ln.startswith(("FAILED ", "ERROR "))]
             result.update(installed=True, passed=p.returncode == 0, pytest_args=args.pytest, summary=summary.strip("= "),
-                          failed=failed[:40])  # fmt: skip
+                          failed=failed[:40], log=_shown(log))  # fmt: skip
     result["seconds"] = round(time.monotonic() - started)
-    out = Path(args.out) if args.out else RESULTS / f"deps_{args.kind}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"deps {args.kind}: {'PASSED' if result['passed'] else 'FAILED'} {result.get('summary', '')} "
-          f"({result['seconds']} s) -> {out.relative_to(ROOT)}")  # fmt: skip
+          f"({result['seconds']} s) -> {_shown(out)}" + (f", pytest's output: {_shown(log)}" if log.exists() else ""))  # fmt: skip
     if args.out is None:
         cmd_doc(args)
     return 0 if result["passed"] else 1
+
+
+def _shown(path: Path) -> str:
+    """A path as the user should read it: relative to the checkout when inside it."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def cmd_extras(args: argparse.Namespace) -> int:
@@ -292,6 +324,15 @@ def cmd_extras(args: argparse.Namespace) -> int:
         cmd_doc(args)
     return 0 if ok_all else 1
 
+
+#: What a drift run gives pytest unless told otherwise: the unit suite less test_lock's two tests
+#: that cannot hold there (the run rewrites the results table one compares; a drift venv is not
+#: the lock by design).
+DRIFT_PYTEST = (
+    "tests/unit", "--timeout", "900",
+    "--deselect", "tests/unit/deploy/test_lock.py::test_the_docs_results_table_is_the_committed_results",
+    "--deselect", "tests/unit/deploy/test_lock.py::test_this_venv_is_the_lock",
+)  # fmt: skip
 
 DOC = ROOT / "docs" / "dependencies.md"
 TABLE_START, TABLE_END = "<!-- deps-results: start (deploy/lock.py doc) -->", "<!-- deps-results: end -->"
@@ -345,21 +386,29 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--prune", action="store_true", help="uninstall what the lock does not hold first")
     c.set_defaults(fn=cmd_check)
     sub.add_parser("versions", help="the versions that matter, one line").set_defaults(fn=cmd_versions)
-    c = sub.add_parser("drift", help="newest or lowest-direct versions in a throw-away venv, unit suite there")
+    c = sub.add_parser("drift", help="newest or lowest-direct versions in a throw-away venv, unit suite there",
+                       usage="lock.py drift {newest,lowest} [--out JSON] [--venv DIR] [-- PYTEST_ARG ...]",
+                       epilog="pytest's arguments come after --, in place of the default: "
+                       + " ".join(DRIFT_PYTEST))  # fmt: skip
     c.add_argument("kind", choices=["newest", "lowest"])
-    c.add_argument("--out", default=None)
-    c.add_argument("pytest", nargs="*", default=[
-        "tests/unit", "--timeout", "900",
-        # the run rewrites what that test compares (the results table), so it cannot hold mid-run;
-        # and a drift venv is not the lock by design
-        "--deselect", "tests/unit/deploy/test_lock.py::test_the_docs_results_table_is_the_committed_results",
-        "--deselect", "tests/unit/deploy/test_lock.py::test_this_venv_is_the_lock"])
+    c.add_argument("--out", default=None, help="the JSON (default bench/results/deps_KIND.json); pytest's "
+                   "whole output goes beside it, .log for .json")  # fmt: skip
+    c.add_argument("--venv", default=None, metavar="DIR",
+                   help="build the venv in DIR and keep it (reused while the resolution is the same), to "
+                   "rerun a failure there: DIR/venv/bin/python -m pytest ...; default: a temporary folder")  # fmt: skip
     c.set_defaults(fn=cmd_drift)
     c = sub.add_parser("extras", help="each extra resolves on its own (pip --dry-run --report)")
     c.add_argument("--out", default=None)
     c.set_defaults(fn=cmd_extras)
     sub.add_parser("doc", help="write docs/dependencies.md's results table from the JSON").set_defaults(fn=cmd_doc)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    rest = None
+    if "--" in argv:  # everything after it is pytest's (an argparse positional would take options too)
+        argv, rest = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args = ap.parse_args(argv)
+    if rest is not None and args.cmd != "drift":
+        ap.error(f"only drift takes arguments after --: {' '.join(rest)}")
+    args.pytest = rest if rest else list(DRIFT_PYTEST)
     return args.fn(args)
 
 

@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Every vLLM the tests start serves in the checkpoint's own dtype (bf16), as their references are
+# computed, whatever bf16 instructions the host has (the product serves float32 on a CPU without
+# them: hsstream.launch.cpu_serving_dtype). A run may still set it.
+os.environ.setdefault("HSSTREAM_VLLM_DTYPE", "auto")
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:

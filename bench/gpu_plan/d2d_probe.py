@@ -27,21 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from bench import pctl, window_bounds  # noqa: E402
 WINDOW = (0.10, 0.90)
 
 
 def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return round(s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))], 3)
+    v = pctl(xs, q)
+    return None if v is None else round(v, 3)
 
 
 def three(xs: list[float]) -> dict:
@@ -50,8 +49,7 @@ def three(xs: list[float]) -> dict:
 
 def summarize(lat_ms: list[float], done_at: list[float]) -> dict:
     """Every sample, and the steady-state window of completion times, each named."""
-    ts = sorted(done_at)
-    lo, hi = ts[math.floor(WINDOW[0] * (len(ts) - 1))], ts[math.ceil(WINDOW[1] * (len(ts) - 1))]
+    lo, hi = window_bounds(done_at, *WINDOW)
     return {"all": three(lat_ms), "window": three([v for v, t in zip(lat_ms, done_at, strict=True) if lo <= t <= hi]),
             "first_32": three(lat_ms[:32])}  # fmt: skip
 

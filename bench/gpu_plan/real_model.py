@@ -383,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="end, with the JSON written, within this many seconds of the start: training is cut at "
                          "the deadline less --eval-reserve-s and the newest checkpoint served")
-    ap.add_argument("--eval-reserve-s", type=float, default=150,
-                    help="with --deadline-s: seconds kept for the untrained draft and the two evaluations")
+    ap.add_argument("--eval-reserve-s", type=float, default=280,
+                    help="with --deadline-s: seconds kept for the untrained draft and the two evaluations (three "
+                         "vLLM engines of ~50 s each on an H100: 170 s was too little on 2026-12-05)")
     ap.add_argument("--stop-grace-s", type=float, default=30, help="seconds `hsstream up` has to stop once cut")
     ap.add_argument("--checkpoint-every-s", type=float, default=45,
                     help="the trainer also checkpoints this often: what a cut run is evaluated on")

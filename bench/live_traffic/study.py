@@ -121,6 +121,8 @@ def replay(proxy: str, engine: str, prompts_a: list[str], prompts_b: list[str], 
     prev = spec_counts(engine)
     next_w = window_s
     ia = ib = 0
+    # the name the serving vLLM answers to (the proxy's managed engine serves the checkpoint's path)
+    model = httpx.get(engine + "/v1/models", timeout=30).json()["data"][0]["id"]
     with httpx.Client(timeout=600) as c:
         while time.monotonic() - t0 < duration_s and not stop.is_set():
             el = time.monotonic() - t0
@@ -137,7 +139,7 @@ def replay(proxy: str, engine: str, prompts_a: list[str], prompts_b: list[str], 
             t = time.monotonic()
             rec = {"t": round(t - t0, 3), "phase": phase}
             try:
-                r = c.post(proxy + "/v1/chat/completions", json={"model": "served", "max_tokens": max_tokens,
+                r = c.post(proxy + "/v1/chat/completions", json={"model": model, "max_tokens": max_tokens,
                            "temperature": 0, "messages": [{"role": "user", "content": p}]})  # fmt: skip
                 rec["status"] = r.status_code
                 if r.status_code == 200:
@@ -146,6 +148,8 @@ def replay(proxy: str, engine: str, prompts_a: list[str], prompts_b: list[str], 
                 rec["status"], rec["error"] = None, repr(e)[:300]
             rec["s"] = round(time.monotonic() - t, 3)
             log.append(rec)
+            if len(log) == 5 and all(x.get("status") != 200 for x in log):  # a setup error, not a measurement
+                raise SystemExit(f"the first 5 requests failed: {log[-1]}")
             if time.monotonic() - t0 >= next_w:
                 cur = spec_counts(engine)
                 dd, dt, da = (cur[i] - prev[i] for i in range(3))

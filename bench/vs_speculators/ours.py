@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.vs_speculators.common import ROOT, Sampler, finish_cpu, log, spawn_pinned, tail
+from bench.vs_speculators.common import ROOT, Sampler, finish_cpu, log, pinned_env, spawn_pinned, tail
 
 
 def cpus_of(pids: list[int]) -> list[int]:
@@ -59,7 +59,6 @@ def run(verifier: str, rows: list[dict], wd: Path, z, rc, split: dict, aux: list
     from bench.acceptance import submit
     from bench.online_vs_offline import producer_cores
     from bench.ovo_regimes import omp_bind
-    from connector.contract.rest_client import SidecarClient
     from hsstream.devstack import Stack
     from trainer_client.train import checkpoints as M
 
@@ -76,16 +75,16 @@ def run(verifier: str, rows: list[dict], wd: Path, z, rc, split: dict, aux: list
         log(f"our arm: vLLM + sidecar up in {out['vllm_start_s']:.0f} s (spool {stack.spool}); submitting, training")
         with Sampler({"checkpoints": run_dir}) as smp:
             t0 = time.time()
-            job = submit(stack.api, rows, job_options(z))
+            job = submit(stack, rows, job_options(z))
             out["submit_s"] = round(time.time() - t0, 2)
             cmd = train_command(verifier, run_dir, job, stack, token_counts, z, rc, aux, len(rows))
-            tr = spawn_pinned(cmd, split["trainer"], wd / "train.log")
+            tr = spawn_pinned(cmd, split["trainer"], wd / "train.log", env=stack.client_env(pinned_env(split["trainer"])))
             trainer_cpus = cpus_of([tr.pid])  # read from the kernel while it runs
             code, out["trainer_cpu_s"] = finish_cpu(tr, 7200)
             out["trainer_exit_s"] = round(time.time() - t0, 1)
         if code != 0:
             raise RuntimeError(f"hsstream train failed ({code}):\n{tail(wd / 'train.log')}")
-        with SidecarClient(stack.api, timeout=60) as c:
+        with stack.client(timeout=60) as c:
             st = c.job(job)
             ledger = [(s.index, s.token_ids, s.loss_mask) for s in c.iter_job_samples(job)]
         out["job"] = {"id": job, "done": st.done, "counts": st.counts, "num_samples": st.num_samples,

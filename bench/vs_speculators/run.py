@@ -165,6 +165,7 @@ def speculators_settings(s: dict, batches: list[list[int]]) -> dict:
     import torch
 
     cfg = s["driver"]["config"]
+    draft = cfg  # speculators keeps the TTT and attention options in its flat train config
     steps = s["steps"]
     total = cfg.get("scheduler_total_steps") or cfg.get("max_steps") or len(batches)
     warm = cfg.get("scheduler_warmup_steps")
@@ -189,6 +190,18 @@ def speculators_settings(s: dict, batches: list[list[int]]) -> dict:
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
+
+
+def served_dtype(verifier: str) -> str:
+    """The dtype every engine of the study serves the verifier in (each arm's extraction engine and
+    the serving engines alike: hsstream.launch.cpu_serving_dtype, float32 on a CPU without bf16
+    instructions), with the CPU flags that decided it."""
+    from hsstream.amx import cpu_flags
+    from hsstream.launch import BF16_FLAGS, cpu_serving_dtype, model_dtype
+
+    d = cpu_serving_dtype(verifier)
+    have = sorted(f for f in BF16_FLAGS if f in cpu_flags())
+    return f"{d or model_dtype(verifier) or 'auto'} (checkpoint {model_dtype(verifier)}; bf16 CPU flags: {have or 'none'})"
 
 
 def pick(checkpoints: list[dict], steps: int, points: int) -> list[dict]:
@@ -229,7 +242,7 @@ def run(a: argparse.Namespace, z: P.Sizes, mode: str) -> int:
     split = split_cores(cores)
     if len(cores) < 2:
         log(f"warning: one core ({cores}): vLLM and the trainer share it in both arms")
-    wd = Path(a.workdir or tempfile.mkdtemp(prefix="hsstream-vs-speculators-"))
+    wd = Path(a.resume or a.workdir or tempfile.mkdtemp(prefix="hsstream-vs-speculators-"))
     wd.mkdir(parents=True, exist_ok=True)
     log(f"{mode} run; workdir {wd}; verifier {verifier}; cores {split}")
     max_model_len = 1024
@@ -240,59 +253,72 @@ def run(a: argparse.Namespace, z: P.Sizes, mode: str) -> int:
     t_select = time.perf_counter() - t
     log(f"data: {len(sel.pool)} conversations, {len(sel.prompts)} held-out prompts "
         f"({'cached' if cached else f'selected in {t_select:.0f} s'}); {sel.ledger.as_dict()}")  # fmt: skip
-    rows_file = wd / "rows.jsonl"
-    rows_sha = D.write_jsonl((s.speculators_row() for s in sel.pool), rows_file)
+    def make_arms() -> tuple[dict, dict, Path]:
+        """Both arms, from the rows to each arm's last checkpoint: (arms, data, prep)."""
+        rows_file = wd / "rows.jsonl"
+        rows_sha = D.write_jsonl((s.speculators_row() for s in sel.pool), rows_file)
 
-    # -- speculators' prepare-data, and its split ---------------------------------------------
-    prep = wd / "speculators" / "prepared"
-    (wd / "speculators").mkdir(parents=True, exist_ok=True)
-    log("speculators prepare-data ...")
-    prep_out = T.prepare(verifier, rows_file, prep, z.tokens, wd / "speculators" / "prepare.log", split["producer"])
-    train_rows, val_rows = T.split_rows(prep, z.conversations, z.val_rows)
-    by = sel.by_digest()
-    pool_digests = set(by)
-    prep_digests = {D.sample_digest(i, m) for i, m in train_rows + val_rows}
-    batches = T.trainer_order([len(i) for i, _ in train_rows], z.tokens, rc.seed)
-    order = [D.sample_digest(*train_rows[b[0]]) for b in batches]
-    train = [by[d] for d in order if d in by]
-    sel.ledger.train, sel.ledger.val = len(train), len(val_rows)
-    ratio = T.ratio_for(z.conversations, z.val_rows)
-    data = {
-        "file": str(sharegpt), "file_bytes": sharegpt.stat().st_size, "rows_sha256": rows_sha,
-        "ledger": sel.ledger.as_dict(), "rules": {"turns": D.TURNS, "speakers": D.SPEAKERS, "tokens": z.tokens,
-                                                  "min_trained": z.min_trained, "max_prompt_tokens": z.max_prompt_tokens},
-        "select_s": round(t_select, 1), "selection_cached": cached,
-        "prepared_rows_are_the_pool": prep_digests == pool_digests,
-        "train_hash": D.set_hash(D.sample_digest(i, m) for i, m in train_rows),
-        "val_hash": D.set_hash(D.sample_digest(i, m) for i, m in val_rows),
-        "prompts_hash": prompts_hash([p.token_ids for p in sel.prompts]),
-        "held_out_disjoint": D.held_out_disjoint(sel.prompts, [*train, *(by[D.sample_digest(*r)] for r in val_rows)]),
-        "speculators_train_data_ratio": ratio, "order": "speculators' sampler order (epoch 0, seed), both arms",
-    }  # fmt: skip
-    if not data["prepared_rows_are_the_pool"] or len(train) != z.conversations:
-        raise SystemExit("speculators prepare-data changed the rows: the arms would not see the same samples")
-    token_counts = prep / "token_freq.pt"
+        # -- speculators' prepare-data, and its split ---------------------------------------------
+        prep = wd / "speculators" / "prepared"
+        (wd / "speculators").mkdir(parents=True, exist_ok=True)
+        log("speculators prepare-data ...")
+        prep_out = T.prepare(verifier, rows_file, prep, z.tokens, wd / "speculators" / "prepare.log", split["producer"])
+        train_rows, val_rows = T.split_rows(prep, z.conversations, z.val_rows)
+        by = sel.by_digest()
+        pool_digests = set(by)
+        prep_digests = {D.sample_digest(i, m) for i, m in train_rows + val_rows}
+        batches = T.trainer_order([len(i) for i, _ in train_rows], z.tokens, rc.seed)
+        order = [D.sample_digest(*train_rows[b[0]]) for b in batches]
+        train = [by[d] for d in order if d in by]
+        sel.ledger.train, sel.ledger.val = len(train), len(val_rows)
+        ratio = T.ratio_for(z.conversations, z.val_rows)
+        data = {
+            "file": str(sharegpt), "file_bytes": sharegpt.stat().st_size, "rows_sha256": rows_sha,
+            "ledger": sel.ledger.as_dict(), "rules": {"turns": D.TURNS, "speakers": D.SPEAKERS, "tokens": z.tokens,
+                                                      "min_trained": z.min_trained, "max_prompt_tokens": z.max_prompt_tokens},
+            "select_s": round(t_select, 1), "selection_cached": cached,
+            "prepared_rows_are_the_pool": prep_digests == pool_digests,
+            "train_hash": D.set_hash(D.sample_digest(i, m) for i, m in train_rows),
+            "val_hash": D.set_hash(D.sample_digest(i, m) for i, m in val_rows),
+            "prompts_hash": prompts_hash([p.token_ids for p in sel.prompts]),
+            "held_out_disjoint": D.held_out_disjoint(sel.prompts, [*train, *(by[D.sample_digest(*r)] for r in val_rows)]),
+            "speculators_train_data_ratio": ratio, "order": "speculators' sampler order (epoch 0, seed), both arms",
+        }  # fmt: skip
+        if not data["prepared_rows_are_the_pool"] or len(train) != z.conversations:
+            raise SystemExit("speculators prepare-data changed the rows: the arms would not see the same samples")
+        token_counts = prep / "token_freq.pt"
 
-    arms: dict[str, dict] = {}
-    # -- ours --------------------------------------------------------------------------------
-    log(f"our arm: {len(train)} conversations")
-    o = O.run(verifier, [s.row() for s in train], wd / "ours", z, rc, split, aux, n_layers, token_counts, max_model_len)
-    ledger = o.pop("_ledger")
-    o["samples_hash"] = D.set_hash(D.sample_digest(i, m) for i, m in ledger)
-    o["sample_lengths"] = sorted({len(i) for i, _ in ledger})
-    o["settings"] = ours_settings(o, len(train))
-    arms["ours"] = o
-    log(f"our arm: final checkpoint at {o['wall_s']:.0f} s after the first request ({o['steps']} steps)")
+        arms: dict[str, dict] = {}
+        # -- ours --------------------------------------------------------------------------------
+        log(f"our arm: {len(train)} conversations")
+        o = O.run(verifier, [s.row() for s in train], wd / "ours", z, rc, split, aux, n_layers, token_counts, max_model_len)
+        ledger = o.pop("_ledger")
+        o["samples_hash"] = D.set_hash(D.sample_digest(i, m) for i, m in ledger)
+        o["sample_lengths"] = sorted({len(i) for i, _ in ledger})
+        o["settings"] = ours_settings(o, len(train))
+        arms["ours"] = o
+        log(f"our arm: final checkpoint at {o['wall_s']:.0f} s after the first request ({o['steps']} steps)")
 
-    # -- speculators -------------------------------------------------------------------------
-    s = T.run(verifier, prep, wd / "speculators", z, rc, split, aux, n_layers, ratio, max_model_len)
-    s["samples_hash"] = data["train_hash"]
-    s["sample_lengths"] = sorted({len(i) for i, _ in train_rows})
-    s["prepare_s"] = prep_out["prepare_s"]
-    s["batches"] = len(batches)
-    s["settings"] = speculators_settings(s, batches)
-    arms["speculators"] = s
-    log(f"speculators arm: final checkpoint at {s['wall_s']:.0f} s after the first request ({s['steps']} steps)")
+        # -- speculators -------------------------------------------------------------------------
+        s = T.run(verifier, prep, wd / "speculators", z, rc, split, aux, n_layers, ratio, max_model_len)
+        s["samples_hash"] = data["train_hash"]
+        s["sample_lengths"] = sorted({len(i) for i, _ in train_rows})
+        s["prepare_s"] = prep_out["prepare_s"]
+        s["batches"] = len(batches)
+        s["settings"] = speculators_settings(s, batches)
+        arms["speculators"] = s
+        log(f"speculators arm: final checkpoint at {s['wall_s']:.0f} s after the first request ({s['steps']} steps)")
+        return arms, data, prep
+
+    state = wd / "arms.json"  # both arms' results: --resume WORKDIR serves them again without retraining
+    if a.resume:
+        st = json.loads(state.read_text())
+        arms, data, prep = st["arms"], st["data"], wd / "speculators" / "prepared"
+        t_all -= st["elapsed_s"]
+        log(f"resumed {wd}: both arms as they finished ({state}); serving")
+    else:
+        arms, data, prep = make_arms()
+        state.write_text(json.dumps({"arms": arms, "data": data, "elapsed_s": time.perf_counter() - t_all}, default=str))
 
     # -- the same draft, the same maps --------------------------------------------------------
     import numpy as np
@@ -331,7 +357,8 @@ def run(a: argparse.Namespace, z: P.Sizes, mode: str) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "command": "python -m bench.vs_speculators " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "affinity": cores, "loadavg_at_end": os.getloadavg()},
-        "verifier": {"path": verifier, "label": label, "num_hidden_layers": n_layers, "aux_layer_ids": aux},
+        "verifier": {"path": verifier, "label": label, "num_hidden_layers": n_layers, "aux_layer_ids": aux,
+                     "served_dtype": served_dtype(verifier)},
         "versions": versions(),
         "sizes": z.as_dict(),
         "recipe": rc.as_dict(),
@@ -436,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=None, help="override the mode's conversation count")
     ap.add_argument("--tokens", type=int, default=None, help="override the mode's tokens per sample")
     ap.add_argument("--draft-vocab", type=int, default=None, help="override the mode's draft vocabulary")
+    ap.add_argument("--prompts", type=int, default=None, help="override the mode's held-out prompts served")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--resume", default=None, metavar="WORKDIR",
+                    help="a run's workdir whose two arms finished (arms.json): serve and report them, no retraining")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "hsstream" / "vs_speculators"),
                     help="where the data selection is cached")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/vs_speculators_cpu.json; "
@@ -450,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         return write_doc(Path(a.write_doc))
     mode = "quick" if a.quick else "reduced" if a.reduced else "full"
     z = {"quick": P.QUICK, "reduced": P.REDUCED, "full": P.FULL}[mode]
-    over = {k: v for k, v in (("conversations", a.conversations), ("tokens", a.tokens), ("draft_vocab", a.draft_vocab)) if v}
+    over = {k: v for k, v in (("conversations", a.conversations), ("tokens", a.tokens), ("draft_vocab", a.draft_vocab),
+                                       ("prompts", a.prompts)) if v}
     if over:
         z = replace(z, **over, **({"min_trained": over["tokens"] // 4} if "tokens" in over else {}))
         mode = mode if mode != "full" else "custom"

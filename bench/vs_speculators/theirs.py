@@ -75,6 +75,15 @@ def trainer_order(lengths: list[int], total_seq_len: int, seed: int) -> list[lis
     return [[int(i) for i in b] for b in s]
 
 
+#: ``generate-offline-data --concurrency`` (its option; 32 by default). At 32, one vLLM step on a
+#: CPU core holds ~2k tokens and takes ~20 s, longer than the 10 s the client waits for the
+#: connector's file lock (``wait_for_lock_async``): a reduced run skipped 56 of 204 rows that way
+#: and speculators' trainer then failed on the first missing file. At 4 a step is ~3 s. A CPU's
+#: prefill rate hardly depends on the batch, so this does not slow the arm; ``--fail-on-error``
+#: stops the arm at the first skipped row instead of an hour later in the trainer.
+GEN_CONCURRENCY = 4
+
+
 def vllm_command(verifier: str, hs_dir: Path, port: int, layers: list[int], max_model_len: int) -> list[str]:
     """speculators' ``scripts/launch_vllm.py MODEL -- VLLM_ARGS`` (upstream, not in the wheel):
     vLLM's OpenAI server with the extraction method over ``layers`` (aux layers and the last) and
@@ -87,6 +96,8 @@ def vllm_command(verifier: str, hs_dir: Path, port: int, layers: list[int], max_
     this runs that module directly, with the same two configs."""
     from hs_connectors import FileBackend
 
+    from hsstream.launch import cpu_serving_dtype
+
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}  # fmt: skip
     kvt = FileBackend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=str(hs_dir)))
@@ -95,7 +106,8 @@ def vllm_command(verifier: str, hs_dir: Path, port: int, layers: list[int], max_
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", verifier, "--speculative-config",
             json.dumps(spec), "--kv-transfer-config", json.dumps(kvt), "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.2", "--enforce-eager",
-            "--no-enable-prefix-caching", "--shutdown-timeout", "15"]  # fmt: skip
+            "--no-enable-prefix-caching", "--shutdown-timeout", "15",
+            *(["--dtype", d] if (d := cpu_serving_dtype(verifier)) else [])]  # as ours: float32 where bf16 is emulated
 
 
 #: vLLM's Example connector, made CPU-safe from outside (cpu_example_connector.py: which two calls, and why).
@@ -214,9 +226,11 @@ def run(verifier: str, prep: Path, wd: Path, z, rc, split: dict, aux: list[int],
             producer_cpus = cpus_of([vllm.pid])
             log(f"speculators arm: vLLM (Example connector) up in {out['vllm_start_s']:.0f} s; generating hidden states")
             t0 = time.time()
-            gen = spawn_pinned([*SPEC, "generate-offline-data", "--endpoint", f"http://127.0.0.1:{port}/v1",
-                                "--preprocessed-data", str(prep), "--output", str(hs), "--validate-outputs"],
-                               prod, wd / "generate.log")  # fmt: skip
+            gen_cmd = [*SPEC, "generate-offline-data", "--endpoint", f"http://127.0.0.1:{port}/v1", "--preprocessed-data",
+                       str(prep), "--output", str(hs), "--validate-outputs", "--concurrency", str(GEN_CONCURRENCY),
+                       "--fail-on-error"]  # fmt: skip
+            out["generate_command"] = gen_cmd[len(SPEC):]
+            gen = spawn_pinned(gen_cmd, prod, wd / "generate.log")
             if finish(gen, 7200) != 0:
                 raise RuntimeError(f"speculators generate-offline-data failed:\n{tail(wd / 'generate.log')}")
             out["generate_s"] = round(time.time() - t0, 1)

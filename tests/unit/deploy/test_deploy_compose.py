@@ -320,7 +320,8 @@ def test_up_reads_the_same_env_into_the_same_entry_point(tmp_path, monkeypatch, 
     vllm_cmd = typer.main.get_command(app).commands["vllm"]
     with vllm_cmd.make_context("hsstream vllm", list(cfg.vllm_cli)) as ctx:
         assert ctx.params["gpu_memory_utilization"] == float(e["GPU_MEMORY_UTILIZATION"])
-        assert ctx.params["vllm_args"] == ["--tensor-parallel-size", "2"]
+        # (a tuple in ctx.params before typer 0.29, a list since; the command itself gets a list)
+        assert list(ctx.params["vllm_args"]) == ["--tensor-parallel-size", "2"]
     # and the process it spawns is that entry point, with those flags
     from hsstream import up
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import tomllib
@@ -106,3 +107,42 @@ def test_the_docs_results_table_is_the_committed_results():
     text = L.DOC.read_text()
     assert L.render_doc(text) == text, "run: python deploy/lock.py doc"
     assert "not run" not in L.results_table(), "the drift, lowest-bound and extras checks have each run once"
+
+
+def test_drift_gives_pytest_what_follows_the_dashes_logs_its_output_and_keeps_the_venv(tmp_path, monkeypatch):
+    """`drift KIND --venv DIR -- ARGS`: pytest runs ARGS in DIR's venv, its whole output (a
+    failure's traceback, not only the summary) lands in a .log beside the JSON, and the venv is
+    reused while the resolution is the same, rebuilt when it changes."""
+    resolutions = iter(["a==1\n", "a==1\n", "a==2\n"])
+    installs = []
+
+    def fake_resolve(out, **_kw):
+        out.write_text(next(resolutions))
+
+    def fake_install(venv, reqs):  # a "venv" whose python is this one (it has pytest)
+        installs.append(reqs.read_text())
+        (venv / "bin").mkdir(parents=True)
+        py = venv / "bin" / "python"
+        py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+        py.chmod(0o755)
+
+    monkeypatch.setattr(L, "resolve", fake_resolve)
+    monkeypatch.setattr(L, "install_venv", fake_install)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # (a bare pytest starts in a fraction of the time)
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("def test_unselected():\n    assert 0\n\n"  # its traceback is more than the summary's last lines:
+                     "def test_planted():\n    print('\\n' * 80)\n    assert 0, 'the planted failure'\n")
+    out, keep = tmp_path / "r.json", tmp_path / "keep"
+    for _ in range(3):
+        argv = ["drift", "lowest", "--out", str(out), "--venv", str(keep), "--", f"{probe}::test_planted", "--tb=short"]
+        assert L.main(argv) == 1
+    assert installs == ["a==1\n", "a==2\n"], "the second run reuses the kept venv, the third rebuilds it"
+    assert (keep / "venv" / "bin" / "python").exists() and (keep / "requirements.txt").read_text() == "a==2\n"
+    r = json.loads(out.read_text())
+    assert r["installed"] and not r["passed"] and r["summary"].startswith("1 failed")
+    assert len(r["failed"]) == 1 and r["failed"][0].endswith("test_probe.py::test_planted")
+    assert r["pytest_args"] == [f"{probe}::test_planted", "--tb=short"]
+    log = out.with_suffix(".log")
+    assert r["log"] == str(log) and "AssertionError: the planted failure" in log.read_text()
+    with pytest.raises(SystemExit):
+        L.main(["versions", "--", "tests/unit"])
