@@ -78,58 +78,48 @@ def hsstream(*args: str, timeout: float = 600, env: dict | None = None) -> subpr
                           timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
-def test_eval_acceptance_is_vllms_own_within_0_02(verifier, draft, tmp_path):
-    from hsstream.evaluate import agreement
-
-    from hsstream.pretrain_verifier import held_out_prompts
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out_prompts(16)))
-    p = hsstream("eval", "--model", verifier, "--draft", str(draft), "--prompts", str(prompts), "--no-baseline",
-                 "--json", "--max-tokens", "32", "--workdir", str(tmp_path))  # fmt: skip
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads(p.stdout)
-    v = res["temperatures"]["0.0"]
-    ours, vm = v["ours"], v["vllm_metrics"]
-    assert ours["requests_without_record"] == 0
-    assert vm["drafts"] > 50 and ours["drafts"] > 50
-    assert ours["acceptance_rate"] > 0.2, ours  # a draft that learned: the comparison is not 0 against 0
-    assert len(ours["acceptance_per_position"]) == 3
-    assert agreement(res) <= 0.02, (ours, vm)
-    assert abs(ours["mean_acceptance_length"] - vm["mean_acceptance_length"]) <= 0.02 * 3
-    # position i+1 can only be accepted after position i: a per-position list out of order is wrong
-    pp = ours["acceptance_per_position"]
-    assert pp == sorted(pp, reverse=True)
-    assert v["tokens_per_s"]["with_draft"] > 0 and v["tokens_per_s"]["without_draft"] is None
-
-
 def test_eval_on_a_jobs_held_out_samples(verifier, draft, tmp_path):
     """``--job ID --eval-fraction F --eval-seed S``: prompts are the job's samples the shared rule
     holds out (those ``hsstream train --eval-fraction F --eval-seed S`` never trains on), read from
-    a real sidecar; vLLM serves them as token ids, and our figures still agree with its counters."""
+    a real sidecar; vLLM serves them as token ids, and our figures are vLLM's own: acceptance rate,
+    per position and mean acceptance length within 0.02 of its ``vllm:spec_decode_*`` counters.
+
+    (One engine start proves both: this test took over the former
+    ``test_eval_acceptance_is_vllms_own_within_0_02``, which served 16 text prompts through
+    ``--prompts`` in an engine of its own; ``--prompts`` is served by test_readme.py's eval.)"""
     from connector.contract.holdout import held_out, sample_identity
     from connector.contract.rest_client import SidecarClient
     from hsstream.evaluate import agreement
     from hsstream.pretrain_verifier import held_out_prompts
     from tests.integration.conftest import sidecar_without_vllm
 
-    rows = [{"prompt": p, "id": f"doc-{i}"} for i, p in enumerate(held_out_prompts(40))]
+    rows = [{"prompt": p, "id": f"doc-{i}"} for i, p in enumerate(held_out_prompts(60))]
     with sidecar_without_vllm(verifier, "eval-token", "hsstream-eval-") as sc:
         c = SidecarClient(sc.url, token="eval-token")
         job = c.create_job(rows).job_id
-        want = [i for i in range(40) if held_out(sample_identity(f"doc-{i}", i), 0.3, 7)]
-        first = [x.token_ids for x in c.iter_job_samples(job) if x.index in want[:6]]
+        want = [i for i in range(60) if held_out(sample_identity(f"doc-{i}", i), 0.3, 7)]
+        first = [x.token_ids for x in c.iter_job_samples(job) if x.index in want[:12]]
         args = ("eval", "--model", verifier, "--draft", str(draft), "--job", job, "--api", sc.url, "--no-baseline",
-                "--json", "--max-tokens", "24", "--workdir", str(tmp_path))  # fmt: skip
-        p = hsstream(*args, "--eval-fraction", "0.3", "--eval-seed", "7", "--max-prompts", "6",
+                "--json", "--max-tokens", "32", "--workdir", str(tmp_path))  # fmt: skip
+        p = hsstream(*args, "--eval-fraction", "0.3", "--eval-seed", "7", "--max-prompts", "12",
                      env={"HSSTREAM_API_TOKEN": "eval-token"})  # fmt: skip
         assert p.returncode == 0, p.stderr[-3000:]
         res = json.loads(p.stdout)
-        assert res["prompts"] == 6 and res["held_out"]["held_out_read"] == 6 and len(want) >= 6
+        assert res["prompts"] == 12 and res["held_out"]["held_out_read"] == 12 and len(want) >= 12
         served = json.loads((tmp_path / "with-draft.in.json").read_text())["prompts"]
         assert served == [t[: max(1, len(t) // 2)] for t in first]  # plain prompts: their first half, as token ids
         v = res["temperatures"]["0.0"]
-        assert v["ours"]["drafts"] > 10 and agreement(res) <= 0.02, v
+        ours, vm = v["ours"], v["vllm_metrics"]
+        assert ours["requests_without_record"] == 0
+        assert vm["drafts"] > 50 and ours["drafts"] > 50, v
+        assert ours["acceptance_rate"] > 0.2, ours  # a draft that learned: the comparison is not 0 against 0
+        assert len(ours["acceptance_per_position"]) == 3
+        assert agreement(res) <= 0.02, (ours, vm)
+        assert abs(ours["mean_acceptance_length"] - vm["mean_acceptance_length"]) <= 0.02 * 3
+        # position i+1 can only be accepted after position i: a per-position list out of order is wrong
+        pp = ours["acceptance_per_position"]
+        assert pp == sorted(pp, reverse=True)
+        assert v["tokens_per_s"]["with_draft"] > 0 and v["tokens_per_s"]["without_draft"] is None
         bad = hsstream(*args, env={"HSSTREAM_API_TOKEN": "eval-token"}, timeout=120)  # no fraction
         assert bad.returncode == 2 and "--eval-fraction must be > 0" in bad.stderr, bad.stderr[-2000:]
         wrong = hsstream(*args, "--eval-fraction", "0.3", env={"HSSTREAM_API_TOKEN": "wrong"}, timeout=120)
