@@ -147,7 +147,7 @@ def cuda_row(result: Path = GPU_RESULT) -> dict:
     """0.26's row, from the CUDA run's own result file: its verdict and what it checked, so the
     table cannot say more than that file (a new GPU run is picked up with ``--cuda-row-only``)."""
     gpu = json.loads(result.read_text())
-    return {"version": f"{gpu['vllm']} (CUDA, H200)", "pass": bool(gpu["ok"]), "covered_by": "bench/gpu_check.py",
+    return {"version": f"{gpu['vllm']} (CUDA, H200)", "pass": bool(gpu["ok"]), "covered_by": "bench/online_gpu/gpu_check.py",
             "result_file": str(result.relative_to(ROOT)),
             "summary": {k: gpu.get(k) for k in ("benchmark", "when", "device", "vllm", "ok", "layers")}}  # fmt: skip
 
