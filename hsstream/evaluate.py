@@ -3,7 +3,7 @@ serves a draft directory, and whether the installed vLLM can, is the draft's own
 (``trainer_client/drafts/serving.py``).
 
 One vLLM engine per child process (its memory goes back when the child exits); the child runs
-``python -m hsstream.evaluate --serve-child IN OUT``. bench/acceptance.py serves through here too.
+``python -m hsstream.evaluate --serve-child IN OUT``. bench/served_acceptance/acceptance.py serves through here too.
 
 Two independent sources of the same figures, per temperature:
 

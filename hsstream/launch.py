@@ -34,7 +34,7 @@ def num_hidden_layers(model_dir: str) -> int | None:
 
 
 #: CPU flags with bf16 arithmetic in hardware (AVX512-BF16, AMX). Without them PyTorch's and
-#: vLLM's CPU kernels emulate bf16, tens of times slower than float32 (bench/cpu_dtype.py).
+#: vLLM's CPU kernels emulate bf16, tens of times slower than float32 (bench/costs/cpu_dtype.py).
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 HALF_DTYPES = ("bfloat16", "float16")
 #: Overrides the choice below for every vLLM we start: a vLLM ``--dtype`` value, or ``auto``.

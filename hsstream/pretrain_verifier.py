@@ -9,7 +9,7 @@ earlier, which is exactly what a draft needs the verifier's hidden states for.
 
 Everything is seeded and single-process, and the result is cached under a name derived from
 a content hash of the base checkpoint, the corpus version and the training settings, so every
-caller (tests, ``bench/acceptance.py``, ``make demo``) shares one build and a changed
+caller (tests, ``bench/served_acceptance/acceptance.py``, ``make demo``) shares one build and a changed
 ingredient can never reuse a stale one.
 
 Usage::

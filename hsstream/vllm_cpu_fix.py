@@ -36,7 +36,7 @@ ENV_SWITCH = "HSSTREAM_VLLM_CPU_FIX"
 
 _PATCHED_ATTR = "_hsstream_cpu_fix"
 
-#: What the patch replaces (bench/vllm_conformance.py checks each vLLM release for it).
+#: What the patch replaces (bench/long_checks/vllm_conformance.py checks each vLLM release for it).
 TARGET_MODULE = "vllm.v1.sample.rejection_sampler"
 TARGET_FUNCTION = "expand_batch_to_tokens"
 TARGET_PARAMS = ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")

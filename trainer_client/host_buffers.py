@@ -3,7 +3,7 @@
 A pinned (page-locked) buffer lets the copy to the GPU run as one non-blocking DMA. What a
 *fresh* buffer costs is the trap: on this project's 2-core CPU host, reading a 33.5 MB sample
 into a freshly allocated buffer takes ~21 ms against ~9.6 ms into a reused one (the page
-faults of new memory; ``bench/validate_throughput.py`` measures both), and a fresh pinned
+faults of new memory; ``bench/costs/validate_throughput.py`` measures both), and a fresh pinned
 buffer adds ``cudaHostAlloc``'s page locking on top.
 
 Reuse is torch's own CachingHostAllocator's job, deliberately: it hands a freed pinned block

@@ -209,7 +209,7 @@ class _SampleChecks:
         checksum (or, for a trusted slot, its lease) makes this sample's, unless ``rescan_finite``; else a scan that goes with the
         checksum: beside it on the ``scan`` pool, the hashing thread taking the chunks left once
         its checksum is done (several cores), or chunk by chunk in the checksum's own pass (one
-        core, xxh3-128); ``bench/host_checks.py`` measures them."""
+        core, xxh3-128); ``bench/costs/host_checks.py`` measures them."""
         hs, ids = tensors[SF.HIDDEN_STATES_KEY], tensors[SF.TOKEN_IDS_KEY]
         on_host = self.dev is None or self.dev.type == "cpu"
         algo = self.n.checksum_algo

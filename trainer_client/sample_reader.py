@@ -61,7 +61,7 @@ class ArenaMaps:
     def __init__(self, spool: str | os.PathLike[str], *, prefault: bool = True) -> None:
         """``prefault``: map the slots past each one read ahead of their turn, in the background
         (:meth:`~connector.contract.arena.Arena.prefault_ahead`); off only for
-        ``bench/arena_pages.py``'s control arm."""
+        ``bench/arena/arena_pages.py``'s control arm."""
         self.spool = spool
         self.prefault = prefault
         self._arena: A.Arena | None = None

@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench import pctl, window_bounds  # noqa: E402
+from bench.common import pctl, window_bounds  # noqa: E402
 WINDOW = (0.10, 0.90)
 
 

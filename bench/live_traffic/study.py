@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.proxy_latency import free_port, wait_up  # noqa: E402
+from bench.costs.proxy_latency import free_port, wait_up  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ data

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.disk_peaks import PeakSampler, tree_bytes
+from bench.common.disk_peaks import PeakSampler, tree_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")

@@ -56,9 +56,9 @@ def train_command(verifier: str, run_dir: Path, job: str, stack, token_counts: P
 
 def run(verifier: str, rows: list[dict], wd: Path, z, rc, split: dict, aux: list[int], n_layers: int,  # noqa: ANN001
         token_counts: Path, max_model_len: int) -> dict:  # fmt: skip
-    from bench.acceptance import submit
-    from bench.online_vs_offline import producer_cores
-    from bench.ovo_regimes import omp_bind
+    from bench.served_acceptance.acceptance import submit
+    from bench.online_vs_offline.online_vs_offline import producer_cores
+    from bench.online_vs_offline.ovo_regimes import omp_bind
     from hsstream.devstack import Stack
     from trainer_client.train import checkpoints as M
 

@@ -222,7 +222,7 @@ def prompts_hash(prompts: list[list[int]]) -> str:
 def run(a: argparse.Namespace, z: P.Sizes, mode: str) -> int:
     import torch
 
-    from bench.ovo_regimes import split_cores
+    from bench.online_vs_offline.ovo_regimes import split_cores
     from bench.vs_speculators import data as D
     from bench.vs_speculators import ours as O
     from bench.vs_speculators import serve as S

@@ -209,7 +209,7 @@ def run(verifier: str, prep: Path, wd: Path, z, rc, split: dict, aux: list[int],
         d.mkdir(parents=True, exist_ok=True)
     port = free_port()
     prod, trn = split["producer"], split["trainer"]
-    from bench.ovo_regimes import omp_bind
+    from bench.online_vs_offline.ovo_regimes import omp_bind
 
     # as ours gets it (hsstream/up): the environment, the repo on the path, OpenMP bound to the producer cores
     venv = launch.cpu_env({**pinned_env(None), "VLLM_CPU_OMP_THREADS_BIND": omp_bind(prod)})

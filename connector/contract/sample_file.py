@@ -39,7 +39,7 @@ CHECKSUM_ALGO = "blake3"
 #: XXH3, 128 bits) on one thread. It is computed inside vLLM's worker, whose cores the engine
 #: needs: on the H200 host xxh3-128 took 2.1 ms and 2.1 ms of CPU per 33.5 MB sample where
 #: blake3 took 6.2 ms on one thread, 2.2 ms on four (7.5 ms of CPU), 0.8 ms on all 16 (9.3 ms of
-#: CPU) (``bench/checksum_cost.py``, docs/benchmarks.md). It has to catch torn or corrupted
+#: CPU) (``bench/costs/checksum_cost.py``, docs/benchmarks.md). It has to catch torn or corrupted
 #: bytes, not forged ones: the spool and the sockets are this user's or CURVE's; only bytes read
 #: over Mooncake's unauthenticated TCP could be changed on the way, and there blake3 (its digest
 #: arriving over CURVE) would also catch a deliberate change: set blake3 where Mooncake runs

@@ -17,7 +17,7 @@ this step's hidden states yet?) changed between runners:
   ``get_finished``, ``clear``.
 
 Each runner below is the calls its functions make, in source order, with the ``if`` conditions
-around each (:class:`Fn`), exactly as ``bench/vllm_conformance.py`` (``make vllm-conformance``)
+around each (:class:`Fn`), exactly as ``bench/long_checks/vllm_conformance.py`` (``make vllm-conformance``)
 reads them in each vLLM wheel it checks: a vLLM that changes one fails that target. :func:`step`
 expands them, for one path through the runner (its conditions' truth values), into the hooks the
 connector sees; ``tests/unit/connector/test_hook_order.py`` drives the real connector through
@@ -132,7 +132,7 @@ def step(runner: Runner, path: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# The runners, as read (bench/vllm_conformance.py checks each against the wheels of its versions)
+# The runners, as read (bench/long_checks/vllm_conformance.py checks each against the wheels of its versions)
 # ------------------------------------------------------------------------------------------------
 
 _MIXIN = "vllm/v1/worker/kv_connector_model_runner_mixin.py"
@@ -328,7 +328,7 @@ V2 = Runner(
 RUNNERS: tuple[Runner, ...] = (V1, V2_UNDEFERRED, V2)
 
 #: The base class's implementations of the hooks above that our connector leaves to it: they
-#: must do nothing but call ``get_finished`` (checked in each wheel by bench/vllm_conformance.py).
+#: must do nothing but call ``get_finished`` (checked in each wheel by bench/long_checks/vllm_conformance.py).
 INHERITED_HOOKS = {
     "get_transfer_results": "calls get_finished",
     "handle_preemptions": "no-op",

@@ -2,7 +2,7 @@
 directory holds (its ``config.json``), and the draft's plug-in says how vLLM serves it and
 whether the installed vLLM can (``Draft.serve_checkpoint``, ``Draft.refusal``). ``hsstream
 eval`` (``hsstream/evaluate.py``), the launcher's ``--speculative-config``
-(``hsstream/launch.py``) and ``bench/acceptance.py`` ask here; the trainer asks its draft itself
+(``hsstream/launch.py``) and ``bench/served_acceptance/acceptance.py`` ask here; the trainer asks its draft itself
 for the line it prints. Nothing here knows a draft by name.
 """
 

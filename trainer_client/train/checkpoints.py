@@ -152,7 +152,7 @@ def publish_final(out_dir: str | Path, ckpt: Path) -> Path:
 
 def serve_command(verifier: str, draft_dir: str | Path, num_speculative_tokens: int | None = None, *,
                   spec: dict | None = None) -> str:  # fmt: skip
-    """The shell line that serves the verifier with the draft, as ``bench/acceptance.py`` does:
+    """The shell line that serves the verifier with the draft, as ``bench/served_acceptance/acceptance.py`` does:
     ``spec`` is the draft's ``--speculative-config`` (``Draft.speculative_config``); without it an
     Eagle-3 one (``{"method": "eagle3", "model": <draft dir>, "num_speculative_tokens": N}``)."""
     if spec is None:

@@ -6,7 +6,7 @@ acceptance length at T=0 (vLLM's counters) must be at least :data:`MARGIN` above
 one's, with nothing lost or left in the spool and the held-out prompts disjoint from training.
 
 Minutes on 2 cores, so it is opt-in (``make test-real``, ``pytest tests -m real_acceptance``;
-tests/conftest.py leaves it out of ``make test``). It runs ``bench/real_acceptance.py`` (the
+tests/conftest.py leaves it out of ``make test``). It runs ``bench/served_acceptance/real_acceptance.py`` (the
 measurement ``make demo`` makes) at a smaller size and reads its JSON, not its exit status alone.
 """
 
@@ -29,7 +29,7 @@ SIZE = ["--train-prompts", "192", "--eval-prompts", "16", "--reply-tokens", "96"
 
 def test_trained_draft_beats_untrained_on_the_real_model(smollm2, tmp_path):
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(ROOT / "bench/real_acceptance.py"), "--model", smollm2, *SIZE,
+    cmd = [sys.executable, str(ROOT / "bench/served_acceptance/real_acceptance.py"), "--model", smollm2, *SIZE,
            "--margin", str(MARGIN), "--workdir", str(tmp_path / "wd"), "--out", str(out)]  # fmt: skip
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     tail = (p.stdout + p.stderr)[-4000:]

@@ -11,8 +11,8 @@ import httpx
 import psutil
 import pytest
 
-from bench.fuzz_sidecar import NON_FINITE
-from bench.fuzz_sidecar import poison as poison_body
+from bench.long_checks.fuzz_sidecar import NON_FINITE
+from bench.long_checks.fuzz_sidecar import poison as poison_body
 from tests.integration.conftest import sidecar_without_vllm
 
 TOKEN = "fuzz-token"

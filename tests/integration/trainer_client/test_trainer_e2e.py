@@ -17,7 +17,7 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
 * ``hsstream train --nproc 2`` (torchrun, two gloo ranks, each its own stream): disjoint
   samples, each trained and acknowledged once by the rank that got it, only after a checkpoint
   that holds it; one checkpoint writer; both ranks exit 0; nothing left in the spool;
-* ``make demo`` again: bench/acceptance.py's training step twice in the same workdir.
+* ``make demo`` again: bench/served_acceptance/acceptance.py's training step twice in the same workdir.
 * ``hsstream train --draft dflash|peagle`` for a few steps from the stream, its final checkpoint
   served by vLLM's CPU build with the speculative config the run printed (and the command
   stopping at once, naming the draft, without a mask token).
@@ -26,7 +26,7 @@ One engine for the module, serving the tiny verifier with layers [2, 6, 9, 12]:
   ``OUT/final``, ``OUT/latest`` and the ``vllm serve`` line.
 
 The pre-trained verifier and its repeat fraction: test_trainer_pretrain.py; the acceptance
-measurement in vLLM: bench/acceptance.py.
+measurement in vLLM: bench/served_acceptance/acceptance.py.
 """
 
 from __future__ import annotations
@@ -200,11 +200,11 @@ def test_sigkill_after_checkpoint_then_resume_trains_each_sample_once(stack, ver
 
 
 def test_demo_training_step_runs_again_in_the_same_workdir(stack, verifier, tmp_path):
-    """``make demo`` twice in one clone (issue 21): bench/acceptance.py's training step, on a new
+    """``make demo`` twice in one clone (issue 21): bench/served_acceptance/acceptance.py's training step, on a new
     job each time (a new stack, as each run has) and the same ``--workdir``, succeeds both times.
     The second used to be refused (exit 2): "WORKDIR/draft-run belongs to a run following jobs
     [the first run's], not [its own]"."""
-    from bench.acceptance import RUN_DIR_NAME, train_draft
+    from bench.served_acceptance.acceptance import RUN_DIR_NAME, train_draft
 
     n = 6
     for run in range(2):

@@ -1,9 +1,9 @@
-"""bench/arena.py's figures from its rounds: percentiles, per-sample CPU and bytes, the arms'
+"""bench/arena/arena.py's figures from its rounds: percentiles, per-sample CPU and bytes, the arms'
 JSON keys issue 26 names, and the acceptance checks (each seen failing on a run that misses it)."""
 
 from __future__ import annotations
 
-from bench import arena as B
+from bench.arena import arena as B
 
 REQUIRED = {"p50_ms", "p99_ms", "cpu_ms_per_sample", "bytes_copied_per_sample", "samples_per_s"}
 

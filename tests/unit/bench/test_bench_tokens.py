@@ -20,7 +20,7 @@ def _is_stack_api(node: ast.AST) -> bool:
 
 
 def violations(source: str, name: str = "<bench>") -> list[str]:
-    """Where ``source`` hands a stack's bare ``.api`` URL to ``submit`` (bench/acceptance.py's,
+    """Where ``source`` hands a stack's bare ``.api`` URL to ``submit`` (bench/served_acceptance/acceptance.py's,
     which takes the stack) or to a ``SidecarClient`` without a ``token=``."""
     out = []
     for node in ast.walk(ast.parse(source)):

@@ -1,4 +1,4 @@
-"""``bench/compose_smoke.py``'s result handling, without an engine: its verdicts on what a run
+"""``bench/long_checks/compose_smoke.py``'s result handling, without an engine: its verdicts on what a run
 reads (a typed ``JobStatus`` from the REST client, the host checkpoint folder, the trainer's
 summary, the containers' exit codes) and its .env, resolved by Compose for the cpu profile, so
 the trainer service runs the config path (``make compose-smoke`` itself takes minutes)."""
@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import yaml
 
-from bench import compose_smoke as CS
+from bench.long_checks import compose_smoke as CS
 from connector.contract.rest import JobStatus
 from tests.unit.deploy.test_deploy_compose import compose_cmd
 

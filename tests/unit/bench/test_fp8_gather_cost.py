@@ -1,4 +1,4 @@
-"""bench/fp8_gather_cost.py's CPU smoke: the same code as on the GPU, on CPU tensors, so the
+"""bench/costs/fp8_gather_cost.py's CPU smoke: the same code as on the GPU, on CPU tensors, so the
 GPU call does not find its bugs; and its byte comparison is a real one."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from bench import fp8_gather_cost as F
+from bench.costs import fp8_gather_cost as F
 
 
 def test_the_cpu_smoke_runs_both_arms_and_finds_their_bytes_equal(tmp_path):

@@ -1,4 +1,4 @@
-"""The hybrid GPU check's verdict (``bench/gpu_check.py --family hybrid``): which outcome is
+"""The hybrid GPU check's verdict (``bench/online_gpu/gpu_check.py --family hybrid``): which outcome is
 ``pass``, ``fail``, ``error`` or ``unsupported``, and the error text it records. The engines
 are not started here (the CPU smoke and the H200 run do that); the runs' results are written
 as the vLLM step writes them, with small tensors standing in for the hidden states."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import gpu_check as G
+from bench.online_gpu import gpu_check as G
 
 LAYERS = [9, 2, 12, 6]
 #: What a failed engine start prints (trimmed from a vLLM log): the root cause, then wrappers.

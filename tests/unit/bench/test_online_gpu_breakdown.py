@@ -1,10 +1,10 @@
-"""bench/online_gpu.py's latency breakdown: the sidecar's hop split by the stamps it adds."""
+"""bench/online_gpu/online_gpu.py's latency breakdown: the sidecar's hop split by the stamps it adds."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import online_gpu as O
+from bench.online_gpu import online_gpu as O
 
 
 def test_the_sidecar_hop_is_split_by_its_stamps_and_the_connectors_stages_keep_their_prefix():
@@ -54,7 +54,7 @@ def test_without_an_arena_run_there_is_no_ratio():
 
 
 def test_fp8_encoded_on_the_device_is_summarised_apart_from_the_hosts_and_on_a_stack_of_its_own():
-    from bench.online_gpu_config import stack_kind
+    from bench.online_gpu.online_gpu_config import stack_kind
 
     assert stack_kind("stream_fp8_device") == ("files", True) and stack_kind("stream") == ("files", False)
     assert stack_kind("stream_arena") == ("arena", False)
@@ -72,7 +72,7 @@ def test_fp8_encoded_on_the_device_is_summarised_apart_from_the_hosts_and_on_a_s
 
 
 def test_the_device_fp8_arm_needs_an_fp8_payload(capsys):
-    from bench.online_gpu_config import parser, resolve
+    from bench.online_gpu.online_gpu_config import parser, resolve
 
     ap = parser(None)
     with pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""bench/ovo_regimes.py: the core split, the disk-limited shard plan, the fresh-reply count and
+"""bench/online_vs_offline/ovo_regimes.py: the core split, the disk-limited shard plan, the fresh-reply count and
 the checks that say a run is the regime it names (each shown failing on a run that is not)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import ovo_regimes as R
+from bench.online_vs_offline import ovo_regimes as R
 
 SPLIT = {"producer": [0], "trainer": [1]}
 AFF = {"producer": [0], "vllm_omp_threads_bind": "0", "trainer": [1]}

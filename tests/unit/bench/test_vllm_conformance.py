@@ -1,4 +1,4 @@
-"""bench/vllm_conformance.py (``make vllm-conformance``) on the vLLM installed here (0.32, the CPU
+"""bench/long_checks/vllm_conformance.py (``make vllm-conformance``) on the vLLM installed here (0.32, the CPU
 build: the same Python as the CUDA wheel), read from its source as the target reads each wheel:
 it passes, and fails on a planted signature mismatch, a missing hook, a drifted hook order."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import vllm_conformance as C
+from bench.long_checks import vllm_conformance as C
 from connector.contract import vllm_hooks as H
 
 vllm = pytest.importorskip("vllm")

