@@ -79,6 +79,41 @@ def growth(points: list[dict], key: str) -> dict:
     return {"samples": len(points), "at_20pct": a, "at_end": b, "growth": round((b - a) / a, 4) if a else None}
 
 
+def processes(series: list[dict]) -> dict:
+    """Each process's RSS and fds growth (:func:`growth`), per pid: a restarted process is judged
+    on its own run, not against the one it replaced."""
+    procs = {}
+    for name in ("vllm", "sidecar", "trainer"):
+        for pid in dict.fromkeys(p[f"{name}_pid"] for p in series if f"{name}_pid" in p):
+            pts = [p for p in series if p.get(f"{name}_pid") == pid]
+            procs[f"{name}[{pid}]"] = {
+                "from_s": pts[0]["t"], "to_s": pts[-1]["t"],
+                "rss": growth([{"t": p["t"], "v": p[f"{name}_rss"]} for p in pts], "v"),
+                "fds": growth([{"t": p["t"], "v": p[f"{name}_fds"]} for p in pts], "v"),
+            }  # fmt: skip
+    return procs
+
+
+def verdict(expected: set[str], acked: list[str], series: list[dict], events: list[dict], *, consumed: int,
+            failed: int, left: list[str], ok: bool) -> dict:
+    """The soak's checks from what it recorded: ``acked`` (every line the trainers logged, one per
+    ACK), the measurement ``series``, the ``events``, the ledger's final counts and the spool files
+    ``left``; ``ok``: every job ended. Pure, so that a unit test holds it (and re-derives the
+    committed result's checks from its own series and events)."""
+    dupes = len(acked) - len(set(acked))
+    missing = len(expected - set(acked))
+    procs = processes(series)
+    judged = [g for v in procs.values() for g in (v["rss"], v["fds"]) if g["growth"] is not None]
+    checks = {
+        "all_acked_exactly_once": ok and dupes == 0 and missing == 0 and consumed == len(expected) and failed == 0,
+        "no_process_grew_10pct": bool(judged) and all(g["growth"] < 0.10 for g in judged),
+        "spool_empty_at_end": ok and not left,
+        "trainer_restarted": any("trainer killed" in e["event"] for e in events),
+        "sidecar_restarted": any(e["event"] == "sidecar back" for e in events),
+    }
+    return {"acked_twice": dupes, "never_acked": missing, "processes": procs, "checks": checks}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=20_000)
@@ -202,25 +237,8 @@ def main() -> int:
 
     # ----------------------------------------------------------------------------- verdict
     acked: list[str] = [ln for log in trainer_logs if log.exists() for ln in log.read_text().split() if ln != "END"]
-    dupes = len(acked) - len(set(acked))
-    missing = len(expected - set(acked))
-    procs = {}
-    for name in ("vllm", "sidecar", "trainer"):
-        for pid in dict.fromkeys(p[f"{name}_pid"] for p in series if f"{name}_pid" in p):
-            pts = [p for p in series if p.get(f"{name}_pid") == pid]
-            procs[f"{name}[{pid}]"] = {
-                "from_s": pts[0]["t"], "to_s": pts[-1]["t"],
-                "rss": growth([{"t": p["t"], "v": p[f"{name}_rss"]} for p in pts], "v"),
-                "fds": growth([{"t": p["t"], "v": p[f"{name}_fds"]} for p in pts], "v"),
-            }  # fmt: skip
-    judged = [g for v in procs.values() for g in (v["rss"], v["fds"]) if g["growth"] is not None]
-    checks = {
-        "all_acked_exactly_once": ok and dupes == 0 and missing == 0 and consumed == len(expected) and failed == 0,
-        "no_process_grew_10pct": bool(judged) and all(g["growth"] < 0.10 for g in judged),
-        "spool_empty_at_end": ok and not left,
-        "trainer_restarted": any("trainer killed" in e["event"] for e in events),
-        "sidecar_restarted": any(e["event"] == "sidecar back" for e in events),
-    }
+    v = verdict(expected, acked, series, events, consumed=consumed, failed=failed, left=left, ok=ok)
+    dupes, missing, procs, checks = v["acked_twice"], v["never_acked"], v["processes"], v["checks"]
     run_s = series[-1]["t"] - series[0]["t"] if series else 0
     doc = {
         "benchmark": "soak", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
