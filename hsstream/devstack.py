@@ -94,7 +94,13 @@ class Stack:
         one its sidecar made in the stack's run dir (``connector/contract/api_token.py``)."""
         from connector.contract.api_token import client_token
 
-        return client_token(self.env.get("HSSTREAM_API_TOKEN"), self.run_dir)
+        token = client_token(self.env.get("HSSTREAM_API_TOKEN"), self.run_dir)
+        if not token and self._sup is None:
+            # Before start() the sidecar has not written its token yet: a client made now would
+            # send none and get 401 from the stack it was made for (make soak did, once).
+            raise RuntimeError("the stack's token is made by its sidecar: ask for it (client(), headers, "
+                               "client_env()) after start(), or set HSSTREAM_API_TOKEN in its env")
+        return token
 
     @property
     def headers(self) -> dict[str, str]:

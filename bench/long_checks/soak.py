@@ -138,7 +138,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hsstream-soak-"))
     ledger = work / "ledger.sqlite"
     stack = Stack(model, [2, 6, 9, 12], work)
-    api = stack.client(timeout=120)
+    api = None  # made once the stack is up: its sidecar writes the token the client reads
     stack.env.update({"HSSTREAM_LEDGER_PATH": str(ledger), "HSSTREAM_SPOOL_BUDGET_BYTES": str(args.budget_bytes),
                       "HSSTREAM_TRAINER_TIMEOUT_S": "10"})  # fmt: skip
     rng = random.Random(0)
@@ -184,6 +184,7 @@ def main() -> int:
     try:
         event("starting vLLM and the sidecar")
         stack.start()
+        api = stack.client(timeout=120)
         event("stack up; submitting")
         per_job = args.samples // args.jobs
         for j in range(args.jobs):
@@ -231,7 +232,8 @@ def main() -> int:
         for p in trainers:
             if p.poll() is None:
                 p.kill()
-        api.close()
+        if api is not None:
+            api.close()
         stack.stop()
         stack.remove_spool()
 
