@@ -46,6 +46,20 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
+def stack_token(env: dict[str, str], run_dir: Path, *, started: bool) -> str:
+    """A stack's bearer token: ``HSSTREAM_API_TOKEN`` of its ``env``, else the one its sidecar
+    wrote in ``run_dir``. Before the stack has ``started`` there is none to read: a client made
+    then would send no token and get 401 from the stack it was made for (``make soak`` did, once),
+    so that is an error, not an empty token."""
+    from connector.contract.api_token import client_token
+
+    token = client_token(env.get("HSSTREAM_API_TOKEN"), run_dir)
+    if not token and not started:
+        raise RuntimeError("the stack's token is made by its sidecar: ask for it (client(), headers, "
+                           "client_env()) after start(), or set HSSTREAM_API_TOKEN in its env")
+    return token
+
+
 class Stack:
     """vLLM + sidecar as child processes, stopped together, spool removed.
 
@@ -92,15 +106,7 @@ class Stack:
     def token(self) -> str:
         """The REST API's bearer token: ``HSSTREAM_API_TOKEN`` of the stack's environment, else the
         one its sidecar made in the stack's run dir (``connector/contract/api_token.py``)."""
-        from connector.contract.api_token import client_token
-
-        token = client_token(self.env.get("HSSTREAM_API_TOKEN"), self.run_dir)
-        if not token and self._sup is None:
-            # Before start() the sidecar has not written its token yet: a client made now would
-            # send none and get 401 from the stack it was made for (make soak did, once).
-            raise RuntimeError("the stack's token is made by its sidecar: ask for it (client(), headers, "
-                               "client_env()) after start(), or set HSSTREAM_API_TOKEN in its env")
-        return token
+        return stack_token(self.env, self.run_dir, started=self._sup is not None)
 
     @property
     def headers(self) -> dict[str, str]:
