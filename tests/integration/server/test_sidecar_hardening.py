@@ -4,18 +4,15 @@ and a few thousand generated requests across every route."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
 import psutil
 import pytest
 
-from bench.long_checks.fuzz_sidecar import NON_FINITE
+from bench.long_checks.fuzz_sidecar import NON_FINITE, TOKEN, chunked  # the token chunked() sends
 from bench.long_checks.fuzz_sidecar import poison as poison_body
 from tests.integration.conftest import sidecar_without_vllm
-
-TOKEN = "fuzz-token"
 
 
 @pytest.fixture(scope="module")
@@ -27,39 +24,6 @@ def sidecar(tiny_model):
 def _rss(proc: psutil.Process) -> int:
     """The sidecar's resident memory, its children (none expected) included."""
     return proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-
-
-def _send_chunked(port: int, path: str, content_type: str, first: bytes, total: int, chunk: int = 1 << 20) -> bytes:
-    """POST ``total`` bytes with Transfer-Encoding: chunked (no Content-Length), raw, so that an
-    early answer from the server is read even if it stops reading what we send."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-            f"Content-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-    s.sendall(head.encode() + f"{len(first):x}\r\n".encode() + first + b"\r\n")
-    piece = f"{chunk:x}\r\n".encode() + b"[" * chunk + b"\r\n"
-    sent = 0
-    try:
-        while sent < total:
-            s.sendall(piece)
-            sent += chunk
-        s.sendall(b"0\r\n\r\n")
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the server answered and closed: read its answer
-    s.settimeout(60)
-    reply = b""
-    try:
-        while chunk_in := s.recv(65536):
-            reply += chunk_in
-            head_end = reply.find(b"\r\n\r\n")
-            if head_end > 0:
-                length = next((int(x.split(b":")[1]) for x in reply[:head_end].lower().split(b"\r\n")
-                               if x.startswith(b"content-length:")), 0)  # fmt: skip
-                if len(reply) >= head_end + 4 + length:
-                    break
-    except (ConnectionResetError, TimeoutError):
-        pass
-    s.close()
-    return reply
 
 
 _PART = (b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
@@ -74,7 +38,7 @@ _PART = (b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="big.j
 def test_chunked_300_mib_body_is_refused_without_being_read_whole(sidecar, path, ctype, first):
     url, port, proc, _ = sidecar
     before = _rss(proc)
-    reply = _send_chunked(port, path, ctype, first, 300 * 2**20)
+    reply = chunked(port, path, ctype, first, 300 * 2**20)  # the fuzz's own raw chunked POST
     grew = _rss(proc) - before
     assert reply.startswith(b"HTTP/1.1 413"), reply[:300]
     assert b"exceeds the limit" in reply
