@@ -110,7 +110,8 @@ def commands(a: argparse.Namespace, wd: Path) -> dict[str, list[str]]:
              f"--draft {a.draft} --steps {a.steps} --lr {a.lr} --checkpoint-every {a.steps} "
              f"--checkpoint-every-s {a.checkpoint_every_s} --no-progress --logger none "
              f"--overlong truncate --max-tokens-per-sample {a.max_model_len - 8}"
-             + (f" --mask-token-id {a.mask_token_id}" if a.mask_token_id is not None else ""))  # fmt: skip
+             + (f" --mask-token-id {a.mask_token_id}" if a.mask_token_id is not None else "")
+             + (f" --init-draft {a.init_draft}" if a.init_draft is not None else ""))  # fmt: skip
     up = [sys.executable, "-m", "hsstream", "up", "--model", m, "--layer-ids", ",".join(map(str, layer_ids(a.model))),
           "--max-model-len", str(a.max_model_len), "--gpu-memory-utilization", str(a.gpu_mem_util),
           "--enforce-eager" if a.enforce_eager else "--no-enforce-eager",
@@ -271,6 +272,20 @@ def trainer_figures(run_dir: Path) -> dict | None:
             "loss": m.get("loss"), "top1": [m[k] for k in sorted(m) if k.startswith("top1_")], "from": "metrics.jsonl"}  # fmt: skip
 
 
+def train(a: argparse.Namespace, cmds: dict[str, list[str]], log_path: Path, budget: float, res: dict) -> tuple[int, bool]:
+    """``hsstream up --train``, cut after ``budget`` seconds; (its exit code, whether it was cut)."""
+    t0 = time.perf_counter()
+    with open(log_path, "wb") as fh:
+        p = subprocess.Popen(cmds["up"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return p.wait(timeout=max(1.0, budget)), False
+        except subprocess.TimeoutExpired:
+            log(f"training cut after {time.perf_counter() - t0:.0f} s (deadline {a.deadline_s} s less "
+                f"{a.eval_reserve_s} s for the evaluation)")
+            res["up_stopped_cleanly"] = stop_up(p, a.stop_grace_s)
+            return p.returncode, True
+
+
 def run(a: argparse.Namespace, wd: Path, cmds: dict[str, list[str]], clock: Clock, save, res: dict) -> dict:  # noqa: ANN001
     """Fills ``res`` phase by phase (``save`` after each), so what was done survives an exception."""
     res.update({"benchmark": "real_model_gpu", "draft": a.draft, "model": str(a.model), "data": str(a.data),
@@ -287,16 +302,16 @@ def run(a: argparse.Namespace, wd: Path, cmds: dict[str, list[str]], clock: Cloc
     run_dir, log_path = wd / a.draft / "run", wd / a.draft / "up.log"
     train_budget = a.train_timeout if a.deadline_s is None else min(a.train_timeout, clock.left(1e9) - a.eval_reserve_s)
     t0 = time.perf_counter()
-    with open(log_path, "wb") as fh:
-        p = subprocess.Popen(cmds["up"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = p.wait(timeout=max(1.0, train_budget))
-            cut = False
-        except subprocess.TimeoutExpired:
-            log(f"training cut after {time.perf_counter() - t0:.0f} s (deadline {a.deadline_s} s less "
-                f"{a.eval_reserve_s} s for the evaluation)")
-            res["up_stopped_cleanly"] = stop_up(p, a.stop_grace_s)
-            rc, cut = p.returncode, True
+    if a.eval_only:  # an earlier call on this machine trained in --workdir: serve its newest draft
+        rc, cut = 0, None
+        res["eval_only"] = True
+        earlier = ROOT / "bench" / "results" / f"{a.name or f'real_model_gpu_{a.draft}'}.json"
+        if earlier.is_file():  # that call's own figures (the same --name), kept beside this call's
+            e = json.loads(earlier.read_text())
+            res["training_call"] = {k: e.get(k) for k in ("up_s", "train_cut_at_deadline", "trainer", "wall_s", "error")}
+            res["commands"]["up"] = (e.get("commands") or {}).get("up")
+    else:
+        rc, cut = train(a, cmds, log_path, train_budget, res)
     res["up_s"], res["train_cut_at_deadline"] = round(time.perf_counter() - t0, 1), cut
     res["trainer"] = trainer_figures(run_dir)
     draft, step = trained_draft(run_dir)
@@ -313,7 +328,16 @@ def run(a: argparse.Namespace, wd: Path, cmds: dict[str, list[str]], clock: Cloc
     untrained_draft(a, run_dir, wd / a.draft / "untrained-draft")
     cmds["eval_trained"][cmds["eval_trained"].index("--draft") + 1] = str(draft)
     res["commands"]["eval_trained"] = shlex.join(cmds["eval_trained"])
-    for arm in ("trained", "untrained"):
+    arms = ["trained", "untrained"]
+    if a.untrained_from is not None:  # the same held-out prompts, maps and seed: an earlier call's figures
+        earlier = json.loads(a.untrained_from.read_text())
+        res["untrained"], res["untrained_from"] = earlier["untrained"], str(a.untrained_from)
+        arms.remove("untrained")
+        # nor the no-draft baseline (one engine less): the earlier call's, on the same prompts
+        cmds["eval_trained"].append("--no-baseline")
+        res["commands"]["eval_trained"] = shlex.join(cmds["eval_trained"])
+        res["baseline_from"] = {t: (v or {}).get("baseline_tokens_per_s") for t, v in (earlier.get("trained") or {}).items()}
+    for arm in arms:
         left = clock.left(a.eval_timeout)
         if left < 20:
             res["error"] = f"deadline: no time left to serve the {arm} draft"
@@ -371,6 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, help="ShareGPT conversations (JSON array or JSONL, `sharegpt` preset)")
     ap.add_argument("--draft", default="eagle3")
     ap.add_argument("--mask-token-id", type=int, default=None, help="peagle/dflash/dspark: the mask token (hsstream train's)")
+    ap.add_argument("--init-draft", type=Path, default=None,
+                    help="warm start (hsstream train --init-draft): a draft an earlier call trained, so a second "
+                         "device call trains on for another ~10 min (same maps; the untrained arm keeps them)")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="no training: serve the newest draft an earlier call trained in --workdir (a call that "
+                         "trained to its deadline with --eval-reserve-s 0), and the untrained one")
+    ap.add_argument("--untrained-from", type=Path, default=None,
+                    help="with --init-draft: the untrained arm's figures from the earlier call's JSON (same held-out "
+                         "prompts, maps and seed), its evaluation skipped to leave the time to training")
     ap.add_argument("--train-samples", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -406,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--model and --data are needed (or --probe)")
     clock = Clock(a.deadline_s)
     a.model, a.data = a.model.resolve(), a.data.resolve()
+    if a.init_draft is not None:
+        a.init_draft = a.init_draft.resolve()
     wd = (a.workdir or Path(tempfile.mkdtemp(prefix="hsstream-real-model-"))).resolve()
     (wd / a.draft).mkdir(parents=True, exist_ok=True)
     cmds = commands(a, wd)

@@ -145,3 +145,40 @@ def test_stop_up_ends_a_child_that_ignores_sigterm_and_its_own_session_children(
         time.sleep(0.05)
     else:
         raise AssertionError(f"grandchild {g} still running")
+
+
+def test_an_eval_only_call_serves_the_earlier_calls_draft_and_reuses_its_untrained_arm(tmp_path, tiny_model, monkeypatch):
+    """The GPU plan's two-call shape (docs/gpu-plan.md, stop 49): a call that trained to its deadline,
+    then ``--eval-only`` on the same workdir: no ``hsstream up``, the newest checkpoint served, and
+    with ``--untrained-from`` one engine only (the untrained arm and the baseline from that JSON)."""
+    rows = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}?"}, {"from": "gpt", "value": "a."}]}
+            for i in range(30)]  # fmt: skip
+    (tmp_path / "sg.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ck = tmp_path / "wd" / "eagle3" / "run" / "checkpoints" / "step-00000040"
+    (ck / "draft").mkdir(parents=True)
+    (ck / "draft" / "config.json").write_text("{}")
+    (ck / "trainer_state.pt").write_bytes(b"")
+    fig = {"mean_acceptance_length": 1.0, "mal_from": "vllm_counters", "tokens_per_s": 500.0, "baseline_tokens_per_s": None}
+    earlier = tmp_path / "r2.json"
+    earlier.write_text(json.dumps({"untrained": {"0.0": fig}, "trained": {"0.0": {**fig, "baseline_tokens_per_s": 600.0}}}))
+    ran = []
+    monkeypatch.setattr(RM.subprocess, "Popen", lambda *a, **k: pytest.fail("no hsstream up in an --eval-only call"))
+    monkeypatch.setattr(RM, "untrained_draft", lambda *a: None)
+
+    def fake_run(argv, **kw):
+        ran.append(argv)
+        out = {"temperatures": {"0.0": {"ours": None, "vllm_metrics": {"mean_acceptance_length": 1.7},
+                                        "tokens_per_s": {"with_draft": 700.0, "without_draft": None}}}}  # fmt: skip
+        return RM.subprocess.CompletedProcess(argv, 0, json.dumps(out), "")
+
+    monkeypatch.setattr(RM.subprocess, "run", fake_run)
+    monkeypatch.setattr(RM, "ROOT", tmp_path)  # results land under tmp_path/bench/results
+    rc = RM.main(["--model", tiny_model, "--data", str(tmp_path / "sg.jsonl"), "--train-samples", "20",
+                  "--eval-prompts", "5", "--workdir", str(tmp_path / "wd"), "--eval-only",
+                  "--untrained-from", str(earlier), "--name", "t"])  # fmt: skip
+    res = json.loads((tmp_path / "bench" / "results" / "t.json").read_text())
+    assert len(ran) == 1 and "--no-baseline" in ran[0] and str(ck / "draft") in ran[0]  # the trained arm only
+    assert res["eval_only"] and res["trained_draft"] == {"dir": str(ck / "draft"), "checkpoint_step": 40}
+    assert res["untrained"] == {"0.0": fig} and res["baseline_from"] == {"0.0": 600.0}
+    assert res["trained"]["0.0"]["mean_acceptance_length"] == 1.7 and res["checks"] == {
+        "t0_mal_trained_ge_untrained_plus_0.5": True} and rc == 0  # fmt: skip

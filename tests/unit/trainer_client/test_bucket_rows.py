@@ -51,6 +51,7 @@ def test_a_padded_row_trains_as_the_row_itself(tiny_model, sample, tmp_path, dra
     row = tr.draft.pack([tr.draft.features(sample, tr.aux_layer_ids)])
     got = []
     for r in (row, pad_to_bucket(row), tr.draft.device_row(row)):
+        r = {k: v.to(tr.device) if torch.is_tensor(v) else v for k, v in r.items()}  # the model's device: cuda on a GPU host
         torch.manual_seed(0)  # P-EAGLE draws its anchors from the global generator
         with torch.no_grad():
             loss, correct, counted = tr.draft.forward(tr.model, r)

@@ -22,11 +22,17 @@ from trainer_client.drafts.eagle3 import pack
 
 
 def test_device_auto_is_cpu_without_cuda_and_cuda_is_refused_clearly():
-    assert not torch.cuda.is_available()  # this machine; on a GPU host "auto" is cuda
-    assert resolve_device("auto") == torch.device("cpu")
+    # this machine and CI have no CUDA; on a GPU host (docs/gpu-plan.md runs these tests there) "auto" is cuda:0
+    # and an index past the visible devices is what is refused
+    if torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cuda", 0)
+        with pytest.raises(DeviceError, match="visible"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            resolve_device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")
-    with pytest.raises(DeviceError, match="no CUDA device"):
-        resolve_device("cuda")
     with pytest.raises(DeviceError, match="use auto, cpu, cuda or cuda:N"):
         resolve_device("gpu0")
     assert resolve_autocast("auto", torch.device("cpu")) is None
@@ -40,9 +46,12 @@ def test_hsstream_train_refuses_a_device_it_cannot_use(tiny_model, tmp_path):
 
     from hsstream.cli import app
 
+    # no CUDA here: "cuda" is refused; on a GPU host, an index past the visible devices is
+    cuda = torch.cuda.is_available()
+    device, says = (f"cuda:{torch.cuda.device_count()}", "visible") if cuda else ("cuda", "no CUDA device")
     r = CliRunner().invoke(app, ["train", "--model", tiny_model, "--out", str(tmp_path / "r"), "--job", "x",
-                                 "--device", "cuda", "--no-progress"])  # fmt: skip
-    assert r.exit_code == 2 and "no CUDA device" in r.output, r.output
+                                 "--device", device, "--no-progress"])  # fmt: skip
+    assert r.exit_code == 2 and says in r.output, r.output
 
 
 def test_prefetching_ahead_changes_nothing_but_the_order_of_work(tiny_model, samples, tmp_path):  # noqa: F811
@@ -59,7 +68,9 @@ def test_prefetching_ahead_changes_nothing_but_the_order_of_work(tiny_model, sam
         assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:12]]
     assert runs[0][0] == runs[1][0] == runs[2][0]  # bit-identical numbers
     assert runs[0][1] == runs[1][1] == runs[2][1] == ["unit/0/3", "unit/0/7", "unit/0/11"]
-    assert runs[1][2].steps == 12 and runs[1][2].device == "cpu" and runs[1][2].autocast is None
+    cuda = torch.cuda.is_available()  # "auto": cuda:0 with bf16 autocast on a GPU host (docs/gpu-plan.md)
+    assert runs[1][2].steps == 12 and runs[1][2].device == ("cuda:0" if cuda else "cpu")
+    assert runs[1][2].autocast == ("bfloat16" if cuda else None)
 
 
 class RecordingOps:
@@ -128,9 +139,12 @@ def test_copies_and_packing_run_on_the_side_stream_and_are_handed_over_after_the
     assert pre.take() is None and pre.exhausted
 
 
-def test_idle_yields_let_the_loop_checkpoint_a_jobs_tail(tiny_model, samples, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_idle_yields_let_the_loop_checkpoint_a_jobs_tail(tiny_model, samples, tmp_path, prefetch):  # noqa: F811
     """A stream that goes quiet (``None``) while the sidecar has nothing left: the loop asks
-    ``drained`` and acknowledges what it holds instead of waiting for a sample that cannot come."""
+    ``drained`` and acknowledges what it holds instead of waiting for a sample that cannot come.
+    Prefetching (CUDA's default: 1) takes the first quiet yield while the last step runs, so the
+    acknowledgement comes one quiet yield later there, and no later."""
 
     class IdleStream(ListStream):
         idle_s = 0.01
@@ -149,10 +163,11 @@ def test_idle_yields_let_the_loop_checkpoint_a_jobs_tail(tiny_model, samples, tm
     stream = IdleStream(samples[:5])
     acked_at = []
     stream.on_ack = lambda k: acked_at.append((str(k), stream.quiet))
-    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", checkpoint_every=100), counts_of(samples))
+    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", checkpoint_every=100, prefetch=prefetch),
+                             counts_of(samples))  # fmt: skip
     tr.drained = lambda pending: asked.append(pending) or pending > 0 and len(asked) > 5
     res = tr.train(stream)
     assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:5]]
-    assert acked_at == [("unit/0/4", 1)]  # at the first idle yield, not when the stream ended
+    assert acked_at == [("unit/0/4", 1 + prefetch)]  # at the first idle yield it takes, not when the stream ended
     assert res.steps == 5
     assert asked[:5] == [1, 2, 3, 4, 5]  # asked before each step with what would be pending after it
