@@ -42,6 +42,7 @@ from trainer_client.train.data_path import BatchSource, DeviceCopier, Prefetcher
 from trainer_client.train.distributed import World
 from trainer_client.stream import Sample
 from trainer_client.train.step import DraftStep, lr_lambda
+from trainer_client.train.stop import GracefulStop, StopWhileWaiting
 
 log = logging.getLogger("hsstream.train")
 
@@ -420,12 +421,18 @@ class OnlineTrainer:
         origin = cfg.clock_origin if cfg.clock_origin is not None else time.time()
         every_s = cfg.checkpoint_every_s
         next_due_s = (math.floor((time.time() - origin) / every_s) + 1) * every_s if every_s else math.inf
+        # a stop asked for ends at a step boundary, checkpointed; a stream that yields when idle is never interrupted
+        stop = GracefulStop(interrupt_waits=getattr(stream, "idle_s", None) is None).install()
         try:
             while True:
                 if cfg.max_steps is not None and self.step >= cfg.max_steps:
                     break
                 t0 = time.perf_counter()
-                st = pre.take()
+                try:
+                    with stop.waiting():
+                        st = pre.take()
+                except StopWhileWaiting:
+                    st = None
                 wait_s += time.perf_counter() - t0
                 if keys_log is None and source.seen:  # the first sample passed the checks
                     keys_log = self.out / KEYS_LOG
@@ -447,8 +454,9 @@ class OnlineTrainer:
                     drained = bool(self.drained(max(pending_after, global_pending)))
                 # the wall-clock checkpoint is rank 0's call (one clock for all ranks)
                 clock_due = int(world.is_writer and time.time() - origin >= next_due_s)
-                g = world.sum([n_samples, n_loss, n_tokens, int(ended), pending_after, int(drained), clock_due])
-                g_samples, g_loss, g_tokens, g_ended, global_pending, g_drained, g_clock = (int(x) for x in g)
+                asked = int(stop.asked is not None)
+                g = world.sum([n_samples, n_loss, n_tokens, int(ended), pending_after, int(drained), clock_due, asked])
+                g_samples, g_loss, g_tokens, g_ended, global_pending, g_drained, g_clock, g_stop = (int(x) for x in g)
                 all_ended = g_ended >= world.size
                 if hb is not None:
                     policy.used(hb)
@@ -462,7 +470,11 @@ class OnlineTrainer:
                     t_fill = None
                     if pre.depth and not (all_ended or g_drained or last):
                         t1 = time.perf_counter()
-                        pre.fill()  # the next batch: fetched, checked and copied while the device works
+                        try:
+                            with stop.waiting():
+                                pre.fill()  # the next batch: fetched, checked and copied while the device works
+                        except StopWhileWaiting:
+                            pass  # this step still ends and is saved; the next batch's samples come again
                         t_fill = (t1, time.perf_counter())
                     m, device_s = self.stepper.finish(h)
                     if t_fill is not None:  # only what the device spent idle counts as waiting
@@ -493,6 +505,12 @@ class OnlineTrainer:
                 if policy.due(self.step, stepped, at_end, bool(g_drained), global_pending) or clock:
                     self._checkpoint(stream)
                     global_pending = 0
+                if g_stop and not all_ended:  # asked on some rank: every step trained is saved, then the stop
+                    if global_pending > 0:
+                        self._checkpoint(stream)
+                    if stop.asked is None:
+                        raise SystemExit(0)  # another rank was asked: this one ends with it
+                    stop.resume()
                 if all_ended:
                     break
             if cfg.eval_every > 0 and self.heldout and (last_eval is None or last_eval["step"] != self.step):
@@ -512,6 +530,7 @@ class OnlineTrainer:
                 log.warning("%s", line)
             raise
         finally:
+            stop.close()
             self.data_stats = {"staged": copier.staged, "prefetch": pre.depth, "samples_seen": source.seen}
             if bar is not None:
                 bar.close()

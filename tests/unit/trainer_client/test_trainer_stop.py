@@ -28,8 +28,10 @@ def samples(tiny_model) -> list[Sample]:
 
 
 class Interrupted(ListStream):
-    """Yields ``n`` samples, then the loop gets Ctrl-C while it waits for the next; says how many
-    leases it holds as HiddenStateStream does."""
+    """Yields ``n`` samples, then a ``KeyboardInterrupt`` is raised where the loop waits for the next
+    (as a second Ctrl-C does, or one where the trainer installed no handler: not the main thread;
+    a first signal is a stop at a step boundary with a checkpoint, test_trainer_graceful_stop.py);
+    says how many leases it holds as HiddenStateStream does."""
 
     def __init__(self, samples, n, unacked=None, lease_s=None):  # noqa: ANN001
         super().__init__(samples)
