@@ -10,7 +10,9 @@ known the submitter sends one sample at a time (:class:`server.submitter.Submitt
 an unknown size can never overrun the spool by more than one sample.
 
 A notice is the truth: if it disagrees with the config (vLLM ran another dtype than the
-config names, say), its shape replaces the estimate and queued samples are priced again.
+config names, say), its shape replaces the estimate and queued samples are priced again. An error
+notice counts too (the writer's shape rides on every notice): with the arena, a slot priced too
+small is refused before a byte is written, and that refusal is the notice that corrects it.
 """
 
 from __future__ import annotations
@@ -94,7 +96,11 @@ def shape_from_config(cfg: dict | None, layer_ids: list[int], payload_dtype: str
 
 
 def shape_from_notice(n: P.Notice) -> Shape | None:
-    if n.status != P.NoticeStatus.ok or not n.layer_ids or not n.hidden_size or n.dtype not in P.DTYPE_SIZES:
+    """The writer's shape, which every notice it sends carries, an error's too: with the arena a
+    sample priced by a config that names another dtype than vLLM runs (bf16 in the config, float32
+    served on a CPU without bf16) is refused before it is written ("slot too small"), so the
+    refusal is the only notice that can correct the price (else every sample failed there)."""
+    if not n.layer_ids or not n.hidden_size or n.dtype not in P.DTYPE_SIZES:
         return None
     return _shape(len(n.layer_ids), n.hidden_size, n.dtype, "notice")
 

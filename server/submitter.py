@@ -152,6 +152,7 @@ class Submitter:
         self.on_latency = on_latency
         self.wake_delivery = wake_delivery
         self.sizer = sizer
+        ledger.pricer = self._price  # a retried sample is priced by what is known now (a refusal may have taught it)
         self._given_client = client  # a fake vLLM in unit tests; else aiohttp, made in start()
         self._applied: tuple[int, int | None] = (-1, None)  # (sizer version, engine limit) applied to the queue
         self.in_flight = 0  # SUBMITTED samples, kept by this ledger listener (on the thread of each move)
@@ -348,6 +349,13 @@ class Submitter:
             return None
         return too_long_reason(len(s.token_ids), self.engine_max_len, self._room(s), "vLLM's max_model_len")
 
+    def _price(self, s: SampleRow) -> int | None:
+        """A sample's spool bytes by the sample size known now (None: not known yet)."""
+        job = self.ledger.jobs.get(s.key.job)
+        if self.sizer is None or not self.sizer.known or job is None:
+            return None
+        return self.sizer.file_bytes(len(s.token_ids) + (self._room(s) if job.sampling is not None else 0))
+
     def _limits_changed(self) -> bool:
         return ((self.sizer.version if self.sizer else 0), self.engine_max_len) != self._applied
 
@@ -357,14 +365,8 @@ class Submitter:
         if (version, self.engine_max_len) == self._applied:
             return
         if self.sizer is not None and self.sizer.known and version != self._applied[0]:
-            sizer = self.sizer
-
-            def size_of(s: SampleRow) -> int:
-                pos = len(s.token_ids) + (self._room(s) if self.ledger.jobs[s.key.job].sampling is not None else 0)
-                return sizer.file_bytes(pos) or 0
-
-            n = self.ledger.reprice_queued(size_of)
-            log.info("sample size %s: %d queued sample(s) priced again", sizer.describe(), n)
+            n = self.ledger.reprice_queued(lambda s: self._price(s) or 0)
+            log.info("sample size %s: %d queued sample(s) priced again", self.sizer.describe(), n)
             self.ledger.fail_queued(lambda s: over_budget_reason(s.expected_bytes, self.budget)
                                     if s.expected_bytes > self.budget else None)  # fmt: skip
         if self.engine_max_len is not None and self.engine_max_len != self._applied[1]:

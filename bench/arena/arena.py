@@ -536,11 +536,11 @@ class Arm:
 
 
 def spool_left(spool: Path) -> list[str]:
-    """Sample files (and temporary files) left in a spool; the arena's own file is not one."""
-    from connector import protocol as P
-    from connector.contract.arena import ARENA_NAME
+    """Sample files (and temporary files) left in a spool; the arena's own file and the sidecar's
+    lock are not (the lock made every run here read "left" once the sidecar held one)."""
+    from connector.contract.spool import leftover_entries
 
-    return [n for n in P.own_spool_entries(spool) if n != ARENA_NAME]
+    return leftover_entries(spool)
 
 
 def lean(r: dict) -> dict:

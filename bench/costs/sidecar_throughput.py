@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from connector import protocol as P  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
+from connector.contract.spool import leftover_entries  # noqa: E402
 from hsstream.devstack import free_port  # noqa: E402
 from bench.common import rank_value  # noqa: E402
 
@@ -248,7 +249,7 @@ def run_once(a: argparse.Namespace) -> dict:
             prof.send_signal(signal.SIGINT)
             prof.wait(60)
         status = rest.job(job)
-        left = P.own_spool_entries(spool)
+        left = leftover_entries(spool)
         # More jobs through the same sidecar (--jobs): does anything it keeps grow per job?
         import psutil
 
@@ -267,7 +268,7 @@ def run_once(a: argparse.Namespace) -> dict:
                                "sidecar_rss_mib": round(psutil.Process(sidecar.pid).memory_info().rss / 2**20, 1),
                                "load_avg_1": round(os.getloadavg()[0], 2)})  # fmt: skip
             print(f"  job {j}: {successive[-1]}", flush=True)
-        left = P.own_spool_entries(spool)
+        left = leftover_entries(spool)
     finally:
         rest.close()
         for p in reversed(procs):

@@ -238,6 +238,13 @@ def own_spool_entries(spool: str | os.PathLike[str]) -> list[str]:
     return [e.name for e in os.scandir(spool) if ours(e.name) and e.is_file(follow_symlinks=False)]
 
 
+def leftover_entries(spool: str | os.PathLike[str]) -> list[str]:
+    """What a run left behind in ``spool``: the connector's sample and temporary files, not the
+    sidecar's own (its arena and its instance lock, which outlive a sample by design). Empty after
+    every sample is consumed: what the benchmarks and ``hsstream up`` check "nothing leaked" by."""
+    return [n for n in own_spool_entries(spool) if n not in (ARENA_NAME, SIDECAR_LOCK)]
+
+
 def claim_spool(spool: str | os.PathLike[str]) -> bool:
     """Make ``spool`` ours or refuse it: create it (mode 0700) with the marker if missing, mark
     it if empty, accept it if marked; refuse anything else (``SpoolNotOurs``), e.g. a model

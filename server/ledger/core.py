@@ -55,6 +55,10 @@ class LedgerCore:
         #: Spool bytes trainers hold at or over their share of the budget (set by the delivery
         #: thread each pass): the budget's watermark leaves them out (``SpoolBudget.closed``).
         self.pinned_bytes = 0
+        #: A sample's spool bytes as known now (the submitter's, from the sample size it learned):
+        #: a sample going back to the queue for another attempt is priced again with it, since its
+        #: price may be what failed it (an arena slot priced by a config's dtype, not vLLM's).
+        self.pricer: Callable[[SampleRow], int | None] | None = None
         self._store = Store(path)
         self.path = self._store.path
         #: Told every move as it is written (``Listener``): observers such as the metrics and
@@ -321,6 +325,8 @@ class LedgerCore:
             self._finish(smp, State.failed)
         else:
             self._reset_prompt(smp)
+            if self.pricer is not None and (nb := self.pricer(smp)):
+                smp.expected_bytes = nb  # out of flight already: what it reserved was released at its old price
             self._enqueue(smp)
             self._save(smp)
 

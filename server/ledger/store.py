@@ -388,11 +388,12 @@ class Store:
     def save_sample(self, s: SampleRow) -> None:
         self._write(
             ("sample", s.key.job, s.key.epoch, s.key.index),
-            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=?, lease_token=?, slot=? "
-            "WHERE job_id=? AND epoch=? AND idx=?",
+            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=?, lease_token=?, slot=?, "
+            "expected_bytes=? WHERE job_id=? AND epoch=? AND idx=?",
             (s.state.value, s.attempt, s.notice_json(), s.on_disk_bytes,
              json.dumps(s.errors) if s.errors else None, s.qpos, s.lease_token,
-             s.slot.model_dump_json() if s.slot is not None else None, s.key.job, s.key.epoch, s.key.index),
+             s.slot.model_dump_json() if s.slot is not None else None, s.expected_bytes,
+             s.key.job, s.key.epoch, s.key.index),
         )  # fmt: skip
 
     def save_tokens(self, s: SampleRow) -> None:

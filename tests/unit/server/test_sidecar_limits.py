@@ -146,8 +146,13 @@ def test_a_notice_that_disagrees_with_the_config_wins_once():
     s = led.job_samples(job.job_id)[0]
     assert sizer.learn(notice_for(s)) and sizer.shape.dtype_size == 2 and sizer.version == 1
     assert not sizer.learn(notice_for(s, (2, 64, "bfloat16")))  # the first notice decides
-    err = notice_for(s).model_copy(update={"status": P.NoticeStatus.error})
-    assert not SampleSizer(None).learn(err)  # an error notice teaches nothing
+    # an arena refusal ("slot too small": the config said bf16, vLLM serves float32) is the only
+    # notice such a sample gets: it carries the writer's shape and corrects the price
+    err = notice_for(s, (4, 128, "float32")).model_copy(update={"status": P.NoticeStatus.error, "file": None,
+                                                                "reason": "slot of 73728 bytes too small"})  # fmt: skip
+    small = SampleSizer(Shape(4, 128, 2, "config"))
+    assert small.learn(err) and small.shape.dtype_size == 4 and small.version == 1
+    assert not SampleSizer(None).learn(err.model_copy(update={"layer_ids": [], "hidden_size": None}))  # no shape: nothing
 
 
 def test_no_tokenizer_still_takes_token_ids(tmp_path):
@@ -172,3 +177,26 @@ def test_a_nearly_full_spool_filesystem_stops_submission_and_a_yes_is_trusted_on
     sub.spool_dir = str(tmp_path / "gone")
     sub.fs_reserve_bytes = 0
     assert not sub._fs_has_room()  # an unreadable spool is no room
+
+
+def test_a_sample_refused_for_its_price_is_retried_at_the_price_learned_from_the_refusal():
+    """The arena on a CPU without bf16 (stop 49's arena bench): the config said bf16, vLLM served
+    float32, every slot was half the sample and each retry kept the old price (the ledger saved no
+    new price), so every sample failed. The refusal carries the writer's shape: the sizer learns it,
+    the retry is priced by it, and the price is what the ledger keeps."""
+    led = Ledger()
+    job = led.add_job([NewSample([3] * 100, None, f"s{i}", 0) for i in range(2)])
+    sizer = SampleSizer(Shape(4, 128, 2, "config"))
+    fake = FakeVllm()
+    sub = submitter(led, fake, budget_bytes=10 << 20, sizer=sizer)  # wires the ledger's pricer
+    sub._apply_limits()  # the queue priced by the config, as the submitter's loop does first
+    old, new = Shape(4, 128, 2, "config").file_bytes(100), Shape(4, 128, 4, "notice").file_bytes(100)
+    s = led.next_to_submit(10 << 20)
+    assert s is not None and s.expected_bytes == old
+    err = notice_for(s, (4, 128, "float32")).model_copy(update={"status": P.NoticeStatus.error, "file": None,
+                                                                "reason": "slot too small"})  # fmt: skip
+    assert sizer.learn(err)
+    led.on_notice(err, 0)
+    again = led.get(s.key)  # queued: read back from SQLite, not the row in hand
+    assert again is not s and again.state == State.queued and again.attempt == 1 and again.expected_bytes == new
+    assert led.reserved_bytes == 0  # released at the price it was reserved at

@@ -132,3 +132,20 @@ def test_a_retired_file_is_gone_from_the_spool_at_once_and_reaped_if_never_delet
     assert P.retire_from_spool(spool, name) is None  # already gone
     keeper = SpoolKeeper(spool, Ledger(tmp_path / "l.sqlite"))
     assert keeper.sweep(min_age_s=0) == 1 and sorted(os.listdir(spool)) == [P.SPOOL_MARKER]
+
+
+def test_what_a_run_left_is_samples_and_temporaries_not_the_sidecars_own_files(tmp_path):
+    """``leftover_entries``: the benchmarks' "nothing leaked" (the arena bench read the sidecar's
+    instance lock as a leftover once the sidecar held one)."""
+    from connector.contract.arena import ARENA_NAME
+    from connector.contract.spool import file_name_for_request, leftover_entries
+
+    spool = tmp_path / "spool"
+    assert P.claim_spool(spool) is True
+    for name in (ARENA_NAME, P.SIDECAR_LOCK, "notes.txt"):  # the sidecar's own, and a name not ours
+        (spool / name).write_bytes(b"x")
+    assert leftover_entries(spool) == [] and sorted(P.own_spool_entries(spool)) == sorted([ARENA_NAME, P.SIDECAR_LOCK])
+    sample = file_name_for_request("req-1")
+    (spool / sample).write_bytes(b"x")
+    (spool / f".{sample}.123.tmp").write_bytes(b"x")
+    assert sorted(leftover_entries(spool)) == sorted([sample, f".{sample}.123.tmp"])
