@@ -134,3 +134,55 @@ def test_a_rank_killed_by_a_native_abort_prints_where_each_thread_was():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _stop_rank(rank: int, verifier: str, out: str, port: int) -> None:
+    """Rank 0 alone gets SIGTERM after its 5th sample; both must stop at the same step, saved."""
+    import json
+    import signal
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    from bench.online_gpu.gpu_smoke import MemoryStream
+    from hsstream.launch import exit_0_on_stop
+    from trainer_client.eagle3 import Eagle3OnlineTrainer
+    from trainer_client.train.distributed import World
+
+    exit_0_on_stop()  # as `hsstream train` does first
+
+    class Signalled(MemoryStream):
+        def __iter__(self):  # noqa: ANN204
+            for i, s in enumerate(super().__iter__()):
+                if rank == 0 and s is not None and s.key.index == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield s
+
+    world = World.from_env(torch.device("cpu"))
+    smp = _samples(verifier)
+    keys = [Sample(P.SampleKey(job=f"r{rank}", index=i), s.token_ids, s.hidden_states, s.layer_ids, 12, s.loss_mask)
+            for i, s in enumerate(smp * 10)]  # fmt: skip
+    stream = Signalled(keys, idle_every=3)
+    tr = Eagle3OnlineTrainer(_cfg(verifier, out, max_steps=None, checkpoint_every=1000), {t: 1 for t in range(128)},
+                             world=world)  # fmt: skip
+    code = None
+    try:
+        tr.train(stream)
+    except SystemExit as e:
+        code = e.code
+    finally:
+        Path(out, f"stop{rank}.json").write_text(json.dumps({"step": tr.step, "code": code, "acked": stream.acked}))
+        world.close()
+
+
+def test_a_stop_asked_on_one_rank_stops_both_at_the_same_step_saved(tiny_model, tmp_path):
+    import json
+
+    from trainer_client.train import checkpoints as M
+
+    out = tmp_path / "ddp"
+    mp.spawn(_stop_rank, args=(tiny_model, str(out), _port()), nprocs=2, join=True, start_method="spawn")
+    r = [json.loads((out / f"stop{k}.json").read_text()) for k in range(2)]
+    assert r[0]["code"] == r[1]["code"] == 0 and r[0]["step"] == r[1]["step"] >= 5  # together, cleanly
+    assert M.list_checkpoints(out)[-1][0] == r[0]["step"]  # every step trained is saved, once
+    for k in range(2):  # each rank acknowledged what it trained, no more
+        assert r[k]["acked"] == [f"r{k}/0/{i}" for i in range(r[k]["step"])], r[k]["acked"]
