@@ -59,6 +59,7 @@ class LedgerCore:
         #: a sample going back to the queue for another attempt is priced again with it, since its
         #: price may be what failed it (an arena slot priced by a config's dtype, not vLLM's).
         self.pricer: Callable[[SampleRow], int | None] | None = None
+        self.repriced_refusals = 0  # arena slots refused as priced too small, sent again at the right price
         self._store = Store(path)
         self.path = self._store.path
         #: Told every move as it is written (``Listener``): observers such as the metrics and

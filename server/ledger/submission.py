@@ -152,14 +152,22 @@ class Submission(LedgerCore):
             if n.slot is not None and n.slot != smp.slot:
                 return NoticeOutcome.refused  # not the slot this attempt was given (forged, or a stale copy)
             self.reserved_bytes -= smp.expected_bytes
+            # A slot refused because the sidecar priced it too small (the shape this notice taught says
+            # so) is not the sample's fault: it goes again at the right price without using an attempt,
+            # as a busy connector's does. Once at most: the next slot is priced by that same shape.
+            mispriced = (n.status == P.NoticeStatus.error and smp.slot is not None and self.pricer is not None
+                         and (self.pricer(smp) or 0) > smp.slot.length)  # fmt: skip
             if smp.slot is not None and (n.slot is None or n.status != P.NoticeStatus.ok) and self._slots is not None:
                 # Its writer did not use the slot (wrote a file, was busy or failed) — or says so: notices
                 # are not proof (a forged one needs only the key and attempt), so quarantined.
                 self._free_slot(smp.slot, quarantine=True)
                 smp.slot = None
-            if n.status == P.NoticeStatus.busy:  # the connector had no room: not the sample's fault
+            if n.status == P.NoticeStatus.busy or mispriced:  # not the sample's fault: no attempt used
                 smp.attempt += 1
                 self._reset_prompt(smp)
+                if mispriced:
+                    smp.expected_bytes = self.pricer(smp) or smp.expected_bytes  # type: ignore[misc]
+                    self.repriced_refusals += 1
                 self._enqueue(smp)
                 self._save(smp)
                 return NoticeOutcome.refused

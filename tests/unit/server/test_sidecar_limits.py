@@ -200,3 +200,30 @@ def test_a_sample_refused_for_its_price_is_retried_at_the_price_learned_from_the
     again = led.get(s.key)  # queued: read back from SQLite, not the row in hand
     assert again is not s and again.state == State.queued and again.attempt == 1 and again.expected_bytes == new
     assert led.reserved_bytes == 0  # released at the price it was reserved at
+
+
+def test_an_arena_slot_priced_too_small_is_sent_again_at_the_right_price_without_using_an_attempt():
+    """Not the sample's fault (the sidecar's price was): like a busy connector, no attempt is used,
+    and only once, since the next slot is priced by the shape that refusal taught."""
+    from server.arena import SlotAllocator
+
+    led = Ledger(max_attempts=1)  # one attempt: a price error must not cost it
+    led.attach_slots(SlotAllocator("0123456789abcdef", 16 << 20, quarantine_s=0.0))
+    job = led.add_job([NewSample([3] * 100, None, "s0", 0)])
+    sizer = SampleSizer(Shape(4, 128, 2, "config"))
+    sub = submitter(led, FakeVllm(), budget_bytes=10 << 20, sizer=sizer)
+    sub._apply_limits()
+    s = led.next_to_submit(10 << 20)
+    assert s is not None and s.slot is not None
+    err = notice_for(s, (4, 128, "float32")).model_copy(update={
+        "status": P.NoticeStatus.error, "file": None, "slot": s.slot, "reason": "slot too small"})  # fmt: skip
+    assert sizer.learn(err)
+    led.on_notice(err, 0)
+    again = led.get(s.key)
+    assert again.state == State.queued and again.attempt == 1 and again.errors == []
+    assert again.expected_bytes == Shape(4, 128, 4, "notice").file_bytes(100) and led.repriced_refusals == 1
+    t = led.next_to_submit(10 << 20)
+    assert t.slot.length >= again.expected_bytes  # the new slot holds it
+    err2 = err.model_copy(update={"attempt": t.attempt, "slot": t.slot, "reason": "something else"})
+    led.on_notice(err2, 0)  # a refusal of a rightly priced slot is the sample's: its one attempt
+    assert led.get(t.key).state == State.failed and led.repriced_refusals == 1
