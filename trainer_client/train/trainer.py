@@ -524,6 +524,8 @@ class OnlineTrainer:
                                     wait_s, self.resumed_from, last_eval)  # fmt: skip
             if policy.last_path is None or g_pending or policy.last_step != self.step:
                 self._checkpoint(stream)
+            if stop.asked is not None:  # asked as the run ended: saved above, and the stop goes on (not swallowed)
+                stop.resume()
         except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or SIGTERM under `hsstream train` (exit_0_on_stop)
             self.stop_report = self.stop_lines(stream)
             for line in self.stop_report:

@@ -130,3 +130,28 @@ def test_a_stream_that_yields_when_idle_is_never_interrupted(tiny_model, samples
     assert stream.after_signal == ["resumed"]
     assert tr.step == 5 and M.list_checkpoints(tmp_path / "r")[-1][0] == 5
     assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:5]]
+
+
+def test_a_stop_asked_as_the_run_ends_is_not_swallowed(tiny_model, samples, tmp_path, exit_0_on_stop):  # noqa: F811
+    """The signal lands in the last step and the stream then ends: the run ends as it would (its
+    final checkpoint), and the stop still goes on after it — a caller's Ctrl-C is never lost."""
+
+    class Ending(ListStream):
+        idle_s = 0.01
+
+    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", checkpoint_every=100), counts_of(samples))
+    tr.prepare()
+    finish = tr.stepper.finish
+
+    def finish_then_signal(h):  # noqa: ANN001
+        out = finish(h)
+        if tr.stepper.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    tr.stepper.finish = finish_then_signal
+    stream = Ending(samples[:5])
+    with pytest.raises(SystemExit):
+        tr.train(stream)
+    assert tr.step == 5 and M.list_checkpoints(tmp_path / "r")[-1][0] == 5
+    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:5]]
