@@ -48,6 +48,23 @@ class SignalledStream(ListStream):
             yield s
 
 
+def trainer_signalled_in_step(tiny_model, samples, tmp_path, step: int) -> Eagle3OnlineTrainer:  # noqa: ANN001
+    """A trainer that gets SIGTERM inside its step ``step`` (after the device work, before the loop
+    sees it): the signal lands where nothing may be raised."""
+    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", checkpoint_every=100), counts_of(samples))
+    tr.prepare()
+    finish = tr.stepper.finish
+
+    def finish_then_signal(h):  # noqa: ANN001
+        out = finish(h)
+        if tr.stepper.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    tr.stepper.finish = finish_then_signal
+    return tr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_while_waiting_for_data_saves_every_step_and_acks_them(tiny_model, samples, tmp_path, exit_0_on_stop,
                                                                        sig):  # noqa: F811
@@ -64,17 +81,7 @@ def test_a_stop_while_waiting_for_data_saves_every_step_and_acks_them(tiny_model
 
 
 def test_a_stop_during_a_step_lets_the_step_end_then_saves_it(tiny_model, samples, tmp_path, exit_0_on_stop):  # noqa: F811
-    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", checkpoint_every=100), counts_of(samples))
-    tr.prepare()
-    finish = tr.stepper.finish
-
-    def finish_then_signal(h):  # noqa: ANN001
-        out = finish(h)
-        if tr.stepper.step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # lands in the step: nothing raised there
-        return out
-
-    tr.stepper.finish = finish_then_signal
+    tr = trainer_signalled_in_step(tiny_model, samples, tmp_path, 3)
     stream = ListStream(samples[:12])
     with pytest.raises(SystemExit):
         tr.train(stream)
@@ -139,17 +146,7 @@ def test_a_stop_asked_as_the_run_ends_is_not_swallowed(tiny_model, samples, tmp_
     class Ending(ListStream):
         idle_s = 0.01
 
-    tr = Eagle3OnlineTrainer(cfg(tiny_model, tmp_path / "r", checkpoint_every=100), counts_of(samples))
-    tr.prepare()
-    finish = tr.stepper.finish
-
-    def finish_then_signal(h):  # noqa: ANN001
-        out = finish(h)
-        if tr.stepper.step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    tr.stepper.finish = finish_then_signal
+    tr = trainer_signalled_in_step(tiny_model, samples, tmp_path, 5)
     stream = Ending(samples[:5])
     with pytest.raises(SystemExit):
         tr.train(stream)
