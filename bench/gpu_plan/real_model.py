@@ -402,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="no training: serve the newest draft an earlier call trained in --workdir (a call that "
                          "trained to its deadline with --eval-reserve-s 0), and the untrained one")
     ap.add_argument("--untrained-from", type=Path, default=None,
-                    help="with --init-draft: the untrained arm's figures from the earlier call's JSON (same held-out "
-                         "prompts, maps and seed), its evaluation skipped to leave the time to training")
+                    help="the untrained arm's figures and the no-draft baseline from an earlier call's JSON on the "
+                         "same data (same held-out prompts, maps and seed): one engine instead of three")
     ap.add_argument("--train-samples", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=1e-3)
