@@ -158,11 +158,9 @@ class Stack:
     def spool_files(self) -> list[str]:
         """Everything in the spool but the sidecar's ownership marker, its lock and the arena file
         (whose slots :meth:`held_slots` counts)."""
-        from connector.contract.arena import ARENA_NAME
-        from connector.protocol import SIDECAR_LOCK, SPOOL_MARKER
+        from connector.contract.spool import KEPT_NAMES
 
-        keep = (SPOOL_MARKER, ARENA_NAME, SIDECAR_LOCK)
-        return sorted(n for n in os.listdir(self.spool) if n not in keep) if self.spool.exists() else []
+        return sorted(n for n in os.listdir(self.spool) if n not in KEPT_NAMES) if self.spool.exists() else []
 
     def held_slots(self) -> int:
         """Slots samples hold in the sidecar's arena (0 with files, or when it does not answer)."""

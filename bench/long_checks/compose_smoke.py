@@ -44,9 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from connector.contract.arena import ARENA_NAME  # noqa: E402
 from connector.contract.rest import JobStatus  # noqa: E402
-from connector.contract.spool import SIDECAR_LOCK, SPOOL_MARKER  # noqa: E402
+from connector.contract.spool import KEPT_NAMES  # noqa: E402
 from connector.contract.rest_client import SidecarClient, SidecarError  # noqa: E402
 
 DEPLOY = ROOT / "deploy"
@@ -60,10 +59,6 @@ class StepFailed(Exception):
         super().__init__(f"compose-smoke: step '{step}' failed: {why}" + (f"\n{log}" if log else ""))
         self.step = step
 
-
-
-#: What a spool keeps by design after every sample is gone (not "files left").
-SIDECARS_OWN = (SPOOL_MARKER, SIDECAR_LOCK, ARENA_NAME)
 
 def sh(cmd: list[str], step: str, *, timeout: float = 600, check: bool = True, env: dict | None = None,
        capture: bool = True) -> subprocess.CompletedProcess:
@@ -361,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         step = "stop"
         # everything but the spool's own files (its marker, the sidecar's instance lock, the arena):
         # the lock counted as a file left once the sidecar held one, and failed this step
-        keep = " ".join(f"! -name {n}" for n in SIDECARS_OWN)
+        keep = " ".join(f"! -name {n}" for n in KEPT_NAMES)
         ls = sh([*compose, "exec", "-T", "sidecar-cpu", "sh", "-c", f"find /spool -mindepth 1 {keep} | wc -l"],
                 step, timeout=60, env=cenv).stdout.split()
         result["spool_files_after"] = int(ls[-1])

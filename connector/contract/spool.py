@@ -238,11 +238,16 @@ def own_spool_entries(spool: str | os.PathLike[str]) -> list[str]:
     return [e.name for e in os.scandir(spool) if ours(e.name) and e.is_file(follow_symlinks=False)]
 
 
+#: The spool's own files, kept by design once every sample is gone: its marker, the sidecar's
+#: instance lock and its arena. Not "left behind".
+KEPT_NAMES = (SPOOL_MARKER, SIDECAR_LOCK, ARENA_NAME)
+
+
 def leftover_entries(spool: str | os.PathLike[str]) -> list[str]:
     """What a run left behind in ``spool``: the connector's sample and temporary files, not the
-    sidecar's own (its arena and its instance lock, which outlive a sample by design). Empty after
-    every sample is consumed: what the benchmarks and ``hsstream up`` check "nothing leaked" by."""
-    return [n for n in own_spool_entries(spool) if n not in (ARENA_NAME, SIDECAR_LOCK)]
+    spool's own (:data:`KEPT_NAMES`). Empty after every sample is consumed: what the benchmarks
+    check "nothing leaked" by."""
+    return [n for n in own_spool_entries(spool) if n not in KEPT_NAMES]
 
 
 def claim_spool(spool: str | os.PathLike[str]) -> bool:

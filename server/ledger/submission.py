@@ -155,8 +155,8 @@ class Submission(LedgerCore):
             # A slot refused because the sidecar priced it too small (the shape this notice taught says
             # so) is not the sample's fault: it goes again at the right price without using an attempt,
             # as a busy connector's does. Once at most: the next slot is priced by that same shape.
-            mispriced = (n.status == P.NoticeStatus.error and smp.slot is not None and self.pricer is not None
-                         and (self.pricer(smp) or 0) > smp.slot.length)  # fmt: skip
+            price = self.pricer(smp) if n.status == P.NoticeStatus.error and smp.slot is not None and self.pricer else None
+            mispriced = price is not None and price > smp.slot.length  # type: ignore[union-attr]
             if smp.slot is not None and (n.slot is None or n.status != P.NoticeStatus.ok) and self._slots is not None:
                 # Its writer did not use the slot (wrote a file, was busy or failed) — or says so: notices
                 # are not proof (a forged one needs only the key and attempt), so quarantined.
@@ -166,7 +166,7 @@ class Submission(LedgerCore):
                 smp.attempt += 1
                 self._reset_prompt(smp)
                 if mispriced:
-                    smp.expected_bytes = self.pricer(smp) or smp.expected_bytes  # type: ignore[misc]
+                    smp.expected_bytes = price  # type: ignore[assignment]
                     self.repriced_refusals += 1
                 self._enqueue(smp)
                 self._save(smp)

@@ -48,6 +48,13 @@ class SignalledStream(ListStream):
             yield s
 
 
+def assert_saved_and_acked_through(tr, stream, out, samples, n: int) -> None:  # noqa: ANN001
+    """Every step trained is saved (the newest checkpoint is step ``n``, the last trained) and
+    acknowledged, no more: the first ``n`` samples, in order."""
+    assert tr.step == n and M.list_checkpoints(out)[-1][0] == n
+    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:n]]
+
+
 def trainer_signalled_in_step(tiny_model, samples, tmp_path, step: int) -> Eagle3OnlineTrainer:  # noqa: ANN001
     """A trainer that gets SIGTERM inside its step ``step`` (after the device work, before the loop
     sees it): the signal lands where nothing may be raised."""
@@ -73,8 +80,7 @@ def test_a_stop_while_waiting_for_data_saves_every_step_and_acks_them(tiny_model
     with pytest.raises(SystemExit) as e:
         tr.train(stream)
     assert e.value.code == 0
-    assert tr.step == 7 and M.list_checkpoints(tmp_path / "r")[-1][0] == 7  # every step trained is saved
-    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:7]]  # and acknowledged, no more
+    assert_saved_and_acked_through(tr, stream, tmp_path / "r", samples, 7)
     assert "stopped at step 7" in tr.stop_report[0] and "(step 7)" in tr.stop_report[0]
     assert signal.getsignal(sig) is not signal.default_int_handler  # the handlers were put back (exit_0_on_stop's)
     assert not isinstance(signal.getsignal(sig), type(GracefulStop()._ask))
@@ -85,8 +91,7 @@ def test_a_stop_during_a_step_lets_the_step_end_then_saves_it(tiny_model, sample
     stream = ListStream(samples[:12])
     with pytest.raises(SystemExit):
         tr.train(stream)
-    assert tr.step == 3 and M.list_checkpoints(tmp_path / "r")[-1][0] == 3
-    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:3]]
+    assert_saved_and_acked_through(tr, stream, tmp_path / "r", samples, 3)
 
 
 def test_a_second_signal_does_not_wait(exit_0_on_stop):
@@ -135,8 +140,7 @@ def test_a_stream_that_yields_when_idle_is_never_interrupted(tiny_model, samples
     with pytest.raises(SystemExit):
         tr.train(stream)
     assert stream.after_signal == ["resumed"]
-    assert tr.step == 5 and M.list_checkpoints(tmp_path / "r")[-1][0] == 5
-    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:5]]
+    assert_saved_and_acked_through(tr, stream, tmp_path / "r", samples, 5)
 
 
 def test_a_stop_asked_as_the_run_ends_is_not_swallowed(tiny_model, samples, tmp_path, exit_0_on_stop):  # noqa: F811
@@ -150,5 +154,4 @@ def test_a_stop_asked_as_the_run_ends_is_not_swallowed(tiny_model, samples, tmp_
     stream = Ending(samples[:5])
     with pytest.raises(SystemExit):
         tr.train(stream)
-    assert tr.step == 5 and M.list_checkpoints(tmp_path / "r")[-1][0] == 5
-    assert [str(k) for k in stream.acked] == [str(s.key) for s in samples[:5]]
+    assert_saved_and_acked_through(tr, stream, tmp_path / "r", samples, 5)
