@@ -250,3 +250,18 @@ def test_the_parallel_draft_rows_quote_their_served_acceptance(draft, name):
     assert [float(x) for x in m.groups()] == [round(w, 2) for w in want], name
     speed = j["trainer_speed_cpu"]
     assert f"{speed['samples_per_s']:g} samples/s" in row and f"{speed['tokens_per_s']:,.0f} tokens/s" in row, name
+
+
+@pytest.mark.parametrize("run", ["r3", "r4"])
+def test_the_gpu_training_runs_quote_their_trainer_figures(run):
+    """The real model on a GPU: each training run's steps and samples/s as its result file says."""
+    text = section("The real model on a GPU: SmolLM2-135M-Instruct trained online on an H100, served with its draft")
+    trainer = json.loads((RESULTS / f"real_model_h100_eagle3_{run}.json").read_text())["trainer"]
+    quoted = f"**{trainer['steps']:,} steps at {trainer['samples_per_s']:.2f} samples/s overall**"
+    if run == "r3":  # that paragraph says it the other way round
+        quoted = f"**{trainer['samples_per_s']:.2f} samples/s overall** over {trainer['steps']:,} steps"
+    assert quoted in text, quoted
+    assert f"waiting for data {100 * trainer['wait_frac']:.1f} %" in text
+    if run == "r4":  # the graceful stop's checkpoint
+        step = json.loads((RESULTS / f"real_model_h100_eagle3_{run}.json").read_text())["trained_draft"]["checkpoint_step"]
+        assert f"**step {step:,}**" in text

@@ -61,4 +61,6 @@ def test_a_padded_row_trains_as_the_row_itself(tiny_model, sample, tmp_path, dra
         assert padded[1:] == plain[1:] and padded[0] == pytest.approx(plain[0], rel=1e-4), (plain, padded)
     else:
         assert padded[2] != plain[2], "padding no longer moves its counts: it could be padded too"
-        assert used == plain  # so it is not padded
+        # so it is not padded: the same counts (padding moves them, above); the loss to float rounding, as CUDA's
+        # kernels do not sum in a fixed order (an H100 saw 0.04052942991 against 0.04052942246)
+        assert used[1:] == plain[1:] and used[0] == pytest.approx(plain[0], rel=1e-5), (plain, used)
