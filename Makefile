@@ -43,8 +43,8 @@ install: $(STAMP)
 # lost or a file is left in the spool. Results go to .demo/, not into the repository.
 # Repeatable: each run replaces the last one's .demo/real/draft-run.
 # The demo's size (make test-real's: tests/integration/hsstream/test_real_acceptance.py). It checks that the
-# trained draft serves >= 0.1 above an untrained one at T=0 (a first run on a 2-core AVX2 host, float32:
-# +0.179 in 20.8 min; test-real asks +0.3 at this size). Figures: docs/benchmarks.md.
+# trained draft serves >= 0.1 above an untrained one at T=0 (2-core AVX2 host, float32: +0.14-0.18; the whole
+# `make demo` 10.5-11 min on a quiet host; test-real asks +0.3 at this size). Figures: docs/benchmarks.md.
 DEMO_SIZE ?= --train-prompts 192 --eval-prompts 16 --reply-tokens 96 --max-tokens 48 --margin 0.1
 demo: $(STAMP)
 	$(PY) -m hsstream models get smollm2

@@ -265,3 +265,28 @@ def test_the_gpu_training_runs_quote_their_trainer_figures(run):
     if run == "r4":  # the graceful stop's checkpoint
         step = json.loads((RESULTS / f"real_model_h100_eagle3_{run}.json").read_text())["trained_draft"]["checkpoint_step"]
         assert f"**step {step:,}**" in text
+
+
+# ------------------------------------------------------------------------------- make demo on the real model
+
+
+def demo_row(run: int) -> str:
+    """The row docs/benchmarks.md's demo table should hold for ``make demo`` run ``run``: its JSON and its log."""
+    d = json.loads((RESULTS / f"real_demo_cpu_run{run}.json").read_text())
+    log = (RESULTS / f"real_demo_cpu_run{run}_make_demo.log").read_text()
+    stream = re.search(r"samples (\d+) .* total wall ([\d.]+) s", log)
+    wall = int(re.search(r"^rc=0 wall=(\d+)$", log, re.M).group(1))  # make demo's exit status and seconds
+    acc, tr = d["acceptance"], d["training"]
+    mal = {t: (acc["trained"][t]["mean_acceptance_length"], acc["untrained"][t]["mean_acceptance_length"]) for t in ("T0", "T1")}
+    ok = sum(d["checks"].values())
+    return (f"| {run} | {stream.group(1)} in {float(stream.group(2)):.1f} s | {tr['steps']} steps in {d['wall_s']['train']:.0f} s, "
+            f"{tr['wait_s']:.0f} s | {mal['T0'][0]:.3f} / {mal['T0'][1]:.3f} (+{mal['T0'][0] - mal['T0'][1]:.3f}, asked "
+            f"+{d['margin']['required']:g}) | {mal['T1'][0]:.3f} / {mal['T1'][1]:.3f} | "
+            f"{acc['trained']['T0']['tokens_per_s_with_draft']:.1f} / {acc['trained']['T0']['tokens_per_s_without_draft']:.1f} | "
+            f"{ok}/{len(d['checks'])} | {wall / 60:.1f} min |")  # fmt: skip
+
+
+@pytest.mark.parametrize("run", [3, 4])
+def test_the_demo_table_quotes_each_make_demo_run(run):
+    """A `make demo` run's row (docs/benchmarks.md) as its JSON and its log say, wall-clock included."""
+    assert demo_row(run) in section("The demo, the test suite and the long checks")
