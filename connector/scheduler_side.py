@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from connector import layouts as L
 from connector.contract import messages as M, spool as SP
 from connector.step_metadata import LockRequest, PendingSave
 
@@ -115,10 +116,9 @@ class SchedulerSide:
             self._pending.append(PendingSave(rid, name, token_ids, list(block_ids), tag_d, path=target.path))
             return True, {M.KV_PARAMS_PATH_KEY: target.path}
         self._pending.append(PendingSave(rid, name, token_ids, list(block_ids), tag_d))
-        if tag is not None and tag.slot is not None:
-            # The arena layout: no file will exist, so no path to one; the slot instead.
-            return True, {M.KV_PARAMS_SLOT_KEY: tag.slot.model_dump(mode="json")}
-        return True, {M.KV_PARAMS_PATH_KEY: f"{self.spool_dir}/{name}", "hsstream_file": name}
+        # What the client is told of where the sample is, by its layout: the file's path, or (the
+        # arena: no file will exist, so no path to one) the slot.
+        return True, L.layout(L.of_sample(tag=tag, file=name)).writer_class().kv_params(tag, self.spool_dir, name)
 
     def take_pending(self) -> list[PendingSave]:
         out, self._pending = self._pending, []

@@ -13,13 +13,12 @@ On the CPU backend the gather is a plain copy (the forward has already finished 
 connector runs) and the writer thread encodes, off the engine's step. Blocks stay allocated
 (vLLM's delayed free) until the copy has landed; ``poll`` reports them.
 
-A sample with an arena slot (``RequestTag.slot``) is gathered straight into its slot of the
-mapped arena when its payload is the cache's own dtype: on CPU one ``index_select`` into the
-slot's span, on CUDA the device-to-host copy into the mapping, page-locked once per process
-(``MappedArena.register_cuda``). An encoded payload (FP8) is gathered (and on CUDA encoded)
-into host memory as for a file and copied into the slot by the writer. The slot's header length
-is zeroed before anything is copied into it; a slot that cannot take the sample gets an error
-notice before any copy.
+A sample's spool layout (``connector/layouts/``) may gather its rows straight into its
+placement (``WriterHalf.gather``): the arena's does, into the sample's slot of the mapped arena,
+when its payload is the cache's own dtype (on CPU one ``index_select`` into the slot's span, on
+CUDA the device-to-host copy into the mapping, page-locked once per process); an encoded payload
+(FP8) is gathered (and on CUDA encoded) into host memory as for a file and copied into the slot
+by the writer. A placement that cannot take the sample gets an error notice before any copy.
 """
 
 from __future__ import annotations
@@ -32,20 +31,18 @@ from pathlib import Path
 import torch
 
 from connector.cache_layout import block_chunks, gather_rows, gather_rows_into, token_major_view
-from connector.contract import arena as A
 from connector.contract import messages as M
 from connector.contract import payload as PL
-from connector.contract import sample_file as SF
 from connector.contract.sample_file import HIDDEN_STATES_KEY
 from connector.contract.spool import LockError, WriteLock
-from connector.spool_writer import MappedArena, SpoolWriter, WriteJob
+from connector.spool_writer import SpoolWriter, WriteJob
 from connector.step_metadata import LockRequest, PendingSave
 
 log = logging.getLogger("hsstream.connector")
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     event: torch.cuda.Event | None
     keep: list = field(default_factory=list)
 
@@ -75,7 +72,7 @@ class HiddenStateGatherer:
         self.encode_at_gather = want and self.codec.encode_on_device
         self.perm = torch.tensor(perm, dtype=torch.long, device=self.device) if perm else None
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, InFlight] = {}
         self._step_start: torch.cuda.Event | None = None  # the work queued before this step's forward
 
     def step_starts(self) -> None:
@@ -94,11 +91,10 @@ class HiddenStateGatherer:
         return num_tokens * k * h * self.view.element_size()
 
     def in_place(self, p: PendingSave) -> bool:
-        """Whether ``p``'s rows go straight into its arena slot (no host memory of the writer's)."""
+        """Whether ``p``'s rows go straight into their placement (its layout's gather: no host
+        memory of the writer's)."""
         tag = p.request_tag() if p.tag and p.path is None else None
-        if tag is None or tag.slot is None:
-            return False
-        return PL.codec(self.writer.shape.dtype).torch_dtype() == self.view.dtype
+        return tag is not None and self.writer.layouts.of(tag, p.file).copies_in_place(self, p)
 
     def submit(self, p: PendingSave, lock: WriteLock | None = None) -> None:
         tag = p.request_tag()
@@ -106,9 +102,8 @@ class HiddenStateGatherer:
         n = len(p.token_ids)
         k, h = self.view.shape[2], self.view.shape[3]
         t0 = time.perf_counter()
-        if tag is not None and tag.slot is not None and dest is None:
-            self._submit_slot(p, tag, tag.slot, t0)
-            return
+        if tag is not None and dest is None and self.writer.layouts.of(tag, p.file).gather(self, p, tag, t0):
+            return  # its layout gathers it into its placement (the arena: straight into the slot)
         event = None
         if self.cuda:
             host, event = self.copy_async(p.block_ids, n)
@@ -117,7 +112,7 @@ class HiddenStateGatherer:
             self.gather_into(p.block_ids, n, host)
         else:
             host = {HIDDEN_STATES_KEY: self._gather_cpu(p.block_ids, n)}
-        self._inflight[p.request_id] = _InFlight(event)
+        self._inflight[p.request_id] = InFlight(event)
         hs, encoded = (None, host) if self.encode_at_gather else (host[HIDDEN_STATES_KEY], None)
         job = WriteJob(p.request_id, p.file, tag, p.token_ids, hs, ready=event.synchronize if event else None,
                        path=dest, lock=lock, encoded=encoded)  # fmt: skip
@@ -133,78 +128,6 @@ class HiddenStateGatherer:
             blocks = torch.tensor(block_ids, dtype=torch.long)
             self.writer.count_copied(gather_rows_into(self.view, blocks, n, out, self.perm))
         return out
-
-    def _submit_slot(self, p: PendingSave, tag: M.RequestTag, slot: A.Slot, t0: float) -> None:
-        """A sample of the arena layout (module docstring). Every refusal is an error notice
-        sent before anything is copied: the slot's bytes stay as they were."""
-        n = len(p.token_ids)
-        k, h = self.view.shape[2], self.view.shape[3]
-        try:
-            mapped = self.writer.arena_for(slot)
-        except A.ArenaError as e:
-            self.mark_done(p.request_id)
-            self.writer.submit_error(p.request_id, tag, f"arena: {e}")
-            return
-        need = self.writer.slot_bytes_for(n)
-        if need > slot.length:
-            self.mark_done(p.request_id)
-            self.writer.submit_error(p.request_id, tag,
-                                     f"slot of {slot.length} bytes too small for the sample's {need}")  # fmt: skip
-            return
-        try:
-            lease = mapped.lease(slot)  # before a byte is copied into it: refused if given up since
-        except A.ArenaError as e:
-            self.mark_done(p.request_id)
-            self.writer.submit_error(p.request_id, tag, f"arena: {e}")
-            return
-        try:
-            job = self._slot_job(p, tag, slot, mapped, n, k, h)
-        except BaseException:
-            try:
-                if self._stream is not None:
-                    self._stream.synchronize()  # copies queued into the slot land before it is let go
-            finally:
-                lease.release()
-            raise
-        job.lease = lease
-        job.gather_s = time.perf_counter() - t0
-        self.writer.submit(job)
-
-    def _slot_job(self, p: PendingSave, tag: M.RequestTag, slot: A.Slot, mapped: MappedArena,
-                  n: int, k: int, h: int) -> WriteJob:  # fmt: skip
-        """The gather of a slot's sample, started (under its lease): into the slot itself, or
-        via host memory where the payload is encoded or the mapping is not page-locked."""
-        direct = self.in_place(p) and (not self.cuda or mapped.register_cuda())
-        if not direct:  # an encoded payload (FP8), or no page-locked mapping: via host memory
-            if self.cuda:
-                host, event = self.copy_async(p.block_ids, n)
-                self._inflight[p.request_id] = _InFlight(event)
-                hs, encoded = (None, host) if self.encode_at_gather else (host[HIDDEN_STATES_KEY], None)
-                job = WriteJob(p.request_id, p.file, tag, p.token_ids, hs, ready=event.synchronize, arena=mapped,
-                               encoded=encoded)  # fmt: skip
-            else:
-                host = self._gather_cpu(p.block_ids, n)
-                self._inflight[p.request_id] = _InFlight(None)
-                job = WriteJob(p.request_id, p.file, tag, p.token_ids, host, arena=mapped)
-        else:
-            out = self._slot_hidden_states(mapped, slot, n, k, h)
-            if self.cuda:
-                _, event = self.copy_async(p.block_ids, n, out={HIDDEN_STATES_KEY: out})
-                self._inflight[p.request_id] = _InFlight(event)
-                ready = event.synchronize
-            else:
-                self._gather_cpu(p.block_ids, n, out=out)
-                self._inflight[p.request_id] = _InFlight(None)
-                ready = None
-            job = WriteJob(p.request_id, p.file, tag, p.token_ids, out, ready=ready, in_slot=True, arena=mapped)
-        return job
-
-    def _slot_hidden_states(self, mapped: MappedArena, slot: A.Slot, n: int, k: int, h: int) -> torch.Tensor:
-        """The hidden states' span of the slot, as the header will lay it out (safetensors' order)."""
-        st = PL.codec(self.writer.shape.dtype).safetensors_dtype
-        es = self.view.element_size()
-        specs = [(SF.HIDDEN_STATES_KEY, st, [n, k, h], n * k * h * es), (SF.TOKEN_IDS_KEY, "I64", [n], 8 * n)]
-        return mapped.tensor(slot, A.data_spans(specs)[SF.HIDDEN_STATES_KEY], self.view.dtype, (n, k, h))
 
     def empty_host(self, n: int, pin_memory: bool) -> dict[str, torch.Tensor]:
         """The host tensors a request's copy fills: the codec's when encoding here, else the rows."""
@@ -262,7 +185,7 @@ class HiddenStateGatherer:
         return done
 
     def mark_done(self, request_id: str) -> None:
-        self._inflight[request_id] = _InFlight(None)
+        self._inflight[request_id] = InFlight(None)
 
     def drain(self) -> None:
         """Wait until every copy queued so far has landed: vLLM is about to release the cache's

@@ -17,13 +17,12 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from connector import protocol as P
-from connector.contract import arena as A
+from connector import layouts as L
 from connector.contract.api_token import ensure_token
 from connector.contract.rest import JobIn
 from connector.contract.settings import Settings, lower_switch_interval
 from connector.transport import senders_from_settings
 from server import errors
-from server.arena import SlotAllocator, open_arena
 from server.body_limit import BodyLimit
 from server.delivery import CurveServer, DeliveryService
 from server.dependencies import Services
@@ -103,13 +102,11 @@ def _create_app(s: Settings, instance) -> FastAPI:  # noqa: ANN001
         s = s.model_copy(update={"api_token": ensure_token(s.run_dir)})
         log.info("REST API token: the one in %s (HSSTREAM_API_TOKEN unset)", s.run_dir / "api-token")
     ledger = Ledger(s.ledger_file(), max_attempts=s.max_attempts)
-    arena = None
-    if s.spool_layout == "arena":
-        # One shared-memory file of the budget's size (plus its header page), kept across
-        # restarts when the size is unchanged; the ledger's rows hold the slots (recover rebuilds).
-        arena, reused = open_arena(spool, s.spool_budget_bytes + A.PAGE)
-        ledger.attach_slots(SlotAllocator(arena.id, arena.size, quarantine_s=s.arena_quarantine_s, arena=arena))
-        log.info("spool layout: arena %s, %d MiB (%s)", arena.path, arena.size >> 20, "kept" if reused else "new")
+    # The spool layout's sidecar half (connector/layouts/): for the arena, one shared-memory file
+    # of the budget's size, kept across restarts when the size is unchanged, and the ledger's
+    # allocator of its slots (the ledger's rows hold them: recover rebuilds).
+    layout = L.sidecar_from_settings(s)
+    layout.open(spool, s, ledger)
     sizer, max_len = SampleSizer.for_model(s.model, s.layer_ids, s.payload_dtype)
     metrics = SidecarMetrics(ledger)  # a ledger listener: counts every move, on the thread that made it
     tokenizer = Tokenizer(s.model or None, max_model_len=max_len)
@@ -134,7 +131,7 @@ def _create_app(s: Settings, instance) -> FastAPI:  # noqa: ANN001
             max_message_bytes=s.max_peer_message_bytes, max_hello_jobs=s.max_hello_jobs,
             doorbell=delivery_bell,
             on_unheld=metrics.count_unheld,  # settlements without their lease token
-            arena=arena, max_settle_keys=s.max_settle_keys,
+            layout=layout, max_settle_keys=s.max_settle_keys,
             budget_bytes=s.spool_budget_bytes,  # shared by the trainers: none pins what the others need
         ),
         submitter=Submitter(

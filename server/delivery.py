@@ -27,8 +27,8 @@ import zmq
 from pydantic import BaseModel
 
 from connector import protocol as P
-from connector.contract import arena as A
-from connector.contract.sample_file import InvalidSample
+from connector import layouts as L
+from connector.layouts import SidecarHalf
 from connector.contract.rest import TrainerInfo
 from connector.transport import Sender, TransportError, make_sender
 from server.doorbell import Doorbell
@@ -64,9 +64,6 @@ class CurveServer:
     clients_dir: str
 
 
-#: Transports a sidecar with the arena layout serves: the same host's trainers read the slot in
-#: place; a remote trainer gets the slot's bytes in its DELIVER. (Mooncake reads files.)
-ARENA_TRANSPORTS = ("spool", "zmq")
 
 
 class DeliveryService(SocketThread):
@@ -89,7 +86,7 @@ class DeliveryService(SocketThread):
         max_hello_jobs: int = 1024,
         doorbell: Doorbell | None = None,
         on_unheld: Callable[[str, int], object] | None = None,
-        arena: A.Arena | None = None,
+        layout: SidecarHalf | None = None,
         max_settle_keys: int = 1024,
         budget_bytes: int | None = None,
     ) -> None:
@@ -140,8 +137,10 @@ class DeliveryService(SocketThread):
                       # message groups whose ledger writes waited for a full volume (Ledger.degraded)
                       "unsaved_groups": 0}  # fmt: skip
         self.on_unheld = on_unheld
-        #: The arena layout's mapping: a remote (zmq) trainer's bytes are read from the slot.
-        self.arena = arena
+        #: The spool layout's sidecar half (connector/layouts/): a remote trainer's bytes of a
+        #: sample that is not a file (an arena slot) come from it, and it says which transports
+        #: it can serve. None: files.
+        self.layout = layout if layout is not None else L.layout(L.DEFAULT).sidecar_class()()
         self._socks: dict[bytes, zmq.Socket] = {}
         # (sender, key, file) to release and delete once the messages' ledger group is on disk
         self._after: list[tuple[Sender, P.SampleKey, str | None]] | None = None
@@ -426,22 +425,12 @@ class DeliveryService(SocketThread):
             sender.release(key)
             P.remove_from_spool(self.spool, file)
 
-    def _slot_bytes(self, slot: A.Slot) -> bytes:
-        """A slot's sample as the bytes a remote trainer gets (what a file would hold); OSError
-        when it cannot be read (the sample is produced again)."""
-        if self.arena is None:
-            raise OSError("a slot's sample, and no arena here")
-        try:
-            view = self.arena.view(slot)
-            return bytes(view[: A.written_size(view[: A.SLOT_HEADER], slot.length)])
-        except (A.ArenaError, InvalidSample) as e:
-            raise OSError(str(e)) from e
-
     def _set_transport(self, owner: bytes, peer: Peer, hello: P.Hello) -> None:
         peer.transport = hello.wanted_transport()
-        if self.arena is not None and peer.transport not in ARENA_TRANSPORTS:
-            why = (f"this sidecar's spool is an arena (HSSTREAM_SPOOL_LAYOUT=arena): it serves transports "
-                   f"{', '.join(ARENA_TRANSPORTS)}, not {peer.transport!r} (which needs files: HSSTREAM_SPOOL_LAYOUT=files)")
+        served = self.layout.served_transports
+        if served is not None and peer.transport not in served:
+            why = (f"this sidecar's spool is an {self.layout.name} (HSSTREAM_SPOOL_LAYOUT={self.layout.name}): it serves "
+                   f"transports {', '.join(served)}, not {peer.transport!r} (which needs files: HSSTREAM_SPOOL_LAYOUT=files)")
             log.warning("trainer %s: %s", owner.hex(), why)
             try:
                 self._send(owner, P.encode_msg(P.End(jobs=peer.jobs, reason=why)))
@@ -601,8 +590,9 @@ class DeliveryService(SocketThread):
                           token=s.lease_token or "")  # fmt: skip
             try:
                 # Only a sender that moves the bytes opens the file (the spool's trainer does itself).
-                if s.notice.slot is not None and sender.sidecar_deletes:  # a remote trainer: the slot's bytes
-                    transfer, payload = None, self._slot_bytes(s.notice.slot)
+                # A remote trainer of a sample that is no file (an arena slot): its layout's bytes.
+                if sender.sidecar_deletes and (own := self.layout.payload_of(s.notice)) is not None:
+                    transfer, payload = None, own
                 else:
                     path = P.resolve_in_spool(self.spool, s.notice.file or "") if sender.sidecar_deletes else None
                     transfer, payload = sender.offer(owner, s.key, path)

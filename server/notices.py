@@ -20,6 +20,7 @@ from pathlib import Path
 
 import zmq
 
+from connector import layouts as L
 from connector import protocol as P
 from server.ledger import GROUP_MAX, Ledger, NoticeOutcome
 from server.socket_thread import SocketThread
@@ -149,9 +150,9 @@ class NoticeReceiver(SocketThread):
             self.stats["foreign"] += 1
             return None, None
         try:
-            size = path.stat().st_size if path is not None and n.status == P.NoticeStatus.ok else 0
-            if n.slot is not None and n.status == P.NoticeStatus.ok:
-                size = n.slot.length  # what the slot holds of the arena (the ledger checks it is this attempt's)
+            # What the sample holds of the spool, as its layout counts it: the file's size, or the
+            # length of its arena slot (the ledger checks the slot is this attempt's).
+            size = L.held_bytes(n, path) if n.status == P.NoticeStatus.ok else 0
         except FileNotFoundError:  # gone between the check and now (reaped, or deleted by hand)
             n, path, size = n.model_copy(update={"status": P.NoticeStatus.error, "reason": "file vanished"}), None, 0
         if n.sent_at is not None:

@@ -11,16 +11,16 @@ the rest and ``load_and_check`` collects the device copy. Without a device, the 
 finiteness verdict in the notice stands once the checksum matches; where there is none (or
 ``rescan_finite``), the scan goes with the checksum (:meth:`_SampleChecks.host_checks`).
 
-A delivery of the arena layout (``notice.slot`` set, ``file`` None) is read in place
-(``sample_reader.read_slot``), under its read hold: its tensors are views of the trainer's
-copy-on-write mapping of the slot, unless the sample goes into pinned memory or to a CUDA
-device, where they are copied from the slot at once (``sample_reader.slot_is_copied``). The
-slot's header must hold this delivery's notice (same key, attempt and slot generation):
-anything else is a late write of another attempt, an :class:`InvalidSample`. Its checksum is not
-taken (unless ``verify_slots``): only its claim's writer ever writes a slot, under its lease,
-no one writes it again while it is held, and the trainer's own in-place ops stay in its private
-pages (``connector/contract/arena.py``). Once the hidden states are on the device its token ids
-are copied out too (a few bytes), so nothing holds the slot.
+A delivery read from the spool is opened by its spool layout's reader half
+(``connector/layouts/``: ``ReaderHalf.open``). The arena's reads its slot in place, under its
+read hold: its tensors are views of the trainer's copy-on-write mapping of the slot, unless the
+sample goes into pinned memory or to a CUDA device, where they are copied from the slot at once;
+the slot's header must hold this delivery's notice (same key, attempt and slot generation).
+Bytes a layout reads in place from a placement only their writer wrote (``trusted_in_place``)
+take no checksum (unless ``verify_slots``): only its claim's writer ever writes a slot, under its
+lease, no one writes it again while it is held, and the trainer's own in-place ops stay in its
+private pages (``connector/contract/arena.py``). Once the hidden states are on the device its
+token ids are copied out too (a few bytes), so nothing holds the slot.
 """
 
 from __future__ import annotations
@@ -36,17 +36,17 @@ from safetensors import safe_open
 from connector.contract import messages as M
 from connector.contract import payload as PL
 from connector.contract import sample_file as SF
-from connector.contract import spool as SP
 from connector.contract.sample_file import InvalidSample
+from connector import layouts as L
 from trainer_client.device_copy import DeviceCopy, to_device_checked
 from trainer_client.finite import all_finite, beside, scan_of, scannable, settle
 from trainer_client.sample import Sample
-from trainer_client.sample_reader import ArenaMaps, read_sample_file, read_slot, slot_is_copied
+from trainer_client.sample_reader import read_sample_file
 
 def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview | None = None, *, require_key: bool = True,
                    pin_memory: bool = False, checksum_threads: int = 0, device: torch.device | str | None = None,
                    alloc: Callable[[int], torch.Tensor] | None = None,
-                   timings: dict[str, float] | None = None, arenas: ArenaMaps | None = None,
+                   timings: dict[str, float] | None = None, readers: L.Readers | None = None,
                    on_release: Callable[[], None] | None = None, rescan_finite: bool = False,
                    verify_slots: bool = False) -> Sample:  # fmt: skip
     """Read a delivered sample (from the spool, or from the bytes a remote trainer received)
@@ -67,9 +67,10 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     transport's payload copied or parsed, a slot copied out; not a mapped file's pages, not the
     copy to the device).
 
-    ``arenas``: the stream's arena mapping, for a delivery of a slot (module docstring);
-    ``on_release`` is called (any thread) once no view of the slot is left and its hold is let go
-    (``read_slot``). A slot this trainer cannot reach or hold raises
+    ``readers``: the stream's spool-layout reader halves (``connector.layouts.Readers``: the
+    arena's keeps the stream's mapping), for a delivery read from the spool (module docstring);
+    ``on_release`` is called (any thread) once no view of a held placement (a slot) is left and
+    its hold is let go (``read_slot``). A slot this trainer cannot reach or hold raises
     ``sample_reader.SlotNotReadable``.
 
     ``rescan_finite``: scan the values on the host even where the writer said they are all
@@ -84,7 +85,6 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     """
     tm = timings if timings is not None else {}
     n = d.notice
-    in_slot = n.slot is not None and n.file is None and payload is None
     if (n.file is None and n.slot is None) or (require_key and n.key is None):
         raise InvalidSample("delivery without a file or key")
     if n.checksum_algo not in SF.CHECKSUM_ALGOS:
@@ -92,28 +92,21 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
     if n.dtype not in PL.CODECS:
         raise InvalidSample(f"unknown payload dtype {n.dtype!r} in the notice")
     dev = torch.device(device) if device is not None else None
-    checks = _SampleChecks(n, dev, checksum_threads, tm, rescan_finite, trusted=in_slot and not verify_slots)
+    half = None
+    if payload is None:  # read from the spool, by the sample's layout
+        if readers is None:
+            if L.holds_views(n):  # its reads need the stream's state (the arena's mapping)
+                raise InvalidSample("delivery of an arena slot, and no arena to read it from")
+            readers = L.Readers(spool)
+        half = readers.of(n)
+    trusted = half is not None and half.trusted_in_place and not verify_slots
+    checks = _SampleChecks(n, dev, checksum_threads, tm, rescan_finite, trusted=trusted)
     copied = 0
-    if in_slot:
-        if arenas is None:
-            raise InvalidSample("delivery of an arena slot, and no arena to read it from")
-        arena = arenas.get(n.slot)  # type: ignore[arg-type]
-        # Into pinned memory, or to a CUDA device (from there, one DMA): one copy out, at once.
-        copy = slot_is_copied(dev, pin_memory)
-        pinned = alloc or (lambda k: torch.empty(k, dtype=torch.uint8, pin_memory=True))
-        tensors = read_slot(arena, n.slot, copy_into=pinned if copy else None, on_release=on_release,  # type: ignore[arg-type]
-                            on_meta=lambda meta: _check_slot_notice(meta, n), timings=tm, on_header=checks.start)
-        if not copy:
-            tm["in_slot"] = 1  # the tensors are views of the slot (the stream clones the ids if it decodes)
-    elif payload is not None:
-        tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm, on_header=checks.start)
+    if half is not None:
+        tensors = half.open(n, pin_memory=pin_memory, alloc=alloc, device=dev, timings=tm, on_header=checks.start,
+                            on_release=on_release)  # fmt: skip
     else:
-        if spool is None:
-            raise InvalidSample("delivery without bytes, and no spool to read from")
-        t0 = time.perf_counter()
-        tensors = read_sample_file(SP.resolve_in_spool(spool, n.file), pin_memory=pin_memory, alloc=alloc, timings=tm,
-                                   on_header=checks.start)  # fmt: skip
-        tm.setdefault("read_s", time.perf_counter() - t0)  # unpinned: safetensors maps the file
+        tensors = read_sample_file(payload=payload, pin_memory=pin_memory, alloc=alloc, timings=tm, on_header=checks.start)
     tm["bytes_copied"] = tm.get("bytes_copied", 0) + copied
     hs, ids, scales = checks.host_checks(tensors)
     if d.expected_token_ids is not None and ids.tolist() != d.expected_token_ids:
@@ -129,31 +122,6 @@ def load_and_check(spool: Path | None, d: M.Deliver, payload: bytes | memoryview
         ids = ids.clone()  # the hidden states are on the device: nothing else holds the slot
         tm["bytes_copied"] += ids.numel() * ids.element_size()
     return Sample(n.key, ids, hs, list(n.layer_ids), n.num_hidden_layers, mask, d.label, n, scales)
-
-
-def _check_slot_notice(meta: dict[str, str], n: M.Notice) -> None:
-    """The slot's header must hold the delivered sample's notice: same key, attempt and slot
-    generation. Another is a write of another attempt (late, or into a slot since reassigned)."""
-    raw = meta.get(SF.HEADER_NOTICE_KEY)
-    if raw is None:
-        raise InvalidSample(f"slot header without {SF.HEADER_NOTICE_KEY}")
-    try:
-        hn = M.Notice.decode(raw)
-    except M.ProtocolError as e:
-        raise InvalidSample(f"slot header: bad notice: {e}") from e
-    assert n.slot is not None
-    if hn.key != n.key or hn.attempt != n.attempt or hn.slot is None or hn.slot.generation != n.slot.generation:
-        raise InvalidSample(
-            f"slot holds another write (key {hn.key}, attempt {hn.attempt}, generation "
-            f"{hn.slot.generation if hn.slot else None}), not the delivered {n.key} attempt {n.attempt} "
-            f"generation {n.slot.generation}"
-        )
-    # A trusted slot takes no checksum: what the delivery says of its bytes (their checksum, the
-    # writer's finiteness verdict, the token count) must be what its writer wrote beside them.
-    for field in ("checksum", "checksum_algo", "finite", "num_tokens", "dtype", "layer_ids", "hidden_size"):
-        if getattr(hn, field) != getattr(n, field):
-            raise InvalidSample(f"slot header's {field} {getattr(hn, field)!r} differs from the delivery's "
-                                f"{getattr(n, field)!r}")  # fmt: skip
 
 
 class _SampleChecks:

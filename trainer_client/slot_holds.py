@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from connector.contract import messages as M
+from connector import layouts as L
 
 
 @dataclass(eq=False)
@@ -39,8 +40,9 @@ class SlotHold:
 
 
 def is_slot(d: M.Deliver) -> bool:
-    """A delivery of the arena layout (a slot, no file)."""
-    return d.notice.slot is not None and d.notice.file is None
+    """A delivery whose spool layout holds it while its views live (the arena's slot, no file:
+    ``ReaderHalf.holds_views``), so its RECEIVED waits for them."""
+    return L.holds_views(d.notice)
 
 
 class SlotHolds:

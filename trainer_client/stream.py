@@ -60,6 +60,7 @@ from connector.contract import spool as SP
 from connector.contract.curve_keys import load_secret
 from connector.contract.sample_file import InvalidSample
 from connector.contract.settings import Settings, lower_switch_interval
+from connector import layouts as L
 from connector.transport import REGISTRY as TRANSPORTS
 from connector.transport import Receiver, TransportError, receiver_from_settings
 from trainer_client.check_pool import CheckPool
@@ -68,7 +69,7 @@ from trainer_client.finite import all_finite
 from trainer_client.host_buffers import HostBuffers
 from trainer_client.sample import Sample
 from trainer_client.sample_checks import load_and_check, read_hidden_states
-from trainer_client.sample_reader import ArenaMaps, SlotNotReadable, read_into_buffer, read_parallel, read_sample_file
+from trainer_client.sample_reader import SlotNotReadable, read_into_buffer, read_parallel, read_sample_file
 from trainer_client.slot_holds import SlotHolds, is_slot
 
 #: The stream's public names, with those of the modules it is built from (the sample, its reading
@@ -282,10 +283,11 @@ class HiddenStateStream:
         self.stats = {"delivered": 0, "yielded": 0, "invalid": 0, "not_received": 0, "duplicates": 0, "bytes": 0,
                       "bytes_copied": 0, "reconnects": 0, "wait_s": 0.0, "load_s": 0.0,
                       "check_wait_s": 0.0}  # fmt: skip
-        # The arena layout (module docstring): the spool's arena, mapped at the first slot; each
-        # slot delivered and not yet RECEIVED; the slots whose views are gone (from any thread);
-        # ACKs waiting for their sample's RECEIVED.
-        self._arenas = ArenaMaps(self.spool)
+        # The spool layouts' reader halves (connector/layouts/: the arena's maps the spool's arena
+        # at the first slot). The arena layout (module docstring): each slot delivered and not yet
+        # RECEIVED; the slots whose views are gone (from any thread); ACKs waiting for their
+        # sample's RECEIVED.
+        self._readers = L.Readers(self.spool)
         self._slots = SlotHolds(self._send)
         self._unread_run = 0  # deliveries in a row whose file could not be read (_not_received)
         self.lease_s: float | None = None  # the sidecar's lease on what it delivers (from the DELIVERs)
@@ -594,7 +596,7 @@ class HiddenStateStream:
         reads_spool = self._receiver is not None and self._receiver.reads_spool
         spool = self.spool if reads_spool else None
         sample = load_and_check(spool, d, data, pin_memory=self.pin_memory, device=self.device,
-                                alloc=self.host_buffers.alloc, timings=tm, arenas=self._arenas if reads_spool else None,
+                                alloc=self.host_buffers.alloc, timings=tm, readers=self._readers if reads_spool else None,
                                 on_release=on_release, rescan_finite=self.options.rescan_finite,
                                 verify_slots=self.options.verify_slots)  # fmt: skip
         decoded = sample.dequantized(self.dequantize)
@@ -672,7 +674,7 @@ class HiddenStateStream:
         self.stats["not_received"] += 1
         self._unread_run += 1
         why = getattr(e, "strerror", None) or str(e)
-        where = d.notice.file if d.notice.file is not None else f"its arena slot {d.notice.slot}"
+        where = self._readers.of(d.notice).where(d.notice)
         log.warning("sample %s not received: cannot read %s in %s (%s); the sidecar produces it again",
                     key, where, self.spool, why)  # fmt: skip
         self._tokens.pop(key, None)  # type: ignore[arg-type]
@@ -785,7 +787,7 @@ class HiddenStateStream:
             self._sock.close(linger=0 if self._outbox else 2000)
             self._sock = None
         self._deletes.close()  # the retired copies' deletes finish first
-        self._arenas.close()  # the mapping itself stays while views of it live
+        self._readers.close()  # an arena's mapping itself stays while views of it live
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

@@ -46,7 +46,7 @@ from bench.common import cpu_model, rank_pct  # noqa: E402
 from connector import protocol as P  # noqa: E402
 from connector.contract import arena as A  # noqa: E402
 from trainer_client import sample_checks as C  # noqa: E402
-from trainer_client.sample_reader import ArenaMaps  # noqa: E402
+from connector import layouts as L  # noqa: E402
 
 T, K, H = 1024, 4, 4096
 ARMS = ("fresh", "prefaulted", "mapped")
@@ -86,17 +86,17 @@ def main() -> int:
                 for t in threading.enumerate():  # the writer's own prefault of its mapping: not timed here
                     if t.name == "hsstream-arena-prefault":
                         t.join()
-                maps = ArenaMaps(spool, prefault=False)
-                arena = maps.get(d.notice.slot)  # a new mapping of the arena, no page of it in our tables
+                maps = L.Readers(spool, {"arena": {"prefault": False}})
+                arena = maps.get("arena").maps().get(d.notice.slot)  # a new mapping of the arena, no page of it in our tables
                 if arm == "prefaulted":
                     t0 = time.perf_counter()
                     arena.prefault(background=False)
                     if r:
                         prefault_ms.append(1000 * (time.perf_counter() - t0) / (arena.size / 2**30))
                 elif arm == "mapped":
-                    C.load_and_check(spool, d, arenas=maps, verify_slots=True)
+                    C.load_and_check(spool, d, readers=maps, verify_slots=True)
                 f0, t0 = faults(), time.perf_counter()
-                s = C.load_and_check(spool, d, arenas=maps, verify_slots=True)
+                s = C.load_and_check(spool, d, readers=maps, verify_slots=True)
                 dt, nf = time.perf_counter() - t0, faults() - f0
                 del s
                 maps.close()

@@ -40,7 +40,7 @@ from connector import protocol as P  # noqa: E402
 from connector.contract import arena as A  # noqa: E402
 from connector.contract import sample_file as SF  # noqa: E402
 from trainer_client import sample_checks as C  # noqa: E402
-from trainer_client.sample_reader import ArenaMaps  # noqa: E402
+from connector import layouts as L  # noqa: E402
 
 T, K, H = 1024, 4, 4096
 
@@ -68,7 +68,7 @@ def main() -> int:
     spool = Path(tempfile.mkdtemp(prefix="hsstream-checks-", dir="/dev/shm"))
     P.claim_spool(spool)
     d_file, d_slot, arena = _sample(spool)
-    maps = ArenaMaps(spool)
+    maps = L.Readers(spool)
     cores = os.cpu_count() or 1
     # (C.CPUS, rescan_finite): the scan in the checksum's pass on one core, beside it on the
     # scan pool, or the writer's verdict taken (the default: no scan).
@@ -76,7 +76,7 @@ def main() -> int:
     times: dict[str, dict[str, list[float]]] = {a: {"files": [], "arena": []} for a in arms}
     cpu: dict[str, dict[str, float]] = {a: {"files": 0.0, "arena": 0.0} for a in arms}
     writer = {"checksum": [], "checksum_and_finite": []}
-    hs = C.load_and_check(spool, d_slot, arenas=maps, verify_slots=True).hidden_states.clone()
+    hs = C.load_and_check(spool, d_slot, readers=maps, verify_slots=True).hidden_states.clone()
     wt = {SF.HIDDEN_STATES_KEY: hs, SF.TOKEN_IDS_KEY: torch.zeros(T, dtype=torch.int64)}
     real = C.CPUS
     try:
@@ -86,7 +86,7 @@ def main() -> int:
                 C.CPUS, rescan = arms[arm]
                 for lay, d in (("files", d_file), ("arena", d_slot)):
                     c0, t0 = time.process_time(), time.perf_counter()
-                    s = C.load_and_check(spool, d, arenas=maps, rescan_finite=rescan,
+                    s = C.load_and_check(spool, d, readers=maps, rescan_finite=rescan,
                                           verify_slots=True)
                     dt = time.perf_counter() - t0
                     del s

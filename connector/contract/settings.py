@@ -55,11 +55,13 @@ class Settings(BaseSettings):
     request_timeout_s: float = 600.0
     max_attempts: int = 3
     spool_budget_bytes: int = 2 * 2**30
-    # How samples lie in the spool (connector/contract/arena.py): "files" (one safetensors file
-    # per sample, what drop-in clients get) or "arena" (one shared-memory file the size of the
-    # budget, a slot per sample: no file written, read or unlinked per sample). Sidecar only: the
-    # connector and trainers follow the slot in each request and delivery.
-    spool_layout: Literal["files", "arena"] = "files"
+    # How samples lie in the spool: a name in connector/layouts/'s registry, "files" (one
+    # safetensors file per sample, what drop-in clients get) or "arena" (one shared-memory file
+    # the size of the budget, a slot per sample: no file written, read or unlinked per sample,
+    # connector/contract/arena.py). An unregistered name stops the sidecar at start-up, naming
+    # the registered ones (the contracts import nothing of the layouts, so it is checked there).
+    # Sidecar only: the connector and trainers follow each sample's placement (its slot or file).
+    spool_layout: str = Field(default="files", pattern=r"^[a-z][a-z0-9_-]{0,31}$")
     # Arena: seconds a slot whose sample was abandoned (timed out, its engine down, the sidecar
     # restarted, a lease cancelled) waits before it is assigned again, so a late reader's views
     # see no one else's bytes. Late writes need no wait: the slot's claim is voided first, under

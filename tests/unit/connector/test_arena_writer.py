@@ -22,7 +22,7 @@ from connector.step_metadata import PendingSave
 from connector.worker_side import HiddenStateGatherer
 from tests.support import sample_files as SFX
 from trainer_client.sample_checks import load_and_check
-from trainer_client.sample_reader import ArenaMaps
+from connector import layouts as L
 
 BS, H = 4, 8
 LAYERS = [5, 2, 10]
@@ -100,7 +100,7 @@ def test_a_slot_holds_the_file_layouts_tensors_and_nothing_outside_it_changes(sp
     for k in in_file:
         assert torch.equal(in_slot[k].view(torch.uint8), in_file[k].view(torch.uint8)), k
     d = M.Deliver(notice=ok["r"], expected_token_ids=ids)
-    s = load_and_check(spool, d, arenas=ArenaMaps(spool))  # the trainer's reader takes it as it is
+    s = load_and_check(spool, d, readers=L.Readers(spool))  # the trainer's reader takes it as it is
     assert torch.equal(s.token_ids, torch.tensor(ids))
     assert ok["r"].checksum == ok["f"].checksum  # the same bytes covered
 

@@ -151,7 +151,7 @@ def test_waiting_reader_wakes_to_a_missing_file_when_the_write_fails(engine, spo
     reader = threading.Thread(target=read)
     reader.start()
     time.sleep(0.1)
-    import connector.spool_writer as SW
+    import connector.layouts.files as SW  # the files layout writes the file
 
     monkeypatch.setattr(SW, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     engine.step({"cmpl-4"})

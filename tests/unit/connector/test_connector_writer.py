@@ -17,6 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from connector import protocol as P  # noqa: E402
 from connector import spool_writer as SW  # noqa: E402
+from connector.layouts import files as FL  # noqa: E402
 from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob  # noqa: E402
 
 T, K, H = 13, 3, 8
@@ -106,13 +107,13 @@ def test_ok_notice_arrives_after_file_is_complete(writer, spool, pull):
 
 def test_file_is_written_under_hidden_name_then_renamed(writer, spool, pull, monkeypatch):
     seen: list[list[str]] = []
-    real_save = SW.save_file
+    real_save = FL.save_file
 
     def spy(tensors, path, metadata=None):
         real_save(tensors, path, metadata=metadata)
         seen.append(sorted(os.listdir(spool)))  # after the write, before the rename
 
-    monkeypatch.setattr(SW, "save_file", spy)
+    monkeypatch.setattr(FL, "save_file", spy)
     job = _job("cmpl-atomic")
     writer.submit(job)
     n = _recv(pull[1])
@@ -167,13 +168,13 @@ def test_failing_copy_is_an_error_notice(writer, spool, pull):
 
 
 def test_failed_save_leaves_no_temp_file(writer, spool, pull, monkeypatch):
-    real_save = SW.save_file
+    real_save = FL.save_file
 
     def half_then_fail(tensors, path, metadata=None):
         real_save(tensors, path, metadata=metadata)  # the temp file exists ...
         raise OSError(28, "No space left on device")  # ... then the disk fills up
 
-    monkeypatch.setattr(SW, "save_file", half_then_fail)
+    monkeypatch.setattr(FL, "save_file", half_then_fail)
     writer.submit(_job("cmpl-full"))
     n = _recv(pull[1])
     # a full spool is no fault of the sample's: "busy", produced again without spending an attempt

@@ -87,13 +87,15 @@ def test_a_transport_the_sidecar_does_not_offer_is_refused_with_the_reason(tmp_p
 def test_an_arena_sidecar_refuses_mooncake_with_the_reason(tmp_path):
     """The arena layout serves spool and zmq; Mooncake registers files, so its trainer is told
     why, and nothing is leased."""
+    from connector import layouts as L
     from connector.contract import arena as A
 
     spool = tmp_path / "spool"
     ledger = Ledger()
     job, _ = _fill(ledger, spool, 1)
     arena = A.Arena.create(spool, 4 * A.PAGE)
-    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger, mooncake=_mooncake_sender(), arena=arena)
+    svc = DeliveryService(f"ipc://{tmp_path}/run/d.sock", spool, ledger, mooncake=_mooncake_sender(),
+                           layout=L.layout("arena").sidecar_class()(arena))  # fmt: skip
     svc.start()
     try:
         with pytest.raises(StreamError, match="spool is an arena.*not 'mooncake'.*HSSTREAM_SPOOL_LAYOUT=files"):

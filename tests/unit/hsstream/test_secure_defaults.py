@@ -207,7 +207,7 @@ def test_connector_files_are_0600_whatever_safetensors_does(spool, monkeypatch):
     umask: the writer makes the file 0600 before its name appears, whichever wrote it."""
     torch = pytest.importorskip("torch")
     from connector import protocol as P
-    from connector import spool_writer as SW
+    from connector.layouts import files as SW  # the files layout writes the file
     from connector.spool_writer import ShapeInfo, SpoolWriter, WriteJob
 
     real_save = SW.save_file

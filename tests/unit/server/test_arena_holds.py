@@ -29,7 +29,7 @@ from server.arena import SlotAllocator, open_arena
 from server.ledger import Ledger, NewSample, State
 from tests.support import sample_files as SFX
 from trainer_client.sample_checks import load_and_check
-from trainer_client.sample_reader import ArenaMaps
+from connector import layouts as L
 
 T, LAYERS, HID = 12, [1, 2, 3], 32
 LEN = SFX.slot_bytes(T, len(LAYERS), HID)
@@ -83,12 +83,12 @@ def _churn(led: Ledger, spool: Path, slots: SlotAllocator, rounds: int = 3) -> l
     another trainer and RECEIVED (its slot freed and assigned again), ``rounds`` times over.
     Returns every slot handed out."""
     seen = []
-    maps = ArenaMaps(spool)
+    maps = L.Readers(spool)
     for _ in range(rounds):
         for s in _produce(led, spool):
             seen.append(s.slot)
         while (b := led.lease_next(b"B", None)) is not None:
-            x = load_and_check(spool, _deliver(b), arenas=maps)
+            x = load_and_check(spool, _deliver(b), readers=maps)
             assert torch.equal(x.hidden_states, _original(b.key))
             del x
             led.received(b"B", b.key, b.lease_token)
@@ -113,8 +113,8 @@ def test_a_trainer_that_changed_its_sample_and_went_quiet_leaves_the_next_one_th
     _job(led, 1)
     _produce(led, spool)
     a = led.lease_next(b"A", None)
-    maps_a = ArenaMaps(spool)
-    xa = load_and_check(spool, _deliver(a), arenas=maps_a)
+    maps_a = L.Readers(spool)
+    xa = load_and_check(spool, _deliver(a), readers=maps_a)
     if how == "in_place_op":
         xa.hidden_states.add_(1.0)
     else:
@@ -123,7 +123,7 @@ def test_a_trainer_that_changed_its_sample_and_went_quiet_leaves_the_next_one_th
     _produce(led, spool)  # whatever the sidecar submits meanwhile
     b = led.lease_next(b"B", None)
     assert b is not None and b.key == a.key
-    xb = load_and_check(spool, _deliver(b), arenas=ArenaMaps(spool))
+    xb = load_and_check(spool, _deliver(b), readers=L.Readers(spool))
     assert torch.equal(xb.hidden_states, _original(a.key)), "B was given bytes A changed"
     del xa
 
@@ -136,9 +136,9 @@ def test_a_trainer_silent_past_its_timeout_keeps_its_views_bytes(spool, tmp_path
     led, slots = _sidecar(tmp_path / "l.sqlite", arena)  # quarantine 0: "past the quarantine" at once
     _job(led, 40)
     _produce(led, spool)
-    maps = ArenaMaps(spool)
+    maps = L.Readers(spool)
     acked, leased = led.lease_next(b"A", None), led.lease_next(b"A", None)
-    views = [load_and_check(spool, _deliver(s), arenas=maps).hidden_states for s in (acked, leased)]
+    views = [load_and_check(spool, _deliver(s), readers=maps).hidden_states for s in (acked, leased)]
     before = [v.clone() for v in views]
     held = [acked.notice.slot, leased.notice.slot]
     assert led.ack(b"A", acked.key, acked.lease_token)  # asked past it, views kept (no RECEIVED)
@@ -208,8 +208,8 @@ def test_a_sidecar_killed_and_restarted_keeps_every_slot_a_live_trainer_views(sp
                                             seed=k.index, token_ids=ids, layer_ids=LAYERS, hidden=HID).notice)  # fmt: skip
         say("|".join(n.model_dump_json() for n in notices))
         ds = [P.Deliver.model_validate(d) for d in json.loads(p.stdout.readline())]
-        maps = ArenaMaps(spool)  # the trainer: heart-beating all along, its views kept
-        views = [load_and_check(spool, d, arenas=maps).hidden_states for d in ds]
+        maps = L.Readers(spool)  # the trainer: heart-beating all along, its views kept
+        views = [load_and_check(spool, d, readers=maps).hidden_states for d in ds]
         before = [v.clone() for v in views]
         say("read")
         assert p.stdout.readline().strip() == "acked"
@@ -244,8 +244,8 @@ def test_a_restarted_sidecar_keeps_out_a_range_its_ledger_gave_up_while_a_traine
     s = first.alloc(LEN)
     w = SFX.write_sample(spool, key=P.SampleKey(job="j", index=0), slot=s, seed=0, tokens=T, layer_ids=LAYERS,
                          hidden=HID)  # fmt: skip
-    maps = ArenaMaps(spool)
-    view = load_and_check(spool, w.deliver, arenas=maps).hidden_states
+    maps = L.Readers(spool)
+    view = load_and_check(spool, w.deliver, readers=maps).hidden_states
     after = SlotAllocator(arena.id, arena.size, arena=arena)  # a restart whose ledger holds no slot
     assert after.void_stale_claims() == 0 and after.held_at_restart == 1
     assert after.stats().quarantined_bytes == LEN

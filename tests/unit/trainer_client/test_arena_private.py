@@ -21,6 +21,7 @@ from tests.support import sample_files as SFX
 from tests.unit.trainer_client.test_stream_pool import FakeSidecar
 from trainer_client import HiddenStateStream
 from trainer_client.sample_checks import load_and_check
+from connector import layouts as L
 from trainer_client.sample_reader import ArenaMaps, SlotNotReadable, read_sample_file, slot_is_copied
 
 T, LAYERS, HID = 12, [1, 2, 3], 32
@@ -53,14 +54,14 @@ def test_an_in_place_op_on_what_the_stream_yields_never_reaches_the_shared_slot(
     try:
         with HiddenStateStream(sc.endpoint, spool_dir=spool, credit=2, timeout_s=20, idle_s=0.05) as s:
             x = next(v for v in s if v is not None)
-            base = torch.frombuffer(s._arenas._arena.map, dtype=torch.uint8).data_ptr()  # noqa: SLF001
+            base = torch.frombuffer(s._readers.get("arena").maps()._arena.map, dtype=torch.uint8).data_ptr()  # noqa: SLF001
             assert base <= x.hidden_states.data_ptr() < base + arena.size  # a view of the slot: no copy
             x.hidden_states.add_(1.0)  # what a loop may do: no SIGSEGV (a writable mapping) ...
             x.hidden_states.div_(x.hidden_states.float().norm().to(x.hidden_states.dtype))
             x.token_ids.zero_()
             assert not torch.equal(x.hidden_states, w.hidden_states)  # ... its own pages changed ...
             assert torch.equal(_shared(spool, w), w.hidden_states), "the shared slot changed"  # ... not the slot
-            other = load_and_check(spool, w.deliver, arenas=ArenaMaps(spool))  # another trainer reads it
+            other = load_and_check(spool, w.deliver, readers=L.Readers(spool))  # another trainer reads it
             assert torch.equal(other.hidden_states, w.hidden_states) and torch.equal(other.token_ids, w.token_ids)
             del x, other
     finally:
@@ -71,8 +72,8 @@ def test_a_slot_is_held_while_a_view_of_it_lives_and_let_go_with_the_last(spool)
     arena = SFX.make_arena(spool)
     w = _write(spool, arena)
     slot, released = w.notice.slot, []
-    maps = ArenaMaps(spool)
-    x = load_and_check(spool, w.deliver, arenas=maps, on_release=lambda: released.append(arena.void(slot)))
+    maps = L.Readers(spool)
+    x = load_and_check(spool, w.deliver, readers=maps, on_release=lambda: released.append(arena.void(slot)))
     hs, ids = x.hidden_states, x.token_ids
     del x
     assert not arena.void(slot) and not released  # the sidecar's void is refused: a reader holds it
@@ -89,15 +90,15 @@ def test_letting_go_drops_the_private_pages_so_the_next_sample_there_is_read_ane
     next sample written into those bytes (no checksum would notice)."""
     arena = SFX.make_arena(spool)
     first = _write(spool, arena, 0)
-    maps = ArenaMaps(spool)
-    x = load_and_check(spool, first.deliver, arenas=maps)
+    maps = L.Readers(spool)
+    x = load_and_check(spool, first.deliver, readers=maps)
     x.hidden_states.add_(1.0)
     del x
     assert arena.void(first.notice.slot)  # freed, assigned again to another sample, written
     second = _write(spool, arena, 0, gen=2, seed=99)
-    y = load_and_check(spool, second.deliver, arenas=maps)  # the same trainer, the same mapping
+    y = load_and_check(spool, second.deliver, readers=maps)  # the same trainer, the same mapping
     assert torch.equal(y.hidden_states, second.hidden_states), "read its own stale pages"
-    assert 0 < maps._arena.reads.scrubbed_pages < LEN // A.PAGE  # noqa: SLF001  # only the pages it wrote
+    assert 0 < maps.get("arena").maps()._arena.reads.scrubbed_pages < LEN // A.PAGE  # noqa: SLF001  # only the pages it wrote
 
 
 def test_a_forked_child_never_lets_go_of_its_parents_holds(spool):
@@ -105,7 +106,7 @@ def test_a_forked_child_never_lets_go_of_its_parents_holds(spool):
     copy of a view dying must not unlock the parent's slot."""
     arena = SFX.make_arena(spool)
     w = _write(spool, arena)
-    x = load_and_check(spool, w.deliver, arenas=ArenaMaps(spool))
+    x = load_and_check(spool, w.deliver, readers=L.Readers(spool))
     pid = os.fork()
     if pid == 0:  # the child drops its copy of the sample: its finalizer runs here
         code = 1
@@ -125,8 +126,8 @@ def test_holds_are_counted_per_slot_and_an_overlapping_one_never_unlocks_another
     """One description's locks merge: a slot held twice, or a stale delivery overlapping a held
     slot and let go at once, must leave the held bytes locked."""
     arena = SFX.make_arena(spool)
-    maps = ArenaMaps(spool)
-    reads = maps.get(SFX.slot_for(arena, A.PAGE, A.PAGE)).reads
+    maps = L.Readers(spool)
+    reads = maps.get("arena").maps().get(SFX.slot_for(arena, A.PAGE, A.PAGE)).reads
     held = A.Slot(arena=arena.id, offset=2 * A.PAGE, length=2 * A.PAGE, generation=1)
     stale = A.Slot(arena=arena.id, offset=A.PAGE, length=3 * A.PAGE, generation=2)  # covers held, and a page before
     reads.take(held)
@@ -150,7 +151,7 @@ def test_a_stale_delivery_of_a_slot_being_written_anew_is_not_received(spool):
     try:
         t0 = time.monotonic()
         with pytest.raises(SlotNotReadable, match="write-locked"):
-            load_and_check(spool, w.deliver, arenas=ArenaMaps(spool))
+            load_and_check(spool, w.deliver, readers=L.Readers(spool))
         assert time.monotonic() - t0 >= A.READ_WAIT_S
     finally:
         lease.release()
@@ -167,7 +168,7 @@ def test_a_slot_bound_for_a_cuda_device_is_copied_out_at_once_and_never_page_loc
     arena = SFX.make_arena(spool)
     w = _write(spool, arena)
     released, tm = [], {}
-    x = load_and_check(spool, w.deliver, arenas=ArenaMaps(spool), pin_memory=True, timings=tm,
+    x = load_and_check(spool, w.deliver, readers=L.Readers(spool), pin_memory=True, timings=tm,
                        alloc=lambda n: torch.empty(n, dtype=torch.uint8), on_release=lambda: released.append(1))  # fmt: skip
     assert released == [1] and arena.void(w.notice.slot)  # let go while the sample lives
     assert tm["bytes_copied"] > 0 and torch.equal(x.hidden_states, w.hidden_states)

@@ -21,7 +21,8 @@ from tests.support import sample_files as SFX
 from tests.unit.trainer_client.test_stream_pool import FakeSidecar
 from trainer_client import HiddenStateStream
 from trainer_client.sample_checks import load_and_check
-from trainer_client.sample_reader import ArenaMaps, SlotNotReadable
+from connector import layouts as L
+from trainer_client.sample_reader import SlotNotReadable
 
 T, LAYERS, HID = 12, [1, 2, 3], 32
 
@@ -54,9 +55,9 @@ def test_a_slot_reads_back_in_place_identical_to_the_file_layout(spool, dtype):
                                layer_ids=LAYERS, hidden=HID, dtype=dtype)  # fmt: skip
     tm: dict = {}
     released = []
-    maps = ArenaMaps(spool)
-    s = load_and_check(spool, sf.deliver, arenas=maps, on_release=lambda: released.append(1), timings=tm)
-    arena = maps._arena  # the reader's own mapping
+    maps = L.Readers(spool)
+    s = load_and_check(spool, sf.deliver, readers=maps, on_release=lambda: released.append(1), timings=tm)
+    arena = maps.get("arena").maps()._arena  # the reader's own mapping
     assert torch.equal(s.hidden_states.view(torch.uint8), as_file.hidden_states.view(torch.uint8))  # the same bytes
     assert torch.equal(s.token_ids, as_file.token_ids)
     assert _in_arena(s.hidden_states, arena) and not released  # zero-copy: a view of the slot, held
@@ -71,7 +72,7 @@ def test_a_torn_slot_is_invalid(spool):
     sf = _slot_sample(spool, arena)
     arena.map[sf.notice.slot.offset : sf.notice.slot.offset + 8] = bytes(8)  # the writer's first step, never its last
     with pytest.raises(SF.InvalidSample, match="not .completely. written"):
-        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))
+        load_and_check(spool, sf.deliver, readers=L.Readers(spool))
 
 
 def test_a_header_of_another_generation_is_invalid(spool):
@@ -80,9 +81,9 @@ def test_a_header_of_another_generation_is_invalid(spool):
     later = sf.notice.slot.model_copy(update={"generation": 2})  # reassigned since: delivered as generation 2
     d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={"slot": later})})
     with pytest.raises(SF.InvalidSample, match="another write"):
-        load_and_check(spool, d, arenas=ArenaMaps(spool))
+        load_and_check(spool, d, readers=L.Readers(spool))
     ok = _slot_sample(spool, arena, offset=A.PAGE, gen=2)  # the control: the same generation passes
-    load_and_check(spool, ok.deliver, arenas=ArenaMaps(spool))
+    load_and_check(spool, ok.deliver, readers=L.Readers(spool))
 
 
 @pytest.mark.parametrize("field,value", [("checksum", "0" * 32), ("finite", None), ("num_tokens", T - 1)])
@@ -92,10 +93,10 @@ def test_a_delivery_that_says_other_than_the_slots_header_is_invalid(spool, fiel
     arena = SFX.make_arena(spool)
     sf = _slot_sample(spool, arena, algo="xxh3-128")  # a writer that gives its finiteness verdict
     assert sf.notice.finite is True
-    load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))  # the control: as written, it passes
+    load_and_check(spool, sf.deliver, readers=L.Readers(spool))  # the control: as written, it passes
     d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={field: value})})
     with pytest.raises(SF.InvalidSample, match=f"{field} .* differs"):
-        load_and_check(spool, d, arenas=ArenaMaps(spool))
+        load_and_check(spool, d, readers=L.Readers(spool))
 
 
 def test_a_slot_is_trusted_without_a_checksum_unless_verify_slots(spool):
@@ -105,13 +106,13 @@ def test_a_slot_is_trusted_without_a_checksum_unless_verify_slots(spool):
     arena = SFX.make_arena(spool)
     sf = _slot_sample(spool, arena, corrupt="checksum")
     tm: dict = {}
-    s = load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool), timings=tm)
+    s = load_and_check(spool, sf.deliver, readers=L.Readers(spool), timings=tm)
     assert "checksum_s" not in tm and s.hidden_states.shape == (T, len(LAYERS), HID)
     with pytest.raises(SF.InvalidSample, match="checksum"):
-        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool), verify_slots=True)
+        load_and_check(spool, sf.deliver, readers=L.Readers(spool), verify_slots=True)
     tm = {}
     good = _slot_sample(spool, arena, 1)
-    load_and_check(spool, good.deliver, arenas=ArenaMaps(spool), verify_slots=True, timings=tm)
+    load_and_check(spool, good.deliver, readers=L.Readers(spool), verify_slots=True, timings=tm)
     assert tm["checksum_s"] > 0  # the control: verified, and it passes
 
 
@@ -119,9 +120,9 @@ def test_a_slot_the_writer_found_non_finite_is_refused_without_a_checksum(spool)
     arena = SFX.make_arena(spool)
     sf = _slot_sample(spool, arena, corrupt="nan")
     with pytest.raises(SF.InvalidSample, match="non-finite"):
-        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool))
+        load_and_check(spool, sf.deliver, readers=L.Readers(spool))
     with pytest.raises(SF.InvalidSample, match="non-finite"):  # scanned again: still there
-        load_and_check(spool, sf.deliver, arenas=ArenaMaps(spool), rescan_finite=True)
+        load_and_check(spool, sf.deliver, readers=L.Readers(spool), rescan_finite=True)
 
 
 def test_a_slot_past_the_arena_or_of_another_arena_is_not_readable(spool):
@@ -132,18 +133,18 @@ def test_a_slot_past_the_arena_or_of_another_arena_is_not_readable(spool):
     for slot in (past, other):
         d = sf.deliver.model_copy(update={"notice": sf.notice.model_copy(update={"slot": slot})})
         with pytest.raises(SlotNotReadable):
-            load_and_check(spool, d, arenas=ArenaMaps(spool))
+            load_and_check(spool, d, readers=L.Readers(spool))
 
 
 def test_pinned_reads_copy_the_slot_out_and_release_it_at_once(spool):
     arena = SFX.make_arena(spool)
     sf = _slot_sample(spool, arena)
     released, tm = [], {}
-    maps = ArenaMaps(spool)
-    s = load_and_check(spool, sf.deliver, arenas=maps, pin_memory=True,
+    maps = L.Readers(spool)
+    s = load_and_check(spool, sf.deliver, readers=maps, pin_memory=True,
                        alloc=lambda n: torch.empty(n, dtype=torch.uint8),
                        on_release=lambda: released.append("gone"), timings=tm)  # fmt: skip
-    assert not _in_arena(s.hidden_states, maps._arena)
+    assert not _in_arena(s.hidden_states, maps.get("arena").maps()._arena)
     assert tm["bytes_copied"] == A.written_size(arena.map[A.PAGE : 2 * A.PAGE], sf.notice.slot.length)
     assert released == ["gone"]  # while the sample lives: nothing of it is in the slot
 
@@ -270,7 +271,7 @@ def test_the_trainer_copies_no_more_for_a_slot_than_for_a_file(tmp_path, spool):
     cases = (("slot", slot, False), ("file", file, False), ("slot_p", slot, True), ("file_p", file, True))
     for name, sample, pin in cases:
         tm: dict = {}
-        load_and_check(spool, sample.deliver, arenas=ArenaMaps(spool), pin_memory=pin, timings=tm,
+        load_and_check(spool, sample.deliver, readers=L.Readers(spool), pin_memory=pin, timings=tm,
                        alloc=lambda n: torch.empty(n, dtype=torch.uint8))  # fmt: skip
         got[name] = tm["bytes_copied"]
     assert got["slot"] == got["file"] == 0
@@ -348,7 +349,7 @@ def _slot_to_device(tmp_path, spool):
             assert x.hidden_states.is_cuda
             assert torch.equal(x.hidden_states.cpu(), SFX.read_slot_tensors(spool, w.deliver.notice.slot)[SF.HIDDEN_STATES_KEY])
             assert s.stats["bytes_copied"] >= x.hidden_states.numel() * x.hidden_states.element_size()  # copied out
-            assert s._arenas._arena.reads.holds() == 0  # noqa: SLF001  # let go at once
+            assert s._readers.get("arena").maps()._arena.reads.holds() == 0  # noqa: SLF001  # let go at once
             _until(lambda: ("Received", x.key) in _said(sc), iter(s))
     finally:
         sc.stop()
@@ -377,6 +378,6 @@ def test_a_cuda_stream_never_page_locks_the_arena(tmp_path, spool, monkeypatch):
                 time.sleep(0.01)
             assert any(isinstance(m, P.Hello) for m in list(sc.got))
         assert calls == []
-        assert not hasattr(s._arenas, "register_cuda")  # noqa: SLF001
+        assert not hasattr(s._readers.get("arena").maps(), "register_cuda")  # noqa: SLF001
     finally:
         sc.stop()

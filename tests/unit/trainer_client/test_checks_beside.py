@@ -19,7 +19,7 @@ from connector.contract.sample_file import InvalidSample
 from tests.support import sample_files as SFX
 from trainer_client import finite as F
 from trainer_client import sample_checks as C
-from trainer_client.sample_reader import ArenaMaps
+from connector import layouts as L
 
 T, LAYERS, HID = 256, [1, 2], 2048  # 1 Mi values (4 chunks): above _BESIDE_MIN, so the scan goes beside
 N = T * len(LAYERS) * HID
@@ -39,9 +39,9 @@ def _write(spool, *, where: int | None, value: float = float("nan"), slot: bool 
 
 
 def _check(spool, d, **kw):
-    maps = ArenaMaps(spool)
+    maps = L.Readers(spool)
     try:
-        got = C.load_and_check(spool, d, arenas=maps, **kw)
+        got = C.load_and_check(spool, d, readers=maps, **kw)
         del got
     finally:
         maps.close()

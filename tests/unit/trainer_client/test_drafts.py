@@ -235,19 +235,19 @@ def test_every_draft_trains_unchanged_on_samples_read_in_place_from_arena_slots(
     from connector.contract import sample_file as SF
     from tests.support import sample_files as SFX
     from trainer_client.sample_checks import load_and_check
-    from trainer_client.sample_reader import ArenaMaps
+    from connector import layouts as L
 
     picks = samples[:2]
     longest = max(s.token_ids.numel() for s in picks)
     length = SFX.slot_bytes(longest, len(LAYERS), picks[0].hidden_states.shape[-1])
     with SFX.shm_spool() as spool:
         arena = SFX.make_arena(spool, A.PAGE + len(picks) * length)
-        maps, written, views = ArenaMaps(spool), [], []
+        maps, written, views = L.Readers(spool), [], []
         for i, s in enumerate(picks):
             slot = SFX.slot_for(arena, A.PAGE + i * length, length, generation=i + 1)
             written.append(SFX.write_sample(spool, key=s.key, slot=slot, hidden_states=s.hidden_states,
                                             token_ids=s.token_ids, layer_ids=LAYERS, num_hidden_layers=12))  # fmt: skip
-            views.append(load_and_check(spool, written[-1].deliver, arenas=maps))
+            views.append(load_and_check(spool, written[-1].deliver, readers=maps))
         copies = [dataclasses.replace(x, hidden_states=x.hidden_states.clone(), token_ids=x.token_ids.clone())
                   for x in views]  # fmt: skip
         runs = []
