@@ -64,6 +64,10 @@ class SidecarHalf(ABC):
     name: str
     #: Transports a trainer may ask of a sidecar of this layout (None: every one it offers).
     served_transports: tuple[str, ...] | None = None
+    #: The type of what this layout reserves for a sample (the arena: a ``Slot``), which the
+    #: ledger keeps in its row as opaque text (:func:`encode_placement`); None: nothing is
+    #: reserved (the connector names the sample's file itself).
+    placement_type: type | None = None
 
     @classmethod
     def from_settings(cls, s: Settings) -> SidecarHalf:
@@ -79,6 +83,16 @@ class SidecarHalf(ABC):
         the file's size by default."""
         return path.stat().st_size if path is not None else 0
 
+    @staticmethod
+    def encode_placement(placement: Any) -> str:
+        """A placement of this layout as text (the ledger's row holds it, prefixed by the name)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decode_placement(text: str) -> Any:
+        """What :meth:`encode_placement` wrote, back."""
+        raise NotImplementedError
+
     def payload_of(self, n: M.Notice) -> bytes | None:
         """A remote trainer's bytes of a leased sample (what a file would hold), or None when
         the sample is a spool file, which the transport's sender opens itself. OSError: its
@@ -89,6 +103,24 @@ class SidecarHalf(ABC):
 
     def close(self) -> None:
         pass
+
+
+def encode_placement(placement: Any) -> str:
+    """A sample's placement as the ledger stores it, opaque to the ledger: ``<layout>:<text>``,
+    the text its layout's sidecar half writes (the ledger's ``samples.placement``, schema 5)."""
+    for name, lay in REGISTRY.items():
+        cls = lay.sidecar_class()
+        if cls.placement_type is not None and isinstance(placement, cls.placement_type):
+            return f"{name}:{cls.encode_placement(placement)}"
+    raise ValueError(f"no registered spool layout places a {type(placement).__name__}")
+
+
+def decode_placement(text: str) -> Any:
+    """The placement :func:`encode_placement` stored, decoded by the layout its prefix names."""
+    name, sep, rest = text.partition(":")
+    if not sep:
+        raise ValueError(f"a placement names its layout first ('<layout>:…'), not {text[:40]!r}")
+    return layout(name).sidecar_class().decode_placement(rest)
 
 
 class WriterHalf(ABC):
@@ -289,4 +321,4 @@ def holds_views(n: M.Notice) -> bool:
 
 
 __all__ = ["DEFAULT", "REGISTRY", "Layout", "ReaderHalf", "Readers", "SidecarHalf", "WriterHalf", "Writers",
-           "held_bytes", "holds_views", "layout", "of_sample", "register", "sidecar_from_settings"]
+           "decode_placement", "encode_placement", "held_bytes", "holds_views", "layout", "of_sample", "register", "sidecar_from_settings"]

@@ -46,6 +46,7 @@ class ArenaSidecar(SidecarHalf):
     #: The same host's trainers read the slot in place; a remote trainer gets the slot's bytes
     #: in its DELIVER. (Mooncake reads files.)
     served_transports = ("spool", "zmq")
+    placement_type = A.Slot  # a slot, reserved at submission by the ledger's allocator
 
     def __init__(self, arena: A.Arena | None = None, quarantine_s: float = 60.0) -> None:
         self.arena = arena
@@ -64,6 +65,14 @@ class ArenaSidecar(SidecarHalf):
         self.arena = arena
         ledger.attach_slots(SlotAllocator(arena.id, arena.size, quarantine_s=self.quarantine_s, arena=arena))
         log.info("spool layout: arena %s, %d MiB (%s)", arena.path, arena.size >> 20, "kept" if reused else "new")
+
+    @staticmethod
+    def encode_placement(placement: A.Slot) -> str:
+        return placement.model_dump_json()
+
+    @staticmethod
+    def decode_placement(text: str) -> A.Slot:
+        return A.Slot.model_validate_json(text)
 
     @staticmethod
     def held_bytes(n: M.Notice, path: Path | None) -> int:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 from pathlib import Path
 
+from connector import layouts as L
 from connector import protocol as P
 from connector.contract.arena import Slot
 from server.ledger.budget import SpoolBudget
@@ -382,13 +383,13 @@ class LedgerCore:
             # makes are not told to them, or a SUBMITTED → QUEUED would count below zero.
             self._deferred = []
             with self._tx():  # slots consumed samples held for a trainer before the restart: quarantined
-                for jid, ep, idx, slot in self._db.execute(
-                    "SELECT job_id, epoch, idx, slot FROM samples WHERE slot IS NOT NULL AND state = 'consumed'"
+                for jid, ep, idx, placement in self._db.execute(
+                    "SELECT job_id, epoch, idx, placement FROM samples WHERE placement IS NOT NULL AND state = 'consumed'"
                 ).fetchall():
-                    held = Slot.model_validate_json(slot)
+                    held = L.decode_placement(placement)
                     if self._slots is not None and self._slots.reserve(held):
                         self._free_slot(held, quarantine=True)
-                    self._db.execute("UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?", (jid, ep, idx))
+                    self._db.execute("UPDATE samples SET placement=NULL WHERE job_id=? AND epoch=? AND idx=?", (jid, ep, idx))
                     stats["consumed_slots_quarantined"] += 1
             samples = list(map(row_to_sample, rows))
             for s in samples:  # the slot table from the rows: a slot of another arena (or none now) is gone

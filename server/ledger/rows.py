@@ -40,8 +40,9 @@ class SampleRow:
     prompt_len: int = -1  # regenerate mode: token_ids beyond this are vLLM's reply
     qpos: int = 0  # place in the queue while QUEUED
     saved: State | None = None  # the state SQLite holds (per-job counts follow it)
-    #: The arena layout: the slot assigned at submission, held until its bytes are freed
-    #: (``LedgerCore._save`` gives it back); None with files, or when the size was not known.
+    #: The placement the spool layout reserved at submission (the arena's slot), held until its
+    #: bytes are freed (``LedgerCore._save`` gives it back); None with files, or when the size
+    #: was not known. On disk as opaque text (``samples.placement``, ``connector.layouts.encode_placement``).
     slot: Slot | None = None
     # The notice as JSON, made once per notice rather than at each of its transitions.
     _notice_json: tuple[P.Notice, str] | None = field(default=None, repr=False, compare=False)

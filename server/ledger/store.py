@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from connector import protocol as P
-from connector.contract.arena import Slot
+from connector import layouts as L
 from server.ledger.rows import Job, SampleRow
 from server.ledger.states import State
 
@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE TABLE IF NOT EXISTS samples (
   job_id TEXT, epoch INTEGER, idx INTEGER, ord INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT,
   expected_bytes INTEGER, state TEXT, attempt INTEGER, notice TEXT, on_disk_bytes INTEGER, errors TEXT,
-  prompt_len INTEGER, qpos INTEGER, lease_token TEXT, slot TEXT, PRIMARY KEY (job_id, epoch, idx));
+  prompt_len INTEGER, qpos INTEGER, lease_token TEXT, placement TEXT, PRIMARY KEY (job_id, epoch, idx));
 CREATE TABLE IF NOT EXISTS staged_samples (
   job_id TEXT, idx INTEGER, token_ids BLOB, loss_mask BLOB, label TEXT, expected_bytes INTEGER,
   prompt_len INTEGER, PRIMARY KEY (job_id, idx));
@@ -46,7 +46,7 @@ CREATE INDEX IF NOT EXISTS samples_errors ON samples(job_id, ord) WHERE errors I
 """
 #: The columns :func:`row_to_sample` reads, in its order.
 COLS = ("job_id, epoch, idx, token_ids, loss_mask, label, expected_bytes, state, attempt, notice, on_disk_bytes, "
-        "errors, prompt_len, qpos, lease_token, slot")  # fmt: skip
+        "errors, prompt_len, qpos, lease_token, placement")  # fmt: skip
 
 
 def _columns(db: sqlite3.Connection, table: str) -> set[str]:
@@ -83,9 +83,18 @@ def _to_v4(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE samples ADD COLUMN slot TEXT")
 
 
+def _to_v5(db: sqlite3.Connection) -> None:
+    """The slot column becomes an opaque placement (issue 42): what the sample's spool layout
+    reserved, as ``<layout>:<its text>`` (``connector.layouts.encode_placement``), which the ledger
+    stores without reading. The slots of before are the arena's, so they keep their JSON under
+    that layout's name."""
+    db.execute("ALTER TABLE samples RENAME COLUMN slot TO placement")
+    db.execute("UPDATE samples SET placement = 'arena:' || placement WHERE placement IS NOT NULL")
+
+
 #: ``_MIGRATIONS[v]`` brings a file of schema version ``v`` (``PRAGMA user_version``) to ``v + 1``.
 #: Append only: a released step never changes, since files it already upgraded exist.
-_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1, _to_v2, _to_v3, _to_v4)
+_MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_to_v1, _to_v2, _to_v3, _to_v4, _to_v5)
 SCHEMA_VERSION = len(_MIGRATIONS)
 
 
@@ -103,11 +112,11 @@ def unpack(b: bytes | None) -> list[int] | None:
 
 def row_to_sample(row: tuple) -> SampleRow:
     """A ``SELECT {COLS}`` row as a :class:`SampleRow` (``saved``: the state the row holds)."""
-    jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen, qpos, token, slot = row
+    jid, ep, idx, ids, mask, label, eb, st, att, notice, odb, errs, plen, qpos, token, placement = row
     s = SampleRow(P.SampleKey(job=jid, epoch=ep, index=idx), unpack(ids) or [], unpack(mask), label, eb, State(st),
                   att, P.Notice.model_validate_json(notice) if notice else None, odb or 0, lease_token=token,
                   errors=json.loads(errs) if errs else [], prompt_len=plen if plen is not None else -1,
-                  qpos=qpos or 0, saved=State(st), slot=Slot.model_validate_json(slot) if slot else None)  # fmt: skip
+                  qpos=qpos or 0, saved=State(st), slot=L.decode_placement(placement) if placement else None)  # fmt: skip
     s.generated = s.prompt_len >= 0 and len(s.token_ids) > s.prompt_len
     return s
 
@@ -388,11 +397,11 @@ class Store:
     def save_sample(self, s: SampleRow) -> None:
         self._write(
             ("sample", s.key.job, s.key.epoch, s.key.index),
-            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=?, lease_token=?, slot=?, "
+            "UPDATE samples SET state=?, attempt=?, notice=?, on_disk_bytes=?, errors=?, qpos=?, lease_token=?, placement=?, "
             "expected_bytes=? WHERE job_id=? AND epoch=? AND idx=?",
             (s.state.value, s.attempt, s.notice_json(), s.on_disk_bytes,
              json.dumps(s.errors) if s.errors else None, s.qpos, s.lease_token,
-             s.slot.model_dump_json() if s.slot is not None else None, s.expected_bytes,
+             L.encode_placement(s.slot) if s.slot is not None else None, s.expected_bytes,
              s.key.job, s.key.epoch, s.key.index),
         )  # fmt: skip
 
@@ -403,9 +412,9 @@ class Store:
                     (pack(s.token_ids), pack(s.loss_mask), s.key.job, s.key.epoch, s.key.index))  # fmt: skip
 
     def clear_slot(self, key: P.SampleKey) -> None:
-        """A finished sample's slot is given back: its row no longer names it."""
-        self._write(("slot", key.job, key.epoch, key.index),
-                    "UPDATE samples SET slot=NULL WHERE job_id=? AND epoch=? AND idx=?",
+        """A finished sample's placement (a slot) is given back: its row no longer names it."""
+        self._write(("placement", key.job, key.epoch, key.index),
+                    "UPDATE samples SET placement=NULL WHERE job_id=? AND epoch=? AND idx=?",
                     (key.job, key.epoch, key.index))  # fmt: skip
 
     def load(self, key: P.SampleKey) -> SampleRow | None:

@@ -214,21 +214,53 @@ def test_a_restart_rebuilds_the_slot_table_and_drops_slots_of_another_arena(tmp_
     assert slots3.stats().slots == 0
 
 
-def test_a_schema_3_ledger_is_upgraded_to_the_slot_column(tmp_path):
+def test_a_schema_3_ledger_is_upgraded_to_the_placement_column(tmp_path):
     path = tmp_path / "ledger.sqlite"
     led = Ledger(path)
     led.add_job([NewSample([1, 2, 3], None, None, 30)])
     led.close()
-    db = sqlite3.connect(path)  # take the file back to schema 3: no slot column
-    db.execute("ALTER TABLE samples DROP COLUMN slot")
+    db = sqlite3.connect(path)  # take the file back to schema 3: no slot (then placement) column
+    db.execute("ALTER TABLE samples DROP COLUMN placement")
     db.execute("PRAGMA user_version = 3")
     db.commit()
     db.close()
     led = Ledger(path)
-    assert led._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
-    assert "slot" in {r[1] for r in led._db.execute("PRAGMA table_info(samples)")}
+    assert led._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    cols = {r[1] for r in led._db.execute("PRAGMA table_info(samples)")}
+    assert "placement" in cols and "slot" not in cols  # schema 4's slot column, then 5's placement
     led.recover(lambda f: False)
     assert led.next_to_submit(10**9).slot is None  # files: no allocator attached
+
+
+def test_a_schema_4_ledgers_slots_become_the_arenas_placements_and_are_kept(tmp_path):
+    """Schema 5 (issue 42): the slot column is an opaque placement, ``<layout>:<its text>``. A
+    schema-4 file's slots are the arena's: after the upgrade a READY sample keeps its slot, which
+    recovery reserves again, and a new slot is written the same way."""
+    path = tmp_path / "ledger.sqlite"
+    led = Ledger(path)
+    led.attach_slots(SlotAllocator(ARENA_ID, 64 * A.PAGE))
+    led.recover(lambda f: False)
+    led.add_job([NewSample([1, 2, 3], None, None, A.PAGE) for _ in range(2)])
+    ready = led.next_to_submit(10**9)
+    led.on_notice(P.Notice(status=P.NoticeStatus.ok, request_id="r", key=ready.key, attempt=ready.attempt,
+                           slot=ready.slot, num_tokens=3, nbytes=30), ready.slot.length)  # fmt: skip
+    led.close()
+    db = sqlite3.connect(path)  # back to schema 4: the slot column held the slot's JSON
+    (text,) = db.execute("SELECT placement FROM samples WHERE placement IS NOT NULL").fetchone()
+    assert text == "arena:" + ready.slot.model_dump_json()
+    db.execute("ALTER TABLE samples RENAME COLUMN placement TO slot")
+    db.execute("UPDATE samples SET slot = substr(slot, 7) WHERE slot IS NOT NULL")
+    db.execute("PRAGMA user_version = 4")
+    db.commit()
+    db.close()
+    led = Ledger(path)
+    assert led._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+    slots = SlotAllocator(ARENA_ID, 64 * A.PAGE)
+    led.attach_slots(slots)
+    assert led.recover(lambda f: False) == {"ready": 1}
+    assert led.get(ready.key).slot == ready.slot and slots.stats().slots == 1  # reserved again
+    assert led._db.execute("SELECT placement FROM samples WHERE placement IS NOT NULL").fetchone()[0] == text
+    led.close()
 
 
 def test_the_arena_file_is_kept_for_the_same_size_and_made_anew_for_another(tmp_path):
