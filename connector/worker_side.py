@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from connector.cache_layout import block_chunks, gather_rows, gather_rows_into, token_major_view
-from connector.contract import messages as M
 from connector.contract import payload as PL
 from connector.contract.sample_file import HIDDEN_STATES_KEY
 from connector.contract.spool import LockError, WriteLock
