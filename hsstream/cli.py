@@ -43,10 +43,17 @@ def serve(
     from hsstream import launch
     from hsstream.exposure import OpenBindRefused, check_api_exposure
 
+    from connector import layouts
+
     s = Settings()
     if insecure_no_token:
         s = s.model_copy(update={"allow_open": True})
     s.model = _model_path(s.model)
+    try:  # a name the layouts' registry does not hold: one line, before anything is bound or made
+        layouts.layout(s.spool_layout)
+    except ValueError as e:
+        typer.echo(f"error: HSSTREAM_SPOOL_LAYOUT: {e}", err=True)
+        raise typer.Exit(2) from e
     bind = host or s.host
     try:
         warning = check_api_exposure(bind, s.api_token, s.allow_open)

@@ -85,6 +85,15 @@ def test_serve_refuses_0_0_0_0_without_token_before_creating_anything(tmp_path):
     assert p.returncode == 2 and "the placeholder token 'change-me'" in p.stderr, p.stderr
 
 
+def test_serve_names_the_layouts_for_an_unknown_one_before_creating_anything(tmp_path):
+    """HSSTREAM_SPOOL_LAYOUT is a name in connector/layouts/'s registry: an unknown one is one line
+    naming the registered ones, exit 2, no traceback, nothing made (not a failure inside create_app)."""
+    p = _hsstream("serve", env=_env(tmp_path, HSSTREAM_SPOOL_LAYOUT="arenaa", HSSTREAM_PORT=str(free_port())))
+    assert p.returncode == 2, p.stderr
+    assert "unknown spool layout 'arenaa' (one of files, arena)" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "spool").exists() and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_serve_open_on_purpose_starts_with_a_loud_warning(tmp_path, how):
     port = free_port()
