@@ -37,6 +37,7 @@ package only this registry and the settings name a layout module or what it defi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from abc import ABC, abstractmethod
@@ -201,6 +202,13 @@ class ReaderHalf(ABC):
         pass
 
 
+@functools.lru_cache(maxsize=None)
+def _load(module: str, name: str) -> type:
+    """A half's class, imported once: :func:`of_sample` asks every layout per sample, on the
+    engine's step, the notice loop and the stream's checks."""
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One layout in the registry: the module holding its halves (imported only when one is
@@ -213,7 +221,7 @@ class Layout:
     reader: str
 
     def _cls(self, name: str) -> type:
-        return getattr(importlib.import_module(self.module), name)
+        return _load(self.module, name)
 
     def sidecar_class(self) -> type[SidecarHalf]:
         return self._cls(self.sidecar)
