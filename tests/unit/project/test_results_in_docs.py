@@ -273,7 +273,7 @@ def test_the_gpu_training_runs_quote_their_trainer_figures(run):
 def demo_row(run: int) -> str:
     """The row docs/benchmarks.md's demo table should hold for ``make demo`` run ``run``: its JSON and its log."""
     d = json.loads((RESULTS / f"real_demo_cpu_run{run}.json").read_text())
-    log = (RESULTS / f"real_demo_cpu_run{run}_make_demo.log").read_text()
+    log = (RESULTS / f"real_demo_cpu_run{run}_make_demo.txt").read_text()
     stream = re.search(r"samples (\d+) .* total wall ([\d.]+) s", log)
     wall = int(re.search(r"^rc=0 wall=(\d+)$", log, re.M).group(1))  # make demo's exit status and seconds
     acc, tr = d["acceptance"], d["training"]
