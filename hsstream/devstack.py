@@ -72,7 +72,7 @@ class Stack:
     def __init__(
         self, model: str, layer_ids: list[int], workdir: Path, *, prefix_caching: bool = False,
         max_model_len: int = 1024, gpu_memory_utilization: float | None = None, vllm_extra: list[str] | None = None,
-        vllm_gpus: str | None = None, engines: int = 1,
+        vllm_gpus: str | None = None, engines: int = 1, base_env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.layer_ids = layer_ids
@@ -95,6 +95,7 @@ class Stack:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.vllm_extra = list(vllm_extra or [])  # more vLLM flags (benchmarks: --load-format dummy, TP)
         self.vllm_gpus = vllm_gpus  # CUDA_VISIBLE_DEVICES of vLLM
+        self.base_env = base_env  # the children's starting environment (UpConfig.base_env); None: this process's
         self.children: list[launch.Child] = []
         self._sup: Supervisor | None = None
 
@@ -142,7 +143,7 @@ class Stack:
             model=self.model, layer_ids=self.layer_ids, spool_dir=self.spool, run_dir=self.run_dir,
             api_host="127.0.0.1", api_port=self.api_port, vllm_host="127.0.0.1", vllm_port=self.vllm_port,
             vllm_cli=cli, env=self.env, max_restarts=0, ready_timeout_s=600, log_dir=self.workdir,
-            cwd=launch.repo_root(), vllm_gpus=self.vllm_gpus, engines=self.engines,
+            cwd=launch.repo_root(), vllm_gpus=self.vllm_gpus, engines=self.engines, base_env=self.base_env,
         )  # fmt: skip
         self._sup = Supervisor(cfg, echo=False)
         self._sup.children = self.children

@@ -295,9 +295,11 @@ def repo_root() -> str:
     return str(Path(__file__).resolve().parent.parent)
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Children must import our packages (vLLM loads the connector by module path)."""
-    env = cpu_env() if is_cpu_build() else dict(os.environ)
+def child_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Children must import our packages (vLLM loads the connector by module path). ``base``: the
+    environment they start from (default: this process's, as it is now)."""
+    base = dict(os.environ if base is None else base)
+    env = cpu_env(base) if is_cpu_build() else base
     root = repo_root()
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra or {})

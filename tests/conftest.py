@@ -12,6 +12,21 @@ import pytest
 # them: hsstream.launch.cpu_serving_dtype). A run may still set it.
 os.environ.setdefault("HSSTREAM_VLLM_DTYPE", "auto")
 
+# Every vLLM the tests start runs its model worker inside its engine-core process (vLLM's "uni"
+# executor, what vLLM runs on one GPU by default; an offline ``LLM`` runs its engine core in its own
+# process too): one spawned process, ~8-15 s of imports here, less per engine start. The CPU build's
+# own default, a worker process beside the engine core's, stays covered by the modules that ask for
+# it with :data:`CPU_BUILD_EXECUTOR` (docs/testing.md lists them). A run may still set it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+#: The environment that gives a started vLLM the CPU build's default topology back (engine core and
+#: worker in two processes), for the tests that prove the connector across that split.
+CPU_BUILD_EXECUTOR = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+
+#: The environment the session began with: what engines started ahead (tests/support/prestart.py)
+#: start from, whatever a test running meanwhile has monkeypatched.
+SESSION_ENV = dict(os.environ)
+
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
@@ -67,6 +82,7 @@ def _no_spool_dirs_leak():
     """Spool directories made by fixtures are removed by the end of the session."""
     before = _shm_dirs()
     yield
+    _close_prestarts()  # an engine started ahead and never taken holds a spool directory
     leaked = sorted(_shm_dirs() - before)
     assert not leaked, f"spool directories left in /dev/shm: {leaked}"
 
@@ -80,6 +96,51 @@ def _no_orphaned_semaphores():
     before = semaphores.present()
     yield
     semaphores.remove_orphans(before)
+
+
+_PRESTARTS = None  # tests.support.prestart.Prestarts of this run, if any module has a PRESTART
+_MODULE_PLACE: dict[str, int] = {}
+
+
+def pytest_collection_finish(session):
+    """Plan the engines started one module ahead (tests/support/prestart.py), in run order."""
+    global _PRESTARTS
+    if os.environ.get("HSSTREAM_TEST_PRESTART", "1") == "0":
+        return
+    from tests.support.prestart import Entry, Prestarts
+
+    entries = []
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is None or mod.__name__ in _MODULE_PLACE:
+            continue
+        _MODULE_PLACE[mod.__name__] = place = len(_MODULE_PLACE)
+        for key, (start, stop) in getattr(mod, "PRESTART", {}).items():
+            entries.append(Entry(f"{mod.__name__}::{key}", place, start, stop))
+    if entries:
+        _PRESTARTS = Prestarts(entries)
+
+
+def pytest_runtest_call(item):
+    if _PRESTARTS is not None and getattr(item, "module", None) is not None:
+        _PRESTARTS.reached(_MODULE_PLACE.get(item.module.__name__, -1))
+
+
+def prestarted(module: str, key: str):  # noqa: ANN201 - whatever the module's start returns
+    """The engine ``module``'s ``PRESTART[key]`` starts: started ahead if it was, else now."""
+    import sys
+
+    start = sys.modules[module].PRESTART[key][0]
+    return start() if _PRESTARTS is None else _PRESTARTS.take(f"{module}::{key}", start)
+
+
+def _close_prestarts() -> None:
+    if _PRESTARTS is not None:
+        _PRESTARTS.close()
+
+
+def pytest_sessionfinish(session):
+    _close_prestarts()
 
 
 def is_integration(path: Path) -> bool:

@@ -35,6 +35,9 @@ class UpConfig:
     vllm_cli: list[str]
     #: Variables the children get on top of this process's environment.
     env: dict[str, str] = field(default_factory=dict)
+    #: The environment the children start from instead of this process's (read at each spawn): for a
+    #: caller that starts a stack from a thread while the rest of its process changes its environment.
+    base_env: dict[str, str] | None = None
     vllm_gpus: str | None = None
     trainer_gpus: str | None = None
     trainer_cmd: list[str] | None = None

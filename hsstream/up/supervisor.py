@@ -108,7 +108,7 @@ class Supervisor:
         return next((c for c in self.children if c.name == name), None)
 
     def _spawn(self, name: str, args: list[str], gpus: str | None = None, extra_env: dict | None = None) -> Proc:
-        env = launch.child_env(self.cfg.env)
+        env = launch.child_env(self.cfg.env, base=self.cfg.base_env)
         env.update(extra_env or {})
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus

@@ -1,7 +1,8 @@
 """One real stack (vLLM CPU build + sidecar) per engine configuration, shared by a module.
 
-An engine start costs ~40 s here, so tests are grouped by configuration: each module asks
-for the stack it needs once.
+An engine start costs ~25-40 s here, so tests are grouped by configuration: each module asks
+for the stack it needs once, most through a ``PRESTART`` entry that starts it while the module
+before runs (tests/support/prestart.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from hsstream.devstack import Stack, free_port
 
 
 def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = False, env: dict | None = None,
-                prefix: str = "hsstream-test-", max_model_len: int = 1024, engines: int = 1) -> Stack:
-    """A started stack; ``env`` overrides the sidecar's and vLLM's HSSTREAM_* settings."""
+                prefix: str = "hsstream-test-", max_model_len: int = 1024, engines: int = 1,
+                base_env: dict | None = None) -> Stack:
+    """A started stack; ``env`` overrides the sidecar's and vLLM's HSSTREAM_* settings; ``base_env``:
+    the environment its children start from (default: this process's; a prestart gives the session's)."""
     wd = Path(tempfile.mkdtemp(prefix=prefix))
-    st = Stack(model, layer_ids, wd, prefix_caching=prefix_caching, max_model_len=max_model_len, engines=engines)
+    st = Stack(model, layer_ids, wd, prefix_caching=prefix_caching, max_model_len=max_model_len, engines=engines,
+               base_env=base_env)  # fmt: skip
     st.env.update(env or {})
     try:
         st.start()
@@ -36,23 +40,16 @@ def start_stack(model: str, layer_ids: list[int], *, prefix_caching: bool = Fals
     return st
 
 
+def tiny() -> str:
+    """The tiny verifier's path (the ``tiny_model`` fixture's, for a start function run ahead)."""
+    from hsstream.tiny_model import build_tiny_verifier
+
+    return str(build_tiny_verifier())
+
+
 def stop_stack(st: Stack) -> None:
     st.stop()
     st.remove_spool()
-
-
-@pytest.fixture(scope="module")
-def stack_factory(tiny_model) -> Iterator:
-    started: list[Stack] = []
-
-    def make(layer_ids: list[int], **kw) -> Stack:
-        st = start_stack(tiny_model, layer_ids, **kw)
-        started.append(st)
-        return st
-
-    yield make
-    for st in started:
-        stop_stack(st)
 
 
 def submit(stack: Stack, samples: list[dict], **options) -> str:

@@ -8,21 +8,34 @@ cache hit still yields full-length, correct states).
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
 from hsstream.tiny_model import hf_hidden_states
-from tests.integration.conftest import submit
+from tests.conftest import CPU_BUILD_EXECUTOR, SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 
 N = 12
 LAYERS = [1, 2, N - 1, N]
 
 
+def _start():
+    # The CPU build's default topology (worker and engine core in two processes): the connector's
+    # two halves proven against HF across that split; the other modules run the one-process worker.
+    return start_stack(tiny(), LAYERS, prefix_caching=True, env=CPU_BUILD_EXECUTOR, base_env=SESSION_ENV)
+
+
+PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
+
+
 @pytest.fixture(scope="module")
-def stack(stack_factory):
-    return stack_factory(LAYERS, prefix_caching=True)
+def stack():
+    st = prestarted(__name__, "stack")
+    yield st
+    stop_stack(st)
 
 
 def consume(stack, job):
@@ -85,3 +98,13 @@ def test_prefix_cache_hit_gives_full_length(stack, tiny_model):
         assert s.token_ids.tolist() == ids and s.hidden_states.shape[0] == len(ids)
         assert_close_to_hf(tiny_model, s, LAYERS)
     assert stack.spool_files() == []
+
+
+#: A log line of vLLM's model worker when it runs in a process of its own (the mp executor).
+WORKER_PROCESS = re.compile(r"^\((?:VllmWorker-\d+|Worker) pid=\d+\)", re.M)
+
+
+def test_this_module_runs_the_worker_in_its_own_process(stack):
+    """CPU_BUILD_EXECUTOR reaches vLLM: its log has lines of a worker process (which the one-process
+    topology of the other modules has not: test_layer_order checks that side)."""
+    assert WORKER_PROCESS.search((stack.workdir / "vllm.log").read_text())

@@ -11,16 +11,26 @@ import torch
 
 from connector.contract import payload as PL
 from hsstream.tiny_model import hf_hidden_states
-from tests.integration.conftest import submit
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 
 LAYERS = [2, 6, 9, 12]
 K, H = len(LAYERS), 128
 
 
+def _start():
+    return start_stack(tiny(), LAYERS, env={"HSSTREAM_PAYLOAD_DTYPE": "fp8_e4m3"}, base_env=SESSION_ENV)
+
+
+PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
+
+
 @pytest.fixture(scope="module")
-def stack(stack_factory):
-    return stack_factory(LAYERS, env={"HSSTREAM_PAYLOAD_DTYPE": "fp8_e4m3"})
+def stack():
+    st = prestarted(__name__, "stack")
+    yield st
+    stop_stack(st)
 
 
 def samples(seed, lengths):

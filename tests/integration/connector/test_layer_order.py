@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-from tests.integration.conftest import submit
-from tests.integration.connector.test_e2e_hidden_states import assert_close_to_hf
+import pytest
+
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, submit, tiny
+from tests.integration.connector.test_e2e_hidden_states import WORKER_PROCESS, assert_close_to_hf
 from trainer_client import HiddenStateStream
 
 LAYERS = [5, 2, 10]
 
 
-def test_user_layer_order_is_kept(stack_factory, tiny_model):
-    stack = stack_factory(LAYERS)
+def _start():
+    return start_stack(tiny(), LAYERS, base_env=SESSION_ENV)
+
+
+PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
+
+
+@pytest.fixture(scope="module")
+def stack():
+    st = prestarted(__name__, "stack")
+    yield st
+    stop_stack(st)
+
+
+def test_user_layer_order_is_kept(stack, tiny_model):
     ids = list(range(40, 140))
     job = submit(stack, [{"token_ids": ids}])
     with HiddenStateStream(stack.delivery_endpoint, jobs=[job], spool_dir=stack.spool, timeout_s=120) as s:
@@ -21,3 +37,5 @@ def test_user_layer_order_is_kept(stack_factory, tiny_model):
     swapped = got[0].hidden_states[:, [1, 0, 2]].float()
     assert not (swapped - got[0].hidden_states.float()).abs().max().item() == 0
     assert stack.spool_files() == []
+    # the tests' default topology (tests/conftest.py): the worker inside the engine-core process
+    assert not WORKER_PROCESS.search((stack.workdir / "vllm.log").read_text())

@@ -11,17 +11,26 @@ import random
 import pytest
 
 from hsstream.tiny_families import FAMILIES, build_family
+from tests.conftest import SESSION_ENV, prestarted
 from tests.integration.trainer_client.test_dropin_clients import PlainVllm, assert_matches_hf
+
+
+def _layers(name: str) -> list[int]:
+    n = FAMILIES[name]["num_hidden_layers"]
+    return [n - 1, 1, n, n // 2]
+
+
+#: One engine per family, each started while the one before is checked (tests/support/prestart.py).
+PRESTART = {name: (lambda name=name: PlainVllm(str(build_family(name)), layer_ids=_layers(name), layer_order="config",
+                                               base_env=SESSION_ENV), PlainVllm.stop)
+            for name in sorted(FAMILIES)}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
     name = request.param
-    model = str(build_family(name))
-    n = FAMILIES[name]["num_hidden_layers"]
-    layers = [n - 1, 1, n, n // 2]
-    v = PlainVllm(model, layer_ids=layers, layer_order="config")
-    yield name, model, layers, v
+    v = prestarted(__name__, name)
+    yield name, v.model, _layers(name), v
     v.stop()
 
 

@@ -18,14 +18,24 @@ import random
 
 import pytest
 
+from tests.conftest import SESSION_ENV, prestarted
 from tests.integration.trainer_client.test_dropin_clients import PlainVllm, assert_matches_hf
 
 LAYERS = [29, 1, 30, 15]  # of 30: the last decoder layer's output (pre-norm) included
 
 
+def _start() -> PlainVllm:
+    from hsstream.assets import get_model  # the smollm2 fixture's checkpoint
+
+    return PlainVllm(str(get_model("smollm2")), layer_ids=LAYERS, layer_order="config", base_env=SESSION_ENV)
+
+
+PRESTART = {"vllm": (_start, PlainVllm.stop)}  # tests/support/prestart.py
+
+
 @pytest.fixture(scope="module")
 def real_vllm(smollm2):
-    v = PlainVllm(smollm2, layer_ids=LAYERS, layer_order="config")
+    v = prestarted(__name__, "vllm")
     yield v
     v.stop()
 

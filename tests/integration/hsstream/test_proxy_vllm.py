@@ -28,7 +28,8 @@ import httpx
 import pytest
 
 from hsstream.proxy.engines import EngineManager
-from tests.integration.conftest import sidecar_without_vllm
+from tests.conftest import prestarted
+from tests.integration.conftest import sidecar_without_vllm, tiny
 from tests.support.proxy_harness import proxy_settings, running_proxy
 from tests.support.recording_relay import RecordingRelay
 
@@ -59,11 +60,21 @@ CASES = {
 TEED_CASES = ("chat", "chat_stream_usage", "chat_n2_seeded", "chat_tools", "completion", "completion_stream_n2")
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model, tmp_path_factory):
-    em = EngineManager(model=tiny_model, log_dir=tmp_path_factory.mktemp("engine"), served_model_name=MODEL,
-                       ready_timeout_s=600)  # fmt: skip
+def _start():
+    import tempfile
+
+    em = EngineManager(model=tiny(), log_dir=Path(tempfile.mkdtemp(prefix="hsstream-proxy-engine-")),
+                       served_model_name=MODEL, ready_timeout_s=600)  # fmt: skip
     url, child = em.start(None, "v0")
+    return em, url, child
+
+
+PRESTART = {"engine": (_start, lambda e: e[0].stop(e[2]))}  # tests/support/prestart.py
+
+
+@pytest.fixture(scope="module")
+def engine():
+    em, url, child = prestarted(__name__, "engine")
     yield url
     em.stop(child)
 

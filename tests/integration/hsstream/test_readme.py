@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import CPU_BUILD_EXECUTOR
 from tests.integration.hsstream.test_up import START_TIMEOUT, Up, assert_stopped_cleanly
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -139,7 +140,10 @@ def stack(smollm2, tmp_path_factory):
     # the model and its layers are README's (--model smollm2, Eagle-3's default layers), not the test stack's
     up = Up(tmp, "smollm2", command=[str(work / shlex.split(STACK)[0]), *shlex.split(STACK)[1:]], cwd=work,
             env_changes={"HSSTREAM_MODEL": None, "HSSTREAM_LAYER_IDS": None,  # as a user has them
-                         "HSSTREAM_NOTICE_TIMEOUT_S": None})  # fmt: skip
+                         "HSSTREAM_NOTICE_TIMEOUT_S": None,
+                         # the tests' one-process vLLM (tests/conftest.py), for README's engines too:
+                         # test_up proves `hsstream up` in the CPU build's own topology
+                         **{k: "0" for k in CPU_BUILD_EXECUTOR}})  # fmt: skip
     try:
         up.wait_for("stack ready", START_TIMEOUT)
         yield up, work

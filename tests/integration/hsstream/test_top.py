@@ -21,7 +21,8 @@ import pyte
 import pytest
 
 from hsstream.devstack import free_port
-from tests.integration.conftest import submit
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -175,10 +176,20 @@ def read_checked(term: Terminal, stack, settled: bool) -> tuple[str, dict]:  # n
     return screen, check_frame(screen, before, after, settled)
 
 
-@pytest.fixture(scope="module")
-def stack(stack_factory):
+def _start():
     # a trainer that stops iterating stays connected (its leases held) for the whole test
-    return stack_factory([2, 6, 9, 12], env={"HSSTREAM_TRAINER_TIMEOUT_S": "900", "HSSTREAM_MAX_READY_SAMPLES": "16"})
+    return start_stack(tiny(), [2, 6, 9, 12], env={"HSSTREAM_TRAINER_TIMEOUT_S": "900", "HSSTREAM_MAX_READY_SAMPLES": "16"},
+                       base_env=SESSION_ENV)  # fmt: skip
+
+
+PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
+
+
+@pytest.fixture(scope="module")
+def stack():
+    st = prestarted(__name__, "stack")
+    yield st
+    stop_stack(st)
 
 
 def samples(n: int, seed: int) -> list[dict]:

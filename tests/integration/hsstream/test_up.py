@@ -26,6 +26,7 @@ import pytest
 from connector import protocol as P
 from hsstream.devstack import free_port
 from hsstream.up import VLLM_STOP_NOISE, group_shm_files
+from tests.conftest import CPU_BUILD_EXECUTOR
 
 ROOT = Path(__file__).resolve().parents[3]
 LAYERS = "2,6,9,12"
@@ -53,6 +54,7 @@ class Up:
             "HSSTREAM_PORT": str(self.api_port), "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{self.vllm_port}",
             # a sample whose notice died with vLLM is retried after this long
             "HSSTREAM_NOTICE_TIMEOUT_S": "20",
+            **CPU_BUILD_EXECUTOR,  # `hsstream up` as users run it on this build: worker and engine core apart
         })  # fmt: skip
         env["PYTHONPATH"] = str(ROOT)  # this checkout's code, whichever `hsstream` runs it
         for k, v in (env_changes or {}).items():

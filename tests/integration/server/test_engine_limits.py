@@ -21,7 +21,8 @@ import torch
 from connector import protocol as P
 from connector.layers import default_layer_ids
 from hsstream import amx
-from tests.integration.conftest import start_stack, stop_stack
+from tests.conftest import CPU_BUILD_EXECUTOR, SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, tiny
 from trainer_client import HiddenStateStream
 
 N_LAYERS = 12
@@ -32,13 +33,21 @@ FILE_BYTES = P.expected_file_bytes(SAMPLE_TOKENS, len(LAYERS), 128, 2)
 BUDGET = 3 * FILE_BYTES + 1000  # three samples of the learned size fit, a fourth does not
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model):
-    st = start_stack(tiny_model, LAYERS, prefix="hsstream-limits-", max_model_len=512, env={
+def _start():
+    return start_stack(tiny(), LAYERS, prefix="hsstream-limits-", max_model_len=512, base_env=SESSION_ENV, env={
         "HSSTREAM_MODEL": "hsstream-tests/no-such-model",  # the sidecar's view only; vLLM gets --model
         "HSSTREAM_LAYER_IDS": "",
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET),
+        **CPU_BUILD_EXECUTOR,  # AMX is asked for in each of the CPU build's three vLLM processes
     })  # fmt: skip
+
+
+PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
+
+
+@pytest.fixture(scope="module")
+def stack():
+    st = prestarted(__name__, "stack")
     try:
         yield st
     finally:

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from hsstream.devstack import Stack
-from tests.integration.conftest import stop_stack, submit, wait_spool_empty
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import stop_stack, submit, tiny, wait_spool_empty
 from tests.support.holding_proxy import HoldingProxy
 from trainer_client import HiddenStateStream
 
@@ -29,26 +30,43 @@ LAYERS = [2, 6, 9, 12]
 BUDGET = 200_000  # bytes: ~4 samples of 40 tokens at a time, so production follows consumption
 
 
-@pytest.fixture(scope="module", params=["files", "arena"])
-def proxied_stack(tiny_model, request):
-    """The stack, its second engine reached through a :class:`HoldingProxy` (the kill test's cue);
-    once per spool layout (the killed engine's slot goes into quarantine, its sample elsewhere)."""
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.fail("two CPU engines need two cores (each engine gets its own)")
-    st = Stack(tiny_model, LAYERS, Path(tempfile.mkdtemp(prefix="hsstream-engines-")), engines=2)
+def _start(layout: str) -> tuple[Stack, HoldingProxy]:
+    st = Stack(tiny(), LAYERS, Path(tempfile.mkdtemp(prefix="hsstream-engines-")), engines=2, base_env=SESSION_ENV)
     proxy = HoldingProxy(st.vllm_port + 1)
     st.env.update({
         "HSSTREAM_VLLM_URL": f"http://127.0.0.1:{st.vllm_port},{proxy.url}",
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_NOTICE_TIMEOUT_S": "120",
-        "HSSTREAM_SPOOL_LAYOUT": request.param, "HSSTREAM_ARENA_QUARANTINE_S": "5",
+        "HSSTREAM_SPOOL_LAYOUT": layout, "HSSTREAM_ARENA_QUARANTINE_S": "5",
     })  # fmt: skip
-    st.layout = request.param
+    st.layout = layout
     try:
         st.start()
-        yield st, proxy
+    except BaseException:
+        _stop((st, proxy))
+        raise
+    return st, proxy
+
+
+def _stop(pair: tuple[Stack, HoldingProxy]) -> None:
+    stop_stack(pair[0])
+    pair[1].close()
+
+
+#: One two-engine stack per spool layout (tests/support/prestart.py starts them ahead).
+PRESTART = {layout: (lambda layout=layout: _start(layout), _stop) for layout in ("files", "arena")}
+
+
+@pytest.fixture(scope="module", params=["files", "arena"])
+def proxied_stack(request):
+    """The stack, its second engine reached through a :class:`HoldingProxy` (the kill test's cue);
+    once per spool layout (the killed engine's slot goes into quarantine, its sample elsewhere)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("two CPU engines need two cores (each engine gets its own)")
+    pair = prestarted(__name__, request.param)
+    try:
+        yield pair
     finally:
-        stop_stack(st)
-        proxy.close()
+        _stop(pair)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from hsstream import launch
-from tests.integration.conftest import start_stack, stop_stack, submit, wait_spool_empty
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, submit, tiny, wait_spool_empty
 from hsstream.devstack import free_port
 from trainer_client import HiddenStateStream, StreamError
 
@@ -40,7 +41,7 @@ def _reliability_stack(tiny_model, layout: str):
     write_key_pair(keys / "clients", "trainer")
     write_key_pair(keys, "stranger")  # not authorised
     remote_port = free_port()
-    st = start_stack(tiny_model, [2, 6, 9, 12], prefix="hsstream-rel-", env={
+    st = start_stack(tiny_model, [2, 6, 9, 12], prefix="hsstream-rel-", base_env=SESSION_ENV, env={
         "HSSTREAM_SPOOL_BUDGET_BYTES": str(BUDGET), "HSSTREAM_TRAINER_TIMEOUT_S": "3",
         "HSSTREAM_LEDGER_PATH": str(state / "ledger.sqlite"),
         "HSSTREAM_REMOTE_ENDPOINT": f"tcp://127.0.0.1:{remote_port}",
@@ -54,8 +55,12 @@ def _reliability_stack(tiny_model, layout: str):
     return st
 
 
-def _module_stack(tiny_model, layout: str):
-    st = _reliability_stack(tiny_model, layout)
+#: One stack per spool layout (tests/support/prestart.py starts them ahead).
+PRESTART = {layout: (lambda layout=layout: _reliability_stack(tiny(), layout), stop_stack) for layout in ("files", "arena")}
+
+
+def _module_stack(layout: str):
+    st = prestarted(__name__, layout)
     try:
         yield st
     finally:
@@ -63,13 +68,13 @@ def _module_stack(tiny_model, layout: str):
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model):
-    yield from _module_stack(tiny_model, "files")
+def stack():
+    yield from _module_stack("files")
 
 
 @pytest.fixture(scope="module")
-def arena_stack(tiny_model):
-    yield from _module_stack(tiny_model, "arena")
+def arena_stack():
+    yield from _module_stack("arena")
 
 
 @pytest.fixture(params=["files", "arena"])

@@ -29,6 +29,8 @@ import torch
 from hsstream import launch
 from hsstream.devstack import free_port
 from hsstream.tiny_model import hf_hidden_states
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import tiny
 
 N = 12
 CONFIG_LAYERS = [N, 2, 6, 9]
@@ -37,7 +39,8 @@ MODEL_NAME = "verifier"
 
 
 class PlainVllm:
-    def __init__(self, model: str, layer_ids: list[int] = CONFIG_LAYERS, layer_order: str = "sorted") -> None:
+    def __init__(self, model: str, layer_ids: list[int] = CONFIG_LAYERS, layer_order: str = "sorted",
+                 base_env: dict | None = None) -> None:  # fmt: skip
         self.model = model
         self.spool = Path(tempfile.mkdtemp(prefix="hsstream-dropin-", dir="/dev/shm"))
         self.workdir = Path(tempfile.mkdtemp(prefix="hsstream-dropin-log-"))
@@ -47,7 +50,7 @@ class PlainVllm:
             port=self.port, max_model_len=1024, gpu_memory_utilization=0.2 if launch.is_cpu_build() else None,
             enforce_eager=True, layer_order=layer_order, served_model_name=MODEL_NAME,
         )  # fmt: skip
-        self.child = launch.spawn("vllm", launch.vllm_args(opts), launch.child_env(), self.workdir / "vllm.log")
+        self.child = launch.spawn("vllm", launch.vllm_args(opts), launch.child_env(base=base_env), self.workdir / "vllm.log")
         try:
             launch.wait_http(f"{self.url}/v1/models", self.child, timeout=600)
         except BaseException:
@@ -81,9 +84,12 @@ class PlainVllm:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+PRESTART = {"vllm": (lambda: PlainVllm(tiny(), base_env=SESSION_ENV), PlainVllm.stop)}  # tests/support/prestart.py
+
+
 @pytest.fixture(scope="module")
-def vllm(tiny_model):
-    v = PlainVllm(tiny_model)
+def vllm():
+    v = prestarted(__name__, "vllm")
     yield v
     v.stop()
 

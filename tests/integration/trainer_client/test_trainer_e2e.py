@@ -43,7 +43,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import start_stack, stop_stack, submit
+from tests.conftest import SESSION_ENV, prestarted
+from tests.integration.conftest import start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 from trainer_client.dataset import HiddenStateDataset, make_loader
 from trainer_client.eagle3 import Eagle3OnlineTrainer, TrainConfig
@@ -60,10 +61,19 @@ def verifier(tiny_model) -> str:
     return tiny_model
 
 
+def _start():
+    # a killed trainer's leases come back quickly
+    return start_stack(tiny(), LAYERS, prefix="hsstream-test-trainer-", env={"HSSTREAM_TRAINER_TIMEOUT_S": "10"},
+                       base_env=SESSION_ENV)  # fmt: skip
+
+
+PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
+
+
 @pytest.fixture(scope="module")
 def stack(verifier):
-    # a killed trainer's leases come back quickly
-    st = start_stack(verifier, LAYERS, prefix="hsstream-test-trainer-", env={"HSSTREAM_TRAINER_TIMEOUT_S": "10"})
+    st = prestarted(__name__, "stack")
+    assert st.model == verifier
     # The sidecar's token where a user's shell has it: our clients in this process (the trainer's
     # drained probe) and the `hsstream train` commands the tests start find it there.
     before = os.environ.get("HSSTREAM_API_TOKEN")

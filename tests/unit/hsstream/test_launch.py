@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -143,3 +144,29 @@ def test_the_vllm_command_carries_the_chosen_dtype(tmp_path, monkeypatch):
     assert args[args.index("--dtype") + 1] == "float32"
     monkeypatch.setattr("hsstream.amx.cpu_flags", lambda cpuinfo=None: {"avx512_bf16"})
     assert "--dtype" not in launch.vllm_args(opts(_half_model(tmp_path), [2, 5]))
+
+
+def test_children_start_from_the_base_environment_they_are_given(monkeypatch, tmp_path):
+    """``child_env(base=...)`` and ``UpConfig.base_env``: a stack started from a thread while the
+    rest of the process changes its environment (tests/support/prestart.py) gets the environment
+    it was given, not what a running test has set since; without a base, this process's as it is now."""
+    import os
+    from pathlib import Path
+
+    from hsstream import up
+
+    monkeypatch.setenv("HSSTREAM_SET_MEANWHILE", "1")
+    base = {"PATH": os.environ["PATH"], "HSSTREAM_FROM_BASE": "b"}
+    env = launch.child_env({"HSSTREAM_EXTRA": "x"}, base=base)
+    assert "HSSTREAM_SET_MEANWHILE" not in env and env["HSSTREAM_FROM_BASE"] == "b" and env["HSSTREAM_EXTRA"] == "x"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == launch.repo_root()
+    assert launch.child_env()["HSSTREAM_SET_MEANWHILE"] == "1"
+    cfg = up.UpConfig(model="m", layer_ids=[1], spool_dir=tmp_path, run_dir=tmp_path, api_host="127.0.0.1", api_port=1,
+                      vllm_host="127.0.0.1", vllm_port=2, vllm_cli=[], env={"HSSTREAM_EXTRA": "x"}, base_env=base,
+                      log_dir=tmp_path)  # fmt: skip
+    sup = up.Supervisor(cfg, echo=False)
+    probe = "import os; print(os.environ.get('HSSTREAM_SET_MEANWHILE'), os.environ.get('HSSTREAM_FROM_BASE'))"
+    p = sup._spawn("probe", [sys.executable, "-c", probe])
+    p.proc.wait(60)
+    time.sleep(0.5)  # the output is streamed to the log by a thread
+    assert Path(tmp_path / "probe.log").read_text().split() == ["None", "b"]

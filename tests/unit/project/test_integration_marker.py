@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[3]
 TESTS = ROOT / "tests"
 
 #: Names whose use starts vLLM: ``hsstream.devstack.Stack`` (vLLM + sidecar), the integration
-#: fixtures built on it (``start_stack``, ``stack_factory``), the drop-in tests' ``PlainVllm``
+#: fixtures built on it (``start_stack``; ``prestarted``, what a module's ``PRESTART`` starts), the drop-in tests' ``PlainVllm``
 #: (vLLM alone, ``launch.spawn`` of ``launch.vllm_args``) and ``test_up.Up`` (``hsstream up``
 #: until "stack ready").
-STARTERS = frozenset({"Stack", "start_stack", "stack_factory", "PlainVllm", "Up"})
+STARTERS = frozenset({"Stack", "start_stack", "prestarted", "PlainVllm", "Up"})
 #: ``hsstream eval``: serves the verifier with and without the draft on vLLM.
 EVAL = ("hsstream", "eval")
 
@@ -98,7 +98,7 @@ def test_the_integration_marker_selects_exactly_the_integration_folder_and_every
 
 def test_the_detector_sees_each_way_a_test_starts_vllm(tmp_path):
     cases = {
-        "fixture.py": "def test_a(stack_factory):\n    stack_factory([2])\n",
+        "fixture.py": "def stack():\n    return prestarted(__name__, 'stack')\n",
         "stack.py": "from hsstream.devstack import Stack\n",
         "plain.py": "from tests.integration.trainer_client.test_dropin_clients import PlainVllm\n",
         "eval.py": "def test_e():\n    hsstream('eval', '--draft', 'd')\n",
