@@ -47,6 +47,22 @@ def tiny() -> str:
     return str(build_tiny_verifier())
 
 
+def stack_fixture(module: str, key: str = "stack"):  # noqa: ANN201 - a pytest fixture
+    """A module-scoped fixture: the stack ``module``'s ``PRESTART[key]`` starts (started ahead where it
+    was: tests/support/prestart.py), stopped at the module's end. ``stack = stack_fixture(__name__)``."""
+    from tests.conftest import prestarted
+
+    @pytest.fixture(scope="module")
+    def fixture():  # noqa: ANN202
+        st = prestarted(module, key)
+        try:
+            yield st
+        finally:
+            stop_stack(st)
+
+    return fixture
+
+
 def stop_stack(st: Stack) -> None:
     st.stop()
     st.remove_spool()

@@ -10,12 +10,11 @@ from __future__ import annotations
 import random
 import re
 
-import pytest
 import torch
 
 from hsstream.tiny_model import hf_hidden_states
-from tests.conftest import CPU_BUILD_EXECUTOR, SESSION_ENV, prestarted
-from tests.integration.conftest import start_stack, stop_stack, submit, tiny
+from tests.conftest import CPU_BUILD_EXECUTOR, SESSION_ENV
+from tests.integration.conftest import stack_fixture, start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 
 N = 12
@@ -29,13 +28,7 @@ def _start():
 
 
 PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
-
-
-@pytest.fixture(scope="module")
-def stack():
-    st = prestarted(__name__, "stack")
-    yield st
-    stop_stack(st)
+stack = stack_fixture(__name__)
 
 
 def consume(stack, job):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import random
 
 import httpx
-import pytest
 import torch
 
 from connector.contract import payload as PL
 from hsstream.tiny_model import hf_hidden_states
-from tests.conftest import SESSION_ENV, prestarted
-from tests.integration.conftest import start_stack, stop_stack, submit, tiny
+from tests.conftest import SESSION_ENV
+from tests.integration.conftest import stack_fixture, start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 
 LAYERS = [2, 6, 9, 12]
@@ -24,13 +23,7 @@ def _start():
 
 
 PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
-
-
-@pytest.fixture(scope="module")
-def stack():
-    st = prestarted(__name__, "stack")
-    yield st
-    stop_stack(st)
+stack = stack_fixture(__name__)
 
 
 def samples(seed, lengths):

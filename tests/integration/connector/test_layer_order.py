@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
-from tests.conftest import SESSION_ENV, prestarted
-from tests.integration.conftest import start_stack, stop_stack, submit, tiny
+from tests.conftest import SESSION_ENV
+from tests.integration.conftest import stack_fixture, start_stack, stop_stack, submit, tiny
 from tests.integration.connector.test_e2e_hidden_states import WORKER_PROCESS, assert_close_to_hf
 from trainer_client import HiddenStateStream
 
@@ -17,13 +15,7 @@ def _start():
 
 
 PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
-
-
-@pytest.fixture(scope="module")
-def stack():
-    st = prestarted(__name__, "stack")
-    yield st
-    stop_stack(st)
+stack = stack_fixture(__name__)
 
 
 def test_user_layer_order_is_kept(stack, tiny_model):

@@ -19,7 +19,6 @@ all commands at this test's stack.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil

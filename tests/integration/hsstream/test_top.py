@@ -21,8 +21,8 @@ import pyte
 import pytest
 
 from hsstream.devstack import free_port
-from tests.conftest import SESSION_ENV, prestarted
-from tests.integration.conftest import start_stack, stop_stack, submit, tiny
+from tests.conftest import SESSION_ENV
+from tests.integration.conftest import stack_fixture, start_stack, stop_stack, submit, tiny
 from trainer_client import HiddenStateStream
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -183,13 +183,7 @@ def _start():
 
 
 PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
-
-
-@pytest.fixture(scope="module")
-def stack():
-    st = prestarted(__name__, "stack")
-    yield st
-    stop_stack(st)
+stack = stack_fixture(__name__)
 
 
 def samples(n: int, seed: int) -> list[dict]:

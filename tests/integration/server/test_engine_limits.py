@@ -15,14 +15,13 @@ import re
 import time
 
 import httpx
-import pytest
 import torch
 
 from connector import protocol as P
 from connector.layers import default_layer_ids
 from hsstream import amx
-from tests.conftest import CPU_BUILD_EXECUTOR, SESSION_ENV, prestarted
-from tests.integration.conftest import start_stack, stop_stack, tiny
+from tests.conftest import CPU_BUILD_EXECUTOR, SESSION_ENV
+from tests.integration.conftest import stack_fixture, start_stack, stop_stack, tiny
 from trainer_client import HiddenStateStream
 
 N_LAYERS = 12
@@ -43,15 +42,7 @@ def _start():
 
 
 PRESTART = {"stack": (_start, stop_stack)}  # tests/support/prestart.py
-
-
-@pytest.fixture(scope="module")
-def stack():
-    st = prestarted(__name__, "stack")
-    try:
-        yield st
-    finally:
-        stop_stack(st)
+stack = stack_fixture(__name__)
 
 
 def vllm_child(stack):
