@@ -6,7 +6,8 @@ the other. A module that lists what it starts in a module-level ``PRESTART`` (ke
 zero-argument ``start``) has its first one started while the module before it runs, the rest one by
 one while it runs itself: at most one started engine waits untaken at any time, so memory stays at one
 engine more than a plain run. The module's fixture takes its engine with
-``tests.integration.conftest.prestarted(__name__, key)``: the started one, or (never prestarted,
+``tests.conftest.prestarted(__name__, key)`` (a stack: ``stack = stack_fixture(__name__)`` of
+``tests/integration/conftest.py``): the started one, or (never prestarted,
 ``HSSTREAM_TEST_PRESTART=0``, or not reached yet) one it starts itself, as before. A start that failed
 in the background raises in the fixture that takes it. What a test proves does not change: the same
 start function makes the same stack, only earlier; its children start from the environment the
