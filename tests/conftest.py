@@ -13,8 +13,9 @@ import pytest
 os.environ.setdefault("HSSTREAM_VLLM_DTYPE", "auto")
 
 # Every vLLM the tests start runs its model worker inside its engine-core process (vLLM's "uni"
-# executor, what vLLM runs on one GPU by default; an offline ``LLM`` runs its engine core in its own
-# process too): one spawned process, ~8-15 s of imports here, less per engine start. The CPU build's
+# executor, what vLLM runs on one GPU by default; an offline ``LLM``, as in `hsstream eval`'s child,
+# runs its engine core inside the calling process): one spawned process, ~8-15 s of imports here,
+# less per engine start. The CPU build's
 # own default, a worker process beside the engine core's, stays covered by the modules that ask for
 # it with :data:`CPU_BUILD_EXECUTOR` (docs/testing.md lists them). A run may still set it.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
