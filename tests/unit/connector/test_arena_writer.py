@@ -211,7 +211,8 @@ def _rows_into_the_registered_slot(spool):
     assert w.flush(10)
     torch.cuda.synchronize()
     w.close()
-    assert w._arena is not None and w._arena.cuda_registered
+    m = w.layouts.get("arena")._arena  # the arena's writer half (connector/layouts/arena.py) maps it
+    assert m is not None and m.cuda_registered
     assert [x.status for x in sent] == [M.NoticeStatus.ok] * 2
     in_slot = SFX.read_slot_tensors(spool, slot)
     in_file = load_file(str(spool / "hs-f.safetensors"))
