@@ -73,8 +73,10 @@ compose-tool:
 versions: $(STAMP)
 	@$(PY) deploy/lock.py versions
 
+# The unit suite beside the integration suite, in a /dev/shm of its own (tests/run.py says why;
+# where no private /dev/shm can be made, `pytest tests` in turn). Arguments: ARGS='-x -k name'.
 test: $(STAMP) compose-tool os-deps versions
-	$(PY) -m pytest tests
+	$(PY) -m tests.run $(ARGS)
 
 test-unit: $(STAMP) os-deps versions
 	$(PY) -m pytest tests/unit

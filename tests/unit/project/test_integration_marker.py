@@ -1,57 +1,24 @@
 """``-m integration`` selects every test that starts vLLM, and ``-m "not integration"`` none.
 
-Which tests start vLLM is read from their sources: a module that uses one of the helpers that
-start it (:data:`STARTERS`: the development stack, the integration fixtures built on it, the
-drop-in clients' plain vLLM, a running ``hsstream up``) or runs ``hsstream eval`` (which
-serves the draft on vLLM). Selection is pytest's own: a copy of the test tree's layout (every
-test module at its path, each with one empty test) is collected by pytest (in a process of its own) with
-``tests/conftest.py``'s marker hook, under ``-m integration`` and ``-m "not integration"``.
+Which tests start vLLM is read from their sources (tests/support/vllm_starts.py: a module that uses
+one of the helpers that start it, or runs ``hsstream eval``, which serves the draft on vLLM).
+Selection is pytest's own: a copy of the test tree's layout (every test module at its path, each
+with one empty test) is collected by pytest (in a process of its own) with ``tests/conftest.py``'s
+marker hook, under ``-m integration`` and ``-m "not integration"``.
 """
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.support.vllm_starts import starts_vllm
 
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[3]
 TESTS = ROOT / "tests"
-
-#: Names whose use starts vLLM: ``hsstream.devstack.Stack`` (vLLM + sidecar), the integration
-#: fixtures built on it (``start_stack``; ``prestarted``, what a module's ``PRESTART`` starts), the drop-in tests' ``PlainVllm``
-#: (vLLM alone, ``launch.spawn`` of ``launch.vllm_args``) and ``test_up.Up`` (``hsstream up``
-#: until "stack ready").
-STARTERS = frozenset({"Stack", "start_stack", "prestarted", "PlainVllm", "Up"})
-#: ``hsstream eval``: serves the verifier with and without the draft on vLLM.
-EVAL = ("hsstream", "eval")
-
-
-def starts_vllm(path: Path) -> bool:
-    """Whether the module uses a :data:`STARTERS` name (a name, an attribute, a fixture
-    parameter or an import) or runs ``hsstream eval`` (``hsstream("eval", …)`` or a command
-    list with ``"hsstream", "eval"``)."""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Name) and node.id in STARTERS:
-            return True
-        if isinstance(node, ast.Attribute) and node.attr in STARTERS:
-            return True
-        if isinstance(node, ast.arg) and node.arg in STARTERS:
-            return True
-        if isinstance(node, ast.ImportFrom) and any(a.name in STARTERS for a in node.names):
-            return True
-        if isinstance(node, ast.Call):
-            args = [a.value for a in node.args if isinstance(a, ast.Constant)]
-            fn = node.func.id if isinstance(node.func, ast.Name) else ""
-            if fn == EVAL[0] and tuple(args[:1]) == EVAL[1:]:
-                return True
-        if isinstance(node, ast.List):
-            items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
-            if any(tuple(items[i : i + 2]) == EVAL for i in range(len(items) - 1)):
-                return True
-    return False
 
 
 def all_test_modules() -> list[Path]:
@@ -103,6 +70,7 @@ def test_the_detector_sees_each_way_a_test_starts_vllm(tmp_path):
         "plain.py": "from tests.integration.trainer_client.test_dropin_clients import PlainVllm\n",
         "eval.py": "def test_e():\n    hsstream('eval', '--draft', 'd')\n",
         "cmd.py": "import sys\nCMD = [sys.executable, '-m', 'hsstream', 'eval']\n",
+        "proxy.py": "from hsstream.proxy.engines import EngineManager\n",
         "none.py": "def test_n(tmp_path):\n    hsstream('up', '--dry-run')\n    stack = 1\n",
     }
     got = {}
@@ -110,4 +78,4 @@ def test_the_detector_sees_each_way_a_test_starts_vllm(tmp_path):
         (tmp_path / name).write_text(text)
         got[name] = starts_vllm(tmp_path / name)
     assert got == {"fixture.py": True, "stack.py": True, "plain.py": True, "eval.py": True, "cmd.py": True,
-                   "none.py": False}
+                   "proxy.py": True, "none.py": False}
