@@ -107,6 +107,7 @@ def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, m
     monkeypatch.setattr(C, "CPUS", 2)
     state = {"running": 0, "ran": 0}
     lock = threading.Lock()
+    started = threading.Event()
     real_run = F.ChunkedScan.run
 
     def slow_run(self, front=True):  # noqa: ANN001
@@ -114,6 +115,7 @@ def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, m
             return real_run(self, front)
         with lock:
             state["running"] += 1
+        started.set()
         try:
             time.sleep(0.3)
             return real_run(self, front)
@@ -124,7 +126,9 @@ def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, m
 
     monkeypatch.setattr(F.ChunkedScan, "run", slow_run)
     real_sum = C.SF.sample_checksum
-    monkeypatch.setattr(C.SF, "sample_checksum", lambda *a, **k: (time.sleep(0.05), real_sum(*a, **k))[1])
+    # The hashing thread's verdict waits until the helper has started (not a fixed sleep: on a busy
+    # host the helper's thread may not run within one), so the helper is always mid-scan at the refusal.
+    monkeypatch.setattr(C.SF, "sample_checksum", lambda *a, **k: (started.wait(30), real_sum(*a, **k))[1])
     spool = tmp_path / "s"
     spool.mkdir()
     s = _write(spool, where=None if bad == "checksum" else N - 1, finite=None)
@@ -134,7 +138,7 @@ def test_a_refused_sample_waits_for_the_pools_scan_before_it_refuses(tmp_path, m
     with pytest.raises(InvalidSample, match="checksum mismatch" if bad == "checksum" else "non-finite"):
         C.load_and_check(spool, d)
     assert state["running"] == 0  # nothing still reads the refused sample's bytes
-    assert state["ran"] == 1  # it had started (the checksum was slowed for it): it was waited for
+    assert state["ran"] == 1  # it had started (the checksum waited for that): it was waited for
 
 
 def test_read_hidden_states_takes_the_writers_verdict_unless_told_to_rescan(tmp_path):
