@@ -17,7 +17,8 @@ runs them; the runner says which it did.
 
 Arguments are passed to both pytest runs. The engines' lane's output streams as it runs; the side
 lane's is kept in a file and printed whole when both are done (one line when it ends). The exit
-status is the worse of the two. Every test module is in exactly one lane. ``pytest tests`` still runs everything in one process.
+status is the worse of the two. Every test module is in exactly one lane. ``pytest tests`` still
+runs everything in one process.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 UNIT, INTEGRATION = "tests/unit", "tests/integration"
 #: The side lane's priority beside the engines' lane (the longer: keep its pace).
-UNIT_NICE = 10
+SIDE_NICE = 10
 #: The private /dev/shm: tmpfs's own default size (half of RAM), world-writable with the sticky bit as /dev/shm is.
 SHM_OPTIONS = "size=50%,mode=1777"
 
@@ -76,15 +77,16 @@ def lanes(root: Path = ROOT) -> tuple[list[str], list[str]]:
     return [UNIT, *quiet], [INTEGRATION, *(f"--ignore={q}" for q in quiet)]
 
 
-def run_side_by_side(unit: list[str], integration: list[str], *, out=sys.stdout) -> int:
-    """Run ``unit`` (the side lane: output to a file, printed at the end) beside ``integration``
-    (the engines' lane: output streamed); Ctrl-C and SIGTERM reach both. Returns the combined exit status."""
-    log_dir = Path(tempfile.mkdtemp(prefix="hsstream-unit-log-"))
-    log = log_dir / "unit.txt"
+def run_side_by_side(side: list[str], engines: list[str], *, out=sys.stdout) -> int:
+    """Run ``side`` (the side lane's command: output to a file, printed at the end) beside
+    ``engines`` (the engines' lane's: output streamed); Ctrl-C and SIGTERM reach both. Returns the
+    combined exit status."""
+    log_dir = Path(tempfile.mkdtemp(prefix="hsstream-side-lane-"))
+    log = log_dir / "side.txt"
     t0 = time.monotonic()
     with open(log, "wb") as f:
-        u = subprocess.Popen(unit, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    i = subprocess.Popen(integration, cwd=ROOT)
+        u = subprocess.Popen(side, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    i = subprocess.Popen(engines, cwd=ROOT)
     procs = (u, i)
 
     def forward(signum, _frame):  # noqa: ANN001
@@ -105,7 +107,8 @@ def run_side_by_side(unit: list[str], integration: list[str], *, out=sys.stdout)
                     if p is u:
                         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
                         print(f"\n[make test] side lane ended after {time.monotonic() - t0:.0f} s, exit {rc}: "
-                              f"{tail[0]} (its whole output follows the other lane's)", file=out, flush=True)  # fmt: skip
+                              f"{tail[0]} (its whole output follows the other lane's)",
+                              file=out, flush=True)  # fmt: skip
             time.sleep(0.2)
     finally:
         for s, h in old.items():
@@ -129,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print("[make test] the unit suite and the integration modules that start no vLLM run beside those that "
           "do, in a /dev/shm of their own (tests/run.py says why)", flush=True)  # fmt: skip
     side, engines = lanes()
-    unit = [*prefix, "nice", "-n", str(UNIT_NICE), *pytest_cmd(side, args)]
-    return run_side_by_side(unit, pytest_cmd(engines, args))
+    return run_side_by_side([*prefix, "nice", "-n", str(SIDE_NICE), *pytest_cmd(side, args)], pytest_cmd(engines, args))
 
 
 if __name__ == "__main__":

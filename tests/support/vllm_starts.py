@@ -11,9 +11,11 @@ import ast
 from pathlib import Path
 
 #: Names whose use starts vLLM: ``hsstream.devstack.Stack`` (vLLM + sidecar), the integration
-#: fixtures built on it (``start_stack``; ``prestarted``, what a module's ``PRESTART`` starts), the drop-in tests' ``PlainVllm``
-#: (vLLM alone, ``launch.spawn`` of ``launch.vllm_args``), ``test_up.Up`` (``hsstream up``
-#: until "stack ready") and the proxy's ``EngineManager`` (its managed serving engines).
+#: fixtures built on it (``start_stack``; ``prestarted``, what a module's ``PRESTART`` starts),
+#: the drop-in tests' ``PlainVllm`` (vLLM alone, ``launch.spawn`` of ``launch.vllm_args``),
+#: ``test_up.Up`` (``hsstream up`` until "stack ready") and the proxy's ``EngineManager`` (its
+#: managed serving engines). Not seen: the opt-in ``test_real_acceptance`` (``make demo``'s script
+#: in a subprocess), deselected unless ``-m real_acceptance`` names it.
 STARTERS = frozenset({"Stack", "start_stack", "prestarted", "PlainVllm", "Up", "EngineManager"})
 #: ``hsstream eval``: serves the verifier with and without the draft on vLLM.
 EVAL = ("hsstream", "eval")

@@ -27,6 +27,7 @@ def test_the_first_rows_prompts_are_never_replayed_and_the_rest_are(tmp_path):
 
 
 def test_a_chat_rows_first_user_turn_is_its_prompt():
-    assert study.first_user_turn({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}) == "u"
-    assert study.first_user_turn({"conversations": [{"from": "gpt", "value": "g"}, {"from": "human", "value": "h"}]}) == "h"
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    sharegpt = {"conversations": [{"from": "gpt", "value": "g"}, {"from": "human", "value": "h"}]}
+    assert study.first_user_turn(chat) == "u" and study.first_user_turn(sharegpt) == "h"
     assert study.first_user_turn({}) is None

@@ -68,10 +68,10 @@ def test_without_a_private_shm_the_suites_run_in_turn_as_pytest_tests(monkeypatc
 def test_with_a_private_shm_the_side_lane_runs_inside_it_at_a_lower_priority(monkeypatch):
     seen = {}
     monkeypatch.setattr(run, "private_shm_prefix", lambda: ["PREFIX"])
-    monkeypatch.setattr(run, "run_side_by_side", lambda unit, integration: seen.update(u=unit, i=integration) or 0)
+    monkeypatch.setattr(run, "run_side_by_side", lambda side, engines: seen.update(u=side, i=engines) or 0)
     assert run.main(["-q"]) == 0
     side, engines = run.lanes()
-    assert seen["u"] == ["PREFIX", "nice", "-n", str(run.UNIT_NICE), sys.executable, "-m", "pytest", *side, "-q"]
+    assert seen["u"] == ["PREFIX", "nice", "-n", str(run.SIDE_NICE), sys.executable, "-m", "pytest", *side, "-q"]
     assert seen["i"] == [sys.executable, "-m", "pytest", *engines, "-q"]
 
 
@@ -89,7 +89,8 @@ def test_every_test_module_is_in_exactly_one_lane_and_no_engine_starts_in_the_si
     assert not any(starts_vllm(ROOT / q) for q in quiet)
     # what the lanes are for: the sidecar-only modules beside, the engines' modules apart
     assert "tests/integration/server/test_sidecar_hardening.py" in quiet
-    assert {"tests/integration/server/test_reliability.py", "tests/integration/hsstream/test_proxy_swap.py"} <= in_engines
+    engines_modules = {"tests/integration/server/test_reliability.py", "tests/integration/hsstream/test_proxy_swap.py"}
+    assert engines_modules <= in_engines
 
 
 def test_make_test_runs_this_runner():
