@@ -157,7 +157,7 @@ def replay(proxy: str, engine: str, prompts_a: list[str], prompts_b: list[str], 
                 p, ib = prompts_b[ib % len(prompts_b)], ib + 1
                 if ib > len(prompts_b):
                     p = f"{p}\n# variant {ib // len(prompts_b)}"  # never the same prompt twice
-            sent.append(hashlib.sha256(p.encode()).hexdigest())
+            sent.append(prompt_digest(p))
             t = time.monotonic()
             rec = {"t": round(t - t0, 3), "phase": phase}
             try:
