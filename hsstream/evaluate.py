@@ -48,11 +48,11 @@ def draft_verifier(draft: str | Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _counter(metrics, name: str) -> float:  # noqa: ANN001
+def counter_total(metrics, name: str) -> float:  # noqa: ANN001
     return sum(float(m.value) for m in metrics if m.name == name and hasattr(m, "value"))
 
 
-def _per_pos(metrics, name: str) -> list[float]:  # noqa: ANN001
+def per_position_totals(metrics, name: str) -> list[float]:  # noqa: ANN001
     for m in metrics:
         if m.name == name and hasattr(m, "values"):
             return [float(v) for v in m.values]
@@ -135,12 +135,12 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
         after = llm.get_metrics()
 
         def delta(name: str) -> float:
-            return _counter(after, name) - _counter(before, name)
+            return counter_total(after, name) - counter_total(before, name)
 
         drafted = delta("vllm:spec_decode_num_draft_tokens")
         accepted = delta("vllm:spec_decode_num_accepted_tokens")
-        pos_b = _per_pos(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        pos_a = _per_pos(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        pos_b = per_position_totals(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
+        pos_a = per_position_totals(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
         per_pos = [a - b for a, b in zip(pos_a, pos_b + [0.0] * len(pos_a))] if pos_a else None
         gen = sum(len(r.outputs[0].token_ids) for r in res)
         o = {
@@ -188,13 +188,25 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     spec = {"verifier": verifier, "draft": draft, "prompts": prompts, "max_tokens": max_tokens, "temps": temps,
             "spec_tokens": spec_tokens, "per_request": per_request, "max_model_len": max_model_len,
             **({"spec": spec} if spec else {}), **({"dtype": dtype} if dtype != "auto" else {})}  # fmt: skip
+    t0 = time.perf_counter()
+    res, text = run_child(spec, workdir, name, fix=fix, timeout_s=timeout_s, with_log=True)
+    res["engine_wall_s"] = round(time.perf_counter() - t0, 1)
+    res["cpu_fix_patched_processes"] = text.count("patched vllm rejection_sampler.expand_batch_to_tokens")
+    return res
+
+
+def run_child(spec: dict, workdir: Path, name: str, *, fix: bool = True, timeout_s: float = 1800,
+               with_log: bool = False, module: str = "hsstream.evaluate"):  # noqa: ANN202
+    """``python -m MODULE --serve-child`` on ``spec`` (log: WORKDIR/NAME.log): its result (and the
+    log's text); RuntimeError with the log's tail if the child fails."""
+    from hsstream import launch
+
     (workdir / f"{name}.in.json").write_text(json.dumps(spec))
     env = launch.child_env({"HSSTREAM_VLLM_CPU_FIX": "1" if fix else "0"})
     logf = workdir / f"{name}.log"
-    t0 = time.perf_counter()
     with open(logf, "wb") as fh:
         p = subprocess.run(
-            [sys.executable, "-m", "hsstream.evaluate", "--serve-child", str(workdir / f"{name}.in.json"),
+            [sys.executable, "-m", module, "--serve-child", str(workdir / f"{name}.in.json"),
              str(workdir / f"{name}.out.json")],
             env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=launch.repo_root(), timeout=timeout_s,
         )  # fmt: skip
@@ -202,9 +214,7 @@ def run_serving(verifier: str, draft: str | None, prompts: list[str], max_tokens
     if p.returncode != 0:
         raise RuntimeError(f"vLLM serving run {name} failed ({p.returncode}):\n" + "\n".join(text.splitlines()[-40:]))
     res = json.loads((workdir / f"{name}.out.json").read_text())
-    res["engine_wall_s"] = round(time.perf_counter() - t0, 1)
-    res["cpu_fix_patched_processes"] = text.count("patched vllm rejection_sampler.expand_batch_to_tokens")
-    return res
+    return (res, text) if with_log else res
 
 
 def is_plain_text(path: str | Path) -> bool:

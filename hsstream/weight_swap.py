@@ -49,6 +49,29 @@ def draft_files(path: str | Path) -> list[Path]:
     return files
 
 
+def draft_shapes(path: str | Path) -> tuple[str | None, dict[str, tuple[int, ...]]]:
+    """A draft directory's method and the name and shape of each tensor in its safetensors (the
+    files' headers only: no tensor is read)."""
+    from safetensors import safe_open
+
+    c = json.loads((Path(path) / "config.json").read_text())
+    out: dict[str, tuple[int, ...]] = {}
+    for f in draft_files(path):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():  # noqa: SIM118
+                out[k] = tuple(fh.get_slice(k).get_shape())
+    return c.get("speculators_model_type"), out
+
+
+def same_shape(a: str | Path, b: str | Path) -> bool:
+    """Whether draft ``b``'s weights load in place into an engine started with draft ``a``: the same
+    method and the same tensor names and shapes."""
+    try:
+        return draft_shapes(a) == draft_shapes(b)
+    except (DraftFilesError, OSError, ValueError):
+        return False
+
+
 def iter_weights(path: str | Path):  # noqa: ANN201
     from safetensors import safe_open
 
@@ -112,11 +135,27 @@ def _engine_class() -> type:
             import logging
 
             import torch
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
 
+            started = getattr(self.model_config, "model", None)  # the draft dir the engine started with
+            if started and Path(started).is_dir() and not same_shape(started, update_info.path):
+                raise RuntimeError(f"{update_info.path}: not of the serving draft's shape ({started}): its weights "
+                                   "cannot load in place (a blue/green swap can serve it)")  # fmt: skip
             before = self._digest() if update_info.digest else None
             names = {n for n, _ in self.model.named_parameters()} | {n for n, _ in self.model.named_buffers()}
-            with torch.no_grad():
-                loaded = self.model.load_weights(iter_weights(update_info.path))
+            # vLLM's layer-wise reload (what its own backends use): each layer's parameters back
+            # at their checkpoint shapes, the new weights loaded, and each layer processed again as
+            # at start-up. Loading straight into the parameters fails on the CPU build: its
+            # linear layers pack their weights for oneDNN at start-up and keep an empty parameter.
+            initialize_layerwise_reload(self.model)
+            try:
+                with torch.no_grad():
+                    loaded = self.model.load_weights(iter_weights(update_info.path))
+            finally:
+                finalize_layerwise_reload(self.model, self.model_config)
             if loaded is not None and names and not set(loaded) & names:
                 raise RuntimeError(f"{update_info.path}: no weight of it matched the serving draft")
             if before is not None:

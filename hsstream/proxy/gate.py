@@ -1,6 +1,10 @@
 """Whether a new draft may go live: its acceptance on the held-out slice of recent traffic against
 the live draft's, measured the way ``hsstream eval`` measures (``hsstream/evaluate.py``: a
-scratch vLLM engine per draft, temperature 0, vLLM's own spec-decode counters).
+scratch vLLM engine, temperature 0, vLLM's own spec-decode counters). Both drafts are measured in
+one engine when they share a shape (a checkpoint of a warm-started run and the draft it started
+from do): it starts with the new draft, then takes the live one's weights in place, as a serving
+engine does; a draft of another shape gets an engine of its own. An engine start is most of a
+gate's cost on a CPU core shared with the trainer.
 
 The slice is what the proxy held out of training (``tee.py``: by content hash, never sent to the
 sidecar), newest first; each request is prompted as vLLM rendered it (the verifier's chat
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+import time
 from pathlib import Path
 
 FIGURE = "mean_acceptance_length"
@@ -58,6 +63,8 @@ def measure(new_draft: str, live_draft: str | None, held: list[dict], *, model: 
     """Mean acceptance length (T=0) of the new and the live draft on the held-out prompts."""
     from connector.contract.settings import Settings
     from hsstream import evaluate as E
+    from hsstream.measure_in_place import measure_drafts_in_one_engine
+    from hsstream.weight_swap import same_shape
 
     verifier = model or E.draft_verifier(new_draft) or Settings().model
     if not verifier:
@@ -75,13 +82,26 @@ def measure(new_draft: str, live_draft: str | None, held: list[dict], *, model: 
             return 1.0
         r = E.evaluate(verifier, draft, prompts, max_tokens=max_tokens, temps=[0.0], baseline=False,
                        workdir=wd / name, max_model_len=max_model_len)  # fmt: skip
-        v = r["temperatures"]["0.0"]["vllm_metrics"][FIGURE]
-        return float(v) if v is not None else 1.0
+        return figure(r["temperatures"]["0.0"]["vllm_metrics"])
 
     (wd / "new").mkdir(exist_ok=True)
     (wd / "live").mkdir(exist_ok=True)
-    return {"figure": FIGURE, "prompts": len(prompts), "max_tokens": max_tokens, "new": round(one(new_draft, "new"), 4),
-            "live": round(one(live_draft, "live"), 4), "live_draft": live_draft, "new_draft": new_draft}  # fmt: skip
+    t0 = time.monotonic()
+    if live_draft is not None and same_shape(new_draft, live_draft):
+        # one engine: the new draft, then the live one's weights loaded into it in place (no second start)
+        both = measure_drafts_in_one_engine(verifier, [new_draft, live_draft], prompts, max_tokens=max_tokens,
+                                            workdir=wd / "both", max_model_len=max_model_len)  # fmt: skip
+        new, live, engines = figure(both[0]["vllm_metrics"]), figure(both[1]["vllm_metrics"]), 1
+    else:
+        new, live, engines = one(new_draft, "new"), one(live_draft, "live"), (2 if live_draft is not None else 1)
+    return {"figure": FIGURE, "prompts": len(prompts), "max_tokens": max_tokens, "new": round(new, 4),
+            "live": round(live, 4), "live_draft": live_draft, "new_draft": new_draft, "engines": engines,
+            "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def figure(vllm_metrics: dict) -> float:
+    v = vllm_metrics.get(FIGURE)
+    return float(v) if v is not None else 1.0  # nothing drafted: one token a step
 
 
 def passes(figures: dict, margin: float = 0.0) -> bool:

@@ -135,3 +135,47 @@ def test_eval_refuses_a_directory_that_is_not_a_draft(verifier, draft, tmp_path)
     assert p.returncode == 2 and "its draft is in final/" in p.stderr, p.stderr
     p = hsstream("eval", "--model", verifier, "--draft", verifier, timeout=120)  # the verifier itself
     assert p.returncode == 2 and "is not a draft of a kind trained here" in p.stderr, p.stderr
+
+
+def scrambled_copy(draft: Path, out: Path) -> Path:
+    """A draft of ``draft``'s shape that has learned nothing: each trained weight's values rolled
+    (the vocabulary maps and the verifier's frozen embeddings kept)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(draft, out)
+    w = load_file(str(draft / "model.safetensors"))
+    keep = ("t2d", "d2t", "embed_tokens.weight")
+    w = {k: (v if k in keep or not v.is_floating_point() else torch.roll(v.flatten(), 7).reshape(v.shape).contiguous())
+         for k, v in w.items()}  # fmt: skip
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_one_engine_measures_several_drafts_by_loading_each_in_place(verifier, draft, tmp_path):
+    """The swap gate's measure (hsstream/proxy/gate.py): one engine started with the trained draft,
+    then a scrambled copy's weights loaded into it in place, then the trained draft's again. At
+    temperature 0 the third figure is the first exactly (the load restores the draft module) and the
+    second is far below it (the load took effect: a draft that learned nothing accepts little); a
+    draft of another shape is refused before any engine starts."""
+    from hsstream.measure_in_place import measure_drafts_in_one_engine
+    from hsstream.pretrain_verifier import held_out_prompts
+    from hsstream.weight_swap import same_shape
+
+    bad = scrambled_copy(draft, tmp_path / "scrambled")
+    assert same_shape(draft, bad) and not same_shape(draft, verifier)
+    prompts = held_out_prompts(8)
+    # float32: the CPU build packs each linear layer's weights for oneDNN at start-up and keeps an
+    # empty parameter (in bf16 on a CPU without bf16 instructions oneDNN declines and the weights
+    # stay): the in-place load must go through vLLM's layer-wise reload (hsstream/weight_swap.py)
+    res = measure_drafts_in_one_engine(verifier, [str(draft), str(bad), str(draft)], prompts, max_tokens=24,
+                                       workdir=tmp_path / "wd", dtype="float32")  # fmt: skip
+    m = [r["vllm_metrics"] for r in res]
+    assert [r["draft"] for r in res] == [str(draft), str(bad), str(draft)]
+    assert m[0]["drafts"] > 20 and m[0]["accepted"] > 0, m
+    assert (m[2]["drafts"], m[2]["accepted"]) == (m[0]["drafts"], m[0]["accepted"]), m
+    assert m[1]["mean_acceptance_length"] < m[0]["mean_acceptance_length"] - 0.2, m
+    with pytest.raises(ValueError, match="cannot load in place"):
+        measure_drafts_in_one_engine(verifier, [str(draft), verifier], prompts, workdir=tmp_path / "wd2")
