@@ -181,30 +181,41 @@ def autoswap(
     max_prompts: int = typer.Option(32, min=1, help="with --gate: held-out requests measured"),
     max_tokens: int = typer.Option(64, min=1, help="with --gate: tokens generated per prompt"),
     margin: float = typer.Option(0.0, help="with --gate: as `swap`"),
+    keep: int = typer.Option(2, min=1, help="drafts swapped in kept in RUN/swap-candidates (the live one and "
+                             "the one a rollback goes back to)"),
     url: str = typer.Option(None, help="the proxy's URL"),
 ) -> None:
-    """Swap each new checkpoint of a training run in, gated, every --every-s seconds."""
+    """Swap each new checkpoint of a training run in, gated, every --every-s seconds (each gated and
+    swapped from a copy in RUN/swap-candidates: the trainer prunes its checkpoints meanwhile)."""
     import time
     from pathlib import Path
 
     from hsstream import launch
     from hsstream.proxy import gate as G
 
+    from hsstream.proxy.candidates import Candidates
+
     launch.exit_0_on_stop()
+    cands = Candidates(run, keep=keep)  # gated and swapped from copies: the trainer prunes its checkpoints
     tried: set[str] = set()
     while True:
         ckpt = latest_draft(Path(run))
         if ckpt is not None and str(ckpt) not in tried:
             tried.add(str(ckpt))
             version = G.draft_version(ckpt)
+            copy, rec = None, {}
             try:
-                rec = swap_once(str(ckpt), version, gate=gate, url=url, model=model, max_prompts=max_prompts,
+                copy = cands.take(ckpt, version)
+                rec = swap_once(str(copy), version, gate=gate, url=url, model=model, max_prompts=max_prompts,
                                 max_tokens=max_tokens, margin=margin)  # fmt: skip
                 typer.echo(json.dumps({k: rec.get(k) for k in ("t", "from", "to", "result", "seconds", "gate")}))
             except typer.Exit:
                 pass  # the proxy said why on stderr; the next look tries the next checkpoint
-            except (ValueError, RuntimeError) as e:
+            except (ValueError, RuntimeError, OSError) as e:
                 typer.echo(f"autoswap: {version}: {e}", err=True)
+            finally:
+                if copy is not None:
+                    (cands.swapped_in if rec.get("result") == "done" else cands.drop)(copy)
         time.sleep(every_s)
 
 

@@ -74,7 +74,11 @@ def measure(new_draft: str, live_draft: str | None, held: list[dict], *, model: 
     prompts = prompts_of(held, verifier, max(1, max_model_len - max_tokens))
     if not prompts:
         raise ValueError(f"none of the {len(held)} held-out requests renders as a prompt for {verifier}")
-    wd = Path(workdir or tempfile.mkdtemp(prefix="hsstream-gate-"))
+    if workdir is None:  # the engines' logs and figures: gone with the gate (a failure carries its log's tail)
+        with tempfile.TemporaryDirectory(prefix="hsstream-gate-") as tmp:
+            return measure(new_draft, live_draft, held, model=model, max_tokens=max_tokens,
+                           max_model_len=max_model_len, workdir=Path(tmp))  # fmt: skip
+    wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
 
     def one(draft: str | None, name: str) -> float:
