@@ -315,7 +315,9 @@ def main() -> int:
                          "(checked by hash; the GPU-trained D0 of docs/gpu-plan.md: 6200, its held-out rows included)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from hsstream.launch import num_hidden_layers
+    from hsstream.launch import exit_0_on_stop, num_hidden_layers
+
+    exit_0_on_stop()  # SIGTERM/SIGINT: each arm's finally stops its processes (none left running)
     from hsstream.tiny_model import build_tiny_verifier
 
     wd = Path(tempfile.mkdtemp(prefix="hsstream-live-study-"))

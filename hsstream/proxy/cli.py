@@ -78,6 +78,7 @@ def serve(
     s = _settings(host=host, port=port, upstream=upstream, tee=tee)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engines, child = None, None
+    launch.exit_0_on_stop()  # before the engine starts: a stop while it loads stops it too (EngineManager.start)
     if model:
         from hsstream.proxy.engines import EngineManager
 
@@ -101,7 +102,6 @@ def serve(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from e
         s = s.model_copy(update={"upstream": url})
-    launch.exit_0_on_stop()
     app_ = build_app(s, version=version, draft=draft, engines=engines)
     if child is not None:
         app_.upstreams.live.handle = child
