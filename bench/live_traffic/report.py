@@ -55,6 +55,26 @@ def summary(r: dict) -> dict:
     return out
 
 
+def mal_last(arm: dict, duration_s: float, last_s: float) -> float | None:
+    """The served mean acceptance length over the windows that end in the replay's last ``last_s``."""
+    ws = [w for w in arm.get("windows", []) if w.get("mean_acceptance_length") is not None and w.get("drafts")
+          and w["t"] > duration_s - last_s]  # fmt: skip
+    n = sum(w["drafts"] for w in ws)
+    return round(sum(w["mean_acceptance_length"] * w["drafts"] for w in ws) / n, 4) if n else None
+
+
+def swap_rows(r: dict) -> list[str]:
+    """One table row per gate decision of the live arms: version, result, the gate's figures."""
+    rows = []
+    for rnd in r["rounds"]:
+        for x in rnd["live"].get("swaps") or []:
+            g = x.get("gate") or {}
+            rows.append(f"| {rnd['round']} | {x.get('from', '–')} → {x.get('to', '–')} | {x.get('result', '–')} | "
+                        f"{g.get('prompts', '–')} | {_f(g.get('live'))} | {_f(g.get('new'))} | "
+                        f"{_f(g.get('seconds'), 0)} | {_f(x.get('seconds'), 1)} |")  # fmt: skip
+    return rows
+
+
 def _swaps(arm: dict) -> str:
     """Swaps done / gate decisions (a refused one is a decision too)."""
     tried = arm.get("swaps") or []
@@ -85,7 +105,18 @@ def doc_section(r: dict | None, rel: str = REL) -> str:
                          f"{_f(a.get('tokens_per_s'), 2)} | {_f(mal(a, s, False))} | {_f(mal(a, s, True))} | "
                          f"{_swaps(a) if arm == 'live' else '–'} |")  # fmt: skip
     crossed = [rnd.get("live_crossed_static_after_shift_s") for rnd in r["rounds"]]
+    last = min(120.0, r["duration_s"] - s)
+    tail = "; ".join(f"round {rnd['round']}: live {_f(mal_last(rnd['live'], r['duration_s'], last))}, static "
+                     f"{_f(mal_last(rnd['static'], r['duration_s'], last))}" for rnd in r["rounds"])  # fmt: skip
+    swaps = swap_rows(r)
+    if swaps:
+        lines += ["", "Each gate decision of the live arms (the held-out acceptance of the live draft and of the "
+                  "candidate, measured by the gate before the swap; gate and swap in seconds):", "",
+                  "| round | versions | result | held-out prompts | live draft | candidate | gate s | swap s |",
+                  "|---|---|---|---|---|---|---|---|", *swaps]  # fmt: skip
     lines += ["",
+              f"Over the replay's last {last:.0f} s: {tail}.",
+              "",
               f"After the shift: live {_f(sm['live']['mean_after_shift'])} against static {_f(sm['static']['mean_after_shift'])} "
               f"(live − static {_f(sm['live_minus_static_after_shift'])}; the static arm's spread over the rounds "
               f"{_f(sm['static']['spread_after_shift'])}). The issue's check, live above static by more than that spread: "

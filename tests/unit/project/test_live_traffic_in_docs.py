@@ -62,3 +62,19 @@ def test_a_figure_edited_by_hand_differs():
     r2 = copy.deepcopy(r)
     r2["rounds"][0]["live"]["failed"] = [{"status": 500}]
     assert R.doc_section(r2) != good and R.doc_section(None) != good
+
+
+def test_the_last_windows_and_each_gate_decision_are_in_the_section():
+    r = result()
+    for rnd in r["rounds"]:
+        for w in rnd["static"]["windows"]:
+            if w["t"] > 420:  # the last 120 s of a 540-s replay
+                w["mean_acceptance_length"] = 1.5
+        rnd["live"]["swaps"] = [{"from": "D0", "to": "run-step9", "result": "refused_by_gate", "gate": {
+            "prompts": 6, "live": 1.522, "new": 1.467, "seconds": 157.0}}]  # fmt: skip
+    assert R.mal_last(r["rounds"][0]["static"], 540.0, 120.0) == 1.5
+    assert R.mal_last(r["rounds"][0]["live"], 540.0, 120.0) == 1.2
+    text = R.doc_section(r)
+    assert "Over the replay's last 120 s: round 1: live 1.200, static 1.500; round 2: live 1.200, static 1.500." in text
+    assert "| 1 | D0 → run-step9 | refused_by_gate | 6 | 1.522 | 1.467 | 157 | – |" in text
+    assert "| 2 | D0 → run-step9 |" in text
