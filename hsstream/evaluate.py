@@ -476,16 +476,22 @@ def print_table(res: dict, console=None) -> None:  # noqa: ANN001
         console.print(tab)
 
 
-def _main(argv: list[str]) -> int:
+def serve_child_main(argv: list[str], body, usage: str) -> int:  # noqa: ANN001
+    """A serving child's entry (``python -m MODULE --serve-child IN OUT``): ``body`` of IN's JSON, to OUT."""
     if len(argv) == 3 and argv[0] == "--serve-child":
-        spec = json.loads(Path(argv[1]).read_text())
-        res = serve_and_measure(spec["verifier"], spec["draft"], spec["prompts"], spec["max_tokens"], spec["temps"],
-                                spec.get("spec_tokens", SPEC_TOKENS), spec.get("per_request", False),
-                                spec.get("max_model_len", 1024), spec.get("spec"), spec.get("dtype", "auto"))  # fmt: skip
-        Path(argv[2]).write_text(json.dumps(res))
+        Path(argv[2]).write_text(json.dumps(body(json.loads(Path(argv[1]).read_text()))))
         return 0
-    print("usage: python -m hsstream.evaluate --serve-child IN OUT (hsstream eval is the command)", file=sys.stderr)
+    print(usage, file=sys.stderr)
     return 2
+
+
+def _main(argv: list[str]) -> int:
+    def body(spec: dict) -> dict:
+        return serve_and_measure(spec["verifier"], spec["draft"], spec["prompts"], spec["max_tokens"], spec["temps"],
+                                 spec.get("spec_tokens", SPEC_TOKENS), spec.get("per_request", False),
+                                 spec.get("max_model_len", 1024), spec.get("spec"), spec.get("dtype", "auto"))  # fmt: skip
+
+    return serve_child_main(argv, body, "usage: python -m hsstream.evaluate --serve-child IN OUT (hsstream eval is the command)")
 
 
 if __name__ == "__main__":

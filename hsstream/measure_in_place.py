@@ -13,7 +13,6 @@ each draft's own batch. The engine runs in a child process (``python -m hsstream
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -103,15 +102,14 @@ def measure_drafts_in_one_engine(verifier: str, drafts: list[str], prompts: list
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) == 3 and argv[0] == "--serve-child":
-        spec = json.loads(Path(argv[1]).read_text())
-        res = serve_and_measure_drafts(spec["verifier"], spec["drafts"], spec["prompts"], spec["max_tokens"],
-                                       spec.get("spec_tokens", SPEC_TOKENS), spec.get("max_model_len", 1024),
-                                       spec.get("spec"), spec.get("dtype", "auto"))  # fmt: skip
-        Path(argv[2]).write_text(json.dumps(res))
-        return 0
-    print("usage: python -m hsstream.measure_in_place --serve-child IN OUT (the swap gate runs it)", file=sys.stderr)
-    return 2
+    from hsstream.evaluate import serve_child_main
+
+    def body(spec: dict) -> list[dict]:
+        return serve_and_measure_drafts(spec["verifier"], spec["drafts"], spec["prompts"], spec["max_tokens"],
+                                        spec.get("spec_tokens", SPEC_TOKENS), spec.get("max_model_len", 1024),
+                                        spec.get("spec"), spec.get("dtype", "auto"))  # fmt: skip
+
+    return serve_child_main(argv, body, "usage: python -m hsstream.measure_in_place --serve-child IN OUT (the swap gate runs it)")
 
 
 if __name__ == "__main__":
