@@ -192,7 +192,6 @@ def autoswap(
 
     from hsstream import launch
     from hsstream.proxy import gate as G
-
     from hsstream.proxy.candidates import Candidates
 
     launch.exit_0_on_stop()
