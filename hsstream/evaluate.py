@@ -80,6 +80,15 @@ def per_request_figures(spec_metrics: list, k: int) -> dict:  # noqa: ANN001
     return {"drafts": drafts, "drafted": drafted, "accepted": accepted, "accepted_per_position": per_pos}
 
 
+def counter_deltas(before, after) -> tuple[float, float, float, list[float] | None]:  # noqa: ANN001
+    """vLLM's counters after minus before: drafts, drafted and accepted tokens, accepted per position (or None)."""
+    d = [counter_total(after, f"vllm:spec_decode_num_{k}") - counter_total(before, f"vllm:spec_decode_num_{k}")
+         for k in ("drafts", "draft_tokens", "accepted_tokens")]  # fmt: skip
+    pos_b = per_position_totals(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
+    pos_a = per_position_totals(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
+    return d[0], d[1], d[2], ([a - b for a, b in zip(pos_a, pos_b + [0.0] * len(pos_a))] if pos_a else None)
+
+
 def summarise(drafts: float, drafted: float, accepted: float, per_pos: list[float] | None) -> dict:
     """vLLM's derived figures from raw counts."""
     return {
@@ -134,14 +143,7 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
         wall = time.perf_counter() - t0
         after = llm.get_metrics()
 
-        def delta(name: str) -> float:
-            return counter_total(after, name) - counter_total(before, name)
-
-        drafted = delta("vllm:spec_decode_num_draft_tokens")
-        accepted = delta("vllm:spec_decode_num_accepted_tokens")
-        pos_b = per_position_totals(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        pos_a = per_position_totals(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        per_pos = [a - b for a, b in zip(pos_a, pos_b + [0.0] * len(pos_a))] if pos_a else None
+        drafts, drafted, accepted, per_pos = counter_deltas(before, after)
         gen = sum(len(r.outputs[0].token_ids) for r in res)
         o = {
             "drafted": drafted,
@@ -155,7 +157,6 @@ def serve_and_measure(verifier: str, draft: str | None, prompts: list[str] | lis
         if per_request:
             o["tokens_per_s"] = gen / wall if wall else None
             if draft:
-                drafts = delta("vllm:spec_decode_num_drafts")
                 o["vllm_metrics"] = {"drafts": drafts, "drafted": drafted, "accepted": accepted,
                                      "accepted_per_position": per_pos, **summarise(drafts, drafted, accepted, per_pos)}  # fmt: skip
                 if records:

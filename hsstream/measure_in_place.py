@@ -34,7 +34,7 @@ def serve_and_measure_drafts(verifier: str, drafts: list[str], prompts: list[str
     from vllm import LLM, SamplingParams
 
     from hsstream import weight_swap
-    from hsstream.evaluate import counter_total, per_position_totals, summarise
+    from hsstream.evaluate import counter_deltas, summarise
 
     spec = {**(spec or {"method": "eagle3"}), "model": drafts[0], "num_speculative_tokens": spec_tokens}
     llm = LLM(
@@ -57,13 +57,7 @@ def serve_and_measure_drafts(verifier: str, drafts: list[str], prompts: list[str
         wall = time.perf_counter() - t0
         after = llm.get_metrics()
 
-        def delta(name: str) -> float:
-            return counter_total(after, name) - counter_total(before, name)  # noqa: B023 - used at once
-
-        drafts_n, drafted, accepted = (delta(f"vllm:spec_decode_num_{k}") for k in ("drafts", "draft_tokens", "accepted_tokens"))
-        pos_b = per_position_totals(before, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        pos_a = per_position_totals(after, "vllm:spec_decode_num_accepted_tokens_per_pos")
-        per_pos = [a - b for a, b in zip(pos_a, pos_b + [0.0] * len(pos_a))] if pos_a else None
+        drafts_n, drafted, accepted, per_pos = counter_deltas(before, after)
         gen = sum(len(r.outputs[0].token_ids) for r in res)
         out.append({"draft": d, "vllm_metrics": {"drafts": drafts_n, "drafted": drafted, "accepted": accepted,
                                                  "accepted_per_position": per_pos,
